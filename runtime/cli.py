@@ -1,0 +1,304 @@
+"""`runtime serve|demo|transcribe|ask|bench|train`.
+
+Every command loads a profile (`--profile`, `--device`, `--dtype`, `--set`), opens its source before
+loading models (so a bad file or a missing camera fails at once), loads the models on the device worker,
+and prints the session's events: readable text, or one JSON event per line with `--json`. Status and
+progress go to stderr so stdout stays clean. Errors a user can fix print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from runtime import __version__
+from runtime.config import Profile, available_profiles, load_profile
+from runtime.errors import UserError
+from runtime.events import Event
+from runtime.feed import ScheduledQuestion, feed
+from runtime.io.printers import JsonLinesPrinter, TextPrinter
+from runtime.io.source import Source
+from runtime.session import Models, Session, load_models
+from runtime.worker import DeviceWorker
+
+DEMO_QUESTION = "What did the red ball do?"
+NOT_BUILT = {
+    "bench": "benchmarks arrive with the streaming ASR, language engine and video memory issues",
+    "train": "training (causal Whisper adapters, FastConformer) arrives with the streaming ASR issue",
+}
+
+
+class Console:
+    """Status lines and progress on stderr; silent with --quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self._bar = None
+
+    def status(self, line: str) -> None:
+        if not self.quiet:
+            print(f"runtime: {line}", file=sys.stderr, flush=True)
+
+    def progress_bar(self, total: float | None, desc: str) -> Callable[[float], None] | None:
+        if self.quiet or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        bar = tqdm(total=round(total, 1) if total else None, desc=desc, unit="s", file=sys.stderr, leave=False,
+                   bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s media [{elapsed}]")
+        self._bar = bar
+
+        def update(media_time: float) -> None:
+            bar.n = min(round(media_time, 1), bar.total or media_time)
+            bar.refresh() if bar.n - getattr(bar, "_shown", -1.0) >= 0.5 else None
+            bar._shown = bar.n  # type: ignore[attr-defined]
+
+        return update
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# -- argument parsing ----------------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("profile")
+    g.add_argument("--profile", default="tiny", help="profile name in configs/ or a .toml path (default: tiny; "
+                   f"known: {', '.join(available_profiles()) or 'none'})")
+    g.add_argument("--device", help="override the profile's device: cpu, cuda, cuda:N")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="override the profile's dtype")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any profile field, e.g. --set asr.model=/models/whisper-base (repeatable)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON event per line on stdout")
+    o.add_argument("--metrics", action="store_true", help="also print metrics events in text mode")
+    o.add_argument("-q", "--quiet", action="store_true", help="no status lines or progress on stderr")
+
+
+def _speed(p: argparse.ArgumentParser, default: float, what: str) -> None:
+    p.add_argument("--speed", type=float, default=default, metavar="N",
+                   help=f"play media N times faster than real time; 0 = as fast as the pipeline takes it "
+                        f"(default: {default:g}, {what})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="runtime", description="A runtime for streaming multimodal real-time agents: live captions and "
+        "questions answered over audio and video as they arrive.")
+    parser.add_argument("--version", action="version", version=f"runtime {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="live captioning and questions on a camera and microphone (or a file)",
+                       description="Caption a live camera and microphone and answer questions typed on stdin "
+                       "(a line is a question; /cancel stops the current answer; Ctrl-D or Ctrl-C ends).")
+    p.add_argument("--camera", default="0", metavar="N|PATH", help="camera index or device path (default: 0, "
+                   "i.e. /dev/video0)")
+    p.add_argument("--no-camera", action="store_true", help="audio only")
+    p.add_argument("--mic", default="default", metavar="NAME", help="microphone device (default: default)")
+    p.add_argument("--mic-backend", default="alsa", choices=["alsa", "pulse"], help="audio input backend")
+    p.add_argument("--no-mic", action="store_true", help="video only")
+    p.add_argument("--source", type=Path, metavar="FILE", help="play FILE as the live source instead of devices")
+    _speed(p, 1.0, "with --source")
+    _common(p)
+
+    p = sub.add_parser("demo", help="play the built-in sample through the whole pipeline",
+                       description="Play a built-in sample (speech and moving objects) through the pipeline at "
+                       "real-time pace, printing live captions and a streamed answer to a question asked "
+                       "mid-stream.")
+    _speed(p, 1.0, "real time")
+    p.add_argument("--question", default=DEMO_QUESTION, help=f"the scripted question (default: {DEMO_QUESTION!r})")
+    p.add_argument("--at", type=float, metavar="SECONDS", help="media time to ask at (default: 60%% through)")
+    _common(p)
+
+    p = sub.add_parser("transcribe", help="stream a file through the ASR and print the live transcript",
+                       description="Stream any audio or video file PyAV reads through the streaming ASR and "
+                       "print transcript events as they would appear live.")
+    p.add_argument("file", type=Path)
+    _speed(p, 0.0, "as fast as possible")
+    _common(p)
+
+    p = sub.add_parser("ask", help="stream a file and ask a question about it at a media time",
+                       description="Stream a file, ask QUESTION when the media reaches --at SECONDS (default: "
+                       "the end), and print the streamed answer.")
+    p.add_argument("file", type=Path)
+    p.add_argument("question")
+    p.add_argument("--at", type=float, metavar="SECONDS", help="media time to ask at (default: the end)")
+    _speed(p, 0.0, "as fast as possible")
+    _common(p)
+
+    for name, why in NOT_BUILT.items():
+        p = sub.add_parser(name, help=f"(not built yet) {why}", description=f"Not built yet: {why}.")
+        p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+# -- running a session ---------------------------------------------------------------------------------------
+def _printer(args: argparse.Namespace) -> JsonLinesPrinter | TextPrinter:
+    if args.json:
+        return JsonLinesPrinter(sys.stdout)
+    return TextPrinter(sys.stdout, show_metrics=args.metrics)
+
+
+async def _consume(session: Session, write: Callable[[Event], None]) -> None:
+    async for event in session.events:
+        write(event)
+
+
+def _read_stdin(loop: asyncio.AbstractEventLoop, lines: asyncio.Queue[str | None]) -> None:
+    """A daemon thread: stdin is read off the loop so a blocked read never stalls it."""
+    for line in sys.stdin:
+        loop.call_soon_threadsafe(lines.put_nowait, line.rstrip("\n"))
+    loop.call_soon_threadsafe(lines.put_nowait, None)
+
+
+async def _questions_from_stdin(session: Session, console: Console, stop: asyncio.Event) -> None:
+    lines: asyncio.Queue[str | None] = asyncio.Queue()
+    threading.Thread(target=_read_stdin, args=(asyncio.get_running_loop(), lines), daemon=True).start()
+    while (line := await lines.get()) is not None:
+        if line.strip() == "/cancel":
+            session.cancel_response()
+        elif line.strip() in ("/quit", "/exit"):
+            break
+        elif line.strip():
+            await session.ask(line)
+    else:  # end of input: Ctrl-D at a terminal ends the session; a closed pipe only ends the questions
+        if not sys.stdin.isatty():
+            return
+    stop.set()
+
+
+async def _run_session(
+    profile: Profile, models: Models, worker: DeviceWorker, source: Source, args: argparse.Namespace,
+    console: Console, questions: Sequence[ScheduledQuestion] = (), interactive: bool = False,
+) -> None:
+    printer = _printer(args)
+    session = await Session(profile, models, worker).start()
+    consumer = asyncio.create_task(_consume(session, printer.write))
+    progress = console.progress_bar(source.duration, source.description) if args.speed != 1.0 else None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    feeding = asyncio.create_task(feed(source, session, questions, progress))
+    waiters = [feeding, asyncio.create_task(stop.wait())]
+    if interactive:
+        waiters.append(asyncio.create_task(_questions_from_stdin(session, console, stop)))
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if feeding.done() and feeding.exception() is not None:
+            raise feeding.exception()  # type: ignore[misc]
+        if not feeding.done():
+            console.status("stopping: flushing the transcript")
+    finally:
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        await source.aclose()
+        console.close()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
+        await session.finish()
+        await consumer
+        printer.close()
+
+
+def _setup(profile: Profile, console: Console) -> tuple[DeviceWorker, Models]:
+    if profile.random_weights:
+        console.status(f"profile '{profile.name}' uses random, untrained weights: captions and answers are "
+                       "noise; for real models run with --profile cpu or --profile gpu (see README)")
+    if profile.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"device {profile.device} requested but no CUDA GPU is visible to torch; "
+                            "use --device cpu")
+    worker = DeviceWorker(max_pending=profile.pipeline.worker_queue).start()
+    started = time.perf_counter()
+    try:
+        models = load_models(profile, worker, progress=console.status)
+    except BaseException:
+        worker.stop()
+        raise
+    console.status(f"models ready in {time.perf_counter() - started:.1f} s on {profile.device}/{profile.dtype}")
+    return worker, models
+
+
+def _file_source(path: Path, speed: float, profile: Profile) -> Source:
+    from runtime.io.file_source import FileSource
+
+    return FileSource(path, chunk_ms=profile.pipeline.audio_chunk_ms, speed=speed,
+                      max_side=profile.video.max_side)
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.speed < 0:
+        raise UserError("--speed must be >= 0")
+    # Open the source first: a bad file or a missing camera fails before any model loads.
+    profile = load_profile(args.profile, overrides=args.overrides, device=args.device, dtype=args.dtype)
+    questions: list[ScheduledQuestion] = []
+    interactive = False
+    if args.command == "demo":
+        from runtime.io.sample import ensure_demo_file
+
+        source = _file_source(ensure_demo_file(), args.speed, profile)
+        at = args.at if args.at is not None else round((source.duration or 0.0) * 0.6, 1)
+        questions = [ScheduledQuestion(args.question, at)]
+    elif args.command in ("transcribe", "ask"):
+        source = _file_source(args.file, args.speed, profile)
+        if args.command == "ask":
+            questions = [ScheduledQuestion(args.question, args.at)]
+    else:  # serve
+        interactive = True
+        if args.source is not None:
+            source = _file_source(args.source, args.speed, profile)
+        else:
+            source = _live_source(args, profile)
+    worker, models = _setup(profile, console)
+    console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else " unpaced"))
+    try:
+        asyncio.run(_run_session(profile, models, worker, source, args, console, questions, interactive))
+    finally:
+        worker.stop()
+    return 0
+
+
+def _live_source(args: argparse.Namespace, profile: Profile) -> Source:
+    from runtime.io.devices import CameraSource, LiveSource, MicrophoneSource, camera_path
+
+    if args.no_camera and args.no_mic:
+        raise UserError("--no-camera and --no-mic leave nothing to listen to or watch")
+    camera = None if args.no_camera else CameraSource(camera_path(args.camera), fps=max(profile.video.fps, 1.0),
+                                                      max_side=profile.video.max_side)
+    mic = None if args.no_mic else MicrophoneSource(args.mic, backend=args.mic_backend,
+                                                   chunk_ms=profile.pipeline.audio_chunk_ms)
+    return LiveSource(camera, mic)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in NOT_BUILT:
+        print(f"runtime {args.command}: not built yet: {NOT_BUILT[args.command]}.", file=sys.stderr)
+        return 2
+    console = Console(args.quiet)
+    try:
+        return _run(args, console)
+    except UserError as err:
+        console.close()
+        print(f"runtime: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        console.close()
+        print("runtime: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

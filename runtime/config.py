@@ -1,0 +1,196 @@
+"""Profiles: TOML files in `configs/` naming the models, the device and the pipeline's limits.
+
+A profile is looked up by name in `$RUNTIME_CONFIGS`, `./configs` and the repository's `configs/`, or given
+as a path. `--set section.key=value` overrides any field; `--device`/`--dtype` are shortcuts. Unknown
+keys are errors, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import ConfigError
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ASRConfig:
+    backend: str = "whisper-buffered"
+    model: str = "tiny:whisper"  # a hub id, a local directory, or tiny:<name> (random, built from config)
+    language: str = "en"
+    step_s: float = 1.0  # how often the buffered slice re-decodes its buffer
+    segment_s: float = 8.0  # buffer length at which a transcript item is completed and the buffer cut
+    max_new_tokens: int = 48
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    backend: str = "generate"
+    model: str = "tiny:qwen2"
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_context_tokens: int = 2048  # the transcript is cut from the front to fit
+    system_prompt: str = (
+        "You are a live assistant. Answer the question about what was said, using the transcript."
+    )
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    fps: float = 1.0  # frames per second of media time kept for the vision path
+    max_side: int = 640  # frames are downscaled so their longer side is at most this
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    audio_chunk_ms: int = 100  # sources cut audio into chunks of this length
+    audio_queue_chunks: int = 20  # bounded; a full queue slows the source (audio is never dropped)
+    video_queue_frames: int = 2  # bounded; a full queue drops the oldest frame (counted)
+    question_queue: int = 8  # bounded; a full queue rejects the question with an error event
+    event_queue: int = 1024  # bounded; a full queue slows the processors (events are never dropped)
+    worker_queue: int = 64  # bounded per process; submitters wait for a slot
+    metrics_interval_s: float = 1.0  # wall seconds between metrics events (0 = only at the end)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str = "tiny"
+    description: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads on CPU; 0 = one per core but one
+    asr: ASRConfig = field(default_factory=ASRConfig)
+    lm: LMConfig = field(default_factory=LMConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    @property
+    def random_weights(self) -> bool:
+        """True when any model is built from a config with random weights (the `tiny:` models)."""
+        return any(m.startswith("tiny:") for m in (self.asr.model, self.lm.model))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def profile_search_path() -> list[Path]:
+    paths = [Path(p) for p in os.environ.get("RUNTIME_CONFIGS", "").split(os.pathsep) if p]
+    return [*paths, Path.cwd() / "configs", REPO_CONFIGS]
+
+
+def available_profiles() -> list[str]:
+    names = {p.stem for d in profile_search_path() if d.is_dir() for p in d.glob("*.toml")}
+    return sorted(names)
+
+
+def find_profile(name: str) -> Path:
+    candidate = Path(name)
+    if candidate.suffix == ".toml" or os.sep in name:
+        if candidate.is_file():
+            return candidate
+        raise ConfigError(f"profile file {name} does not exist")
+    for directory in profile_search_path():
+        path = directory / f"{name}.toml"
+        if path.is_file():
+            return path
+    known = ", ".join(available_profiles()) or "none"
+    raise ConfigError(f"unknown profile {name!r} (known: {known}); or pass a path to a .toml file")
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        default = getattr(cls(), key)
+        if is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}.{key} must be a table")
+            kwargs[key] = _build(type(default), value, f"{where}.{key}")
+        else:
+            kwargs[key] = _coerce(value, default, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, default: Any, where: str) -> Any:
+    """Accept the default's type; an int where a float is expected is widened. bool is never an int here."""
+    kind = type(default)
+    if isinstance(value, bool) != (kind is bool):
+        raise ConfigError(f"{where} must be a {kind.__name__}, got {value!r}")
+    if kind is float and isinstance(value, int):
+        return float(value)
+    if isinstance(value, kind):
+        return value
+    raise ConfigError(f"{where} must be a {kind.__name__}, got {value!r}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`asr.model=/path` -> (["asr", "model"], "/path"); values are read as TOML, else as a plain string."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_profile(
+    name: str = "tiny",
+    *,
+    overrides: list[str] | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> Profile:
+    path = find_profile(name)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"profile {path}: {err}") from None
+    data.setdefault("name", path.stem)
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        table = data
+        for key in keys[:-1]:
+            table = table.setdefault(key, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"--set {text}: {key} is not a table")
+        table[keys[-1]] = value
+    if device is not None:
+        data["device"] = device
+    if dtype is not None:
+        data["dtype"] = dtype
+    profile = _build(Profile, data, f"profile {path.stem}")
+    return validate(profile)
+
+
+def validate(profile: Profile) -> Profile:
+    if profile.dtype not in DTYPES:
+        raise ConfigError(f"dtype {profile.dtype!r} is not one of {', '.join(DTYPES)}")
+    if not (profile.device == "cpu" or profile.device.startswith("cuda") or profile.device == "mps"):
+        raise ConfigError(f"device {profile.device!r} is not cpu, cuda[:N] or mps")
+    if profile.threads < 0:
+        raise ConfigError("threads must be >= 0 (0 = one per core but one)")
+    if profile.video.fps <= 0:
+        raise ConfigError("video.fps must be > 0")
+    if profile.pipeline.audio_chunk_ms <= 0 or profile.pipeline.audio_queue_chunks <= 0:
+        raise ConfigError("pipeline.audio_chunk_ms and pipeline.audio_queue_chunks must be > 0")
+    if profile.lm.max_new_tokens <= 0 or profile.asr.max_new_tokens <= 0:
+        raise ConfigError("max_new_tokens must be > 0")
+    return profile
+
+
+def with_overrides(profile: Profile, **sections: dict[str, Any]) -> Profile:
+    """Programmatic overrides, e.g. `with_overrides(p, lm={"max_new_tokens": 8})`."""
+    changes = {name: replace(getattr(profile, name), **values) for name, values in sections.items()}
+    return validate(replace(profile, **changes))

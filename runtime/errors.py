@@ -1,0 +1,30 @@
+"""Errors a user can act on. The CLI prints their message as one line and exits non-zero; the server turns
+them into `error` events. Anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Base: `str(err)` is a complete one-line message that says what to do."""
+
+    code = "user_error"
+
+
+class ConfigError(UserError):
+    code = "invalid_config"
+
+
+class CheckpointNotFound(UserError):
+    code = "checkpoint_not_found"
+
+
+class MediaError(UserError):
+    """A file or device that cannot be opened or decoded."""
+
+    code = "invalid_media"
+
+
+class DeviceNotFound(MediaError):
+    """A camera or microphone that is not there."""
+
+    code = "device_not_found"

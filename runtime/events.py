@@ -1,0 +1,164 @@
+"""Every event that leaves a session, in one schema shared by the CLI, the websocket and the data channel.
+
+Type names follow the OpenAI Realtime API where it has an equivalent, so a client written for that API
+reads these without a translation table. Each event also carries `media_time` (seconds of input media it
+refers to) and `wall_time` (unix seconds when it was emitted): the difference between two sessions' clocks
+is how a user measures latency.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+@dataclass(kw_only=True)
+class Event:
+    type: ClassVar[str] = ""
+    event_id: str = field(default_factory=lambda: new_id("evt"))
+    media_time: float | None = None
+    wall_time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+
+
+_REGISTRY: dict[str, type[Event]] = {}
+
+
+def _register(cls: type[Event]) -> type[Event]:
+    _REGISTRY[cls.type] = cls
+    return cls
+
+
+@_register
+@dataclass(kw_only=True)
+class SessionCreated(Event):
+    type: ClassVar[str] = "session.created"
+    session: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
+class TranscriptionDelta(Event):
+    """New stable text of one transcript item; `unstable` is the tail that may still change."""
+
+    type: ClassVar[str] = "conversation.item.input_audio_transcription.delta"
+    item_id: str
+    content_index: int = 0
+    delta: str
+    unstable: str = ""
+    start: float
+    end: float
+
+
+@_register
+@dataclass(kw_only=True)
+class TranscriptionCompleted(Event):
+    type: ClassVar[str] = "conversation.item.input_audio_transcription.completed"
+    item_id: str
+    content_index: int = 0
+    transcript: str
+    start: float
+    end: float
+
+
+@_register
+@dataclass(kw_only=True)
+class ResponseCreated(Event):
+    type: ClassVar[str] = "response.created"
+    response: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
+class ResponseTextDelta(Event):
+    type: ClassVar[str] = "response.output_text.delta"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    delta: str
+
+
+@_register
+@dataclass(kw_only=True)
+class ResponseTextDone(Event):
+    type: ClassVar[str] = "response.output_text.done"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    text: str
+
+
+@_register
+@dataclass(kw_only=True)
+class ResponseDone(Event):
+    """`response.status` is completed, cancelled, incomplete (token limit) or failed."""
+
+    type: ClassVar[str] = "response.done"
+    response: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
+class Metrics(Event):
+    """Queue depths, drops, event-loop lag and device-worker load, emitted periodically and at the end."""
+
+    type: ClassVar[str] = "metrics"
+    metrics: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
+class Error(Event):
+    """`error` is {type, code, message, param, event_id}; `error.event_id` names the client event at fault."""
+
+    type: ClassVar[str] = "error"
+    error: dict[str, Any]
+
+
+def error_event(
+    message: str,
+    *,
+    code: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    client_event_id: str | None = None,
+    media_time: float | None = None,
+) -> Error:
+    return Error(
+        error={"type": type, "code": code, "message": message, "param": param, "event_id": client_event_id},
+        media_time=media_time,
+    )
+
+
+def event_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def parse_event(data: dict[str, Any] | str) -> Event:
+    """Rebuild an event from its JSON form (what `to_dict`/`to_json` produced); unknown types raise ValueError."""
+    if isinstance(data, str):
+        data = json.loads(data)
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError("an event is a JSON object with a 'type'")
+    cls = _REGISTRY.get(data["type"])
+    if cls is None:
+        raise ValueError(f"unknown event type {data['type']!r}")
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names - {"type"}
+    if unknown:
+        raise ValueError(f"{data['type']}: unknown fields {sorted(unknown)}")
+    return cls(**{k: v for k, v in data.items() if k != "type"})

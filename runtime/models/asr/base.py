@@ -1,0 +1,62 @@
+"""The interface between the pipeline and any streaming ASR backend.
+
+A loaded model (`StreamingASR`) is shared by sessions; each session opens its own `ASRStream`, which holds
+all per-session state, so the device worker can interleave many streams on one model. Backends report
+progress as `TranscriptUpdate`s: text that became stable (never retracted), the unstable tail, and item
+completion, all stamped with media time so latency is measurable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from runtime.chunks import AudioChunk
+from runtime.config import ASRConfig
+from runtime.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TranscriptUpdate:
+    item_id: str  # one transcript item (segment); a new id after each completed one
+    delta: str  # text that became stable with this update ("" if none)
+    unstable: str  # the current tail that may still change
+    start: float  # media seconds of the item's start
+    end: float  # media seconds up to which audio has been heard
+    completed: bool = False
+    transcript: str = ""  # the item's full final text when completed
+
+
+class ASRStream(Protocol):
+    """Per-session state; every method runs on the device worker thread."""
+
+    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]: ...
+
+    def finish(self) -> list[TranscriptUpdate]:
+        """End of input: flush and complete the open item."""
+        ...
+
+    def close(self) -> None:
+        """Release per-session state."""
+        ...
+
+
+class StreamingASR(Protocol):
+    """A loaded model shared by sessions."""
+
+    name: str
+
+    def open_stream(self) -> ASRStream: ...
+
+
+BACKENDS = ("whisper-buffered",)
+
+
+def load_asr(cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str], None] | None = None) -> StreamingASR:
+    """Load the backend named by `cfg.backend` (imported lazily: each pulls its own model code)."""
+    if cfg.backend == "whisper-buffered":
+        from runtime.models.asr.whisper_buffered import WhisperBuffered
+
+        return WhisperBuffered.load(cfg, device=device, dtype=dtype, progress=progress)
+    raise ConfigError(f"unknown asr.backend {cfg.backend!r} (known: {', '.join(BACKENDS)})")

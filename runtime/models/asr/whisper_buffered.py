@@ -1,0 +1,247 @@
+"""The slice's ASR: buffered re-decoding with LocalAgreement-2 over an unmodified Whisper.
+
+This is the peer policy (whisper_streaming) that the causal streaming backends must beat: every `step_s`
+of new audio the whole buffer is re-encoded (padded to 30 s) and greedily re-decoded; the longest common
+token prefix of the last two hypotheses becomes stable. Stable tokens are forced as the decoder prefix of
+every later hypothesis, so stable text is never contradicted and the completed transcript always starts
+with everything already emitted. At `segment_s` (or at the end of input) the item is completed and the
+buffer cut. Its cost grows with the buffer, which is exactly what the causal backends avoid.
+
+Decoding is our own greedy loop over the decoder with a KV cache: Whisper's `generate()` needs a
+generation config with many attributes (alignment heads, language maps, ...) that checkpoints and the
+tiny test model do not all have, and it runs the whole policy-free search we do not want here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+from transformers import (
+    AutoTokenizer,
+    DynamicCache,
+    EncoderDecoderCache,
+    PreTrainedTokenizerBase,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+)
+
+from runtime.chunks import SAMPLE_RATE, AudioChunk
+from runtime.config import ASRConfig
+from runtime.errors import ConfigError
+from runtime.events import new_id
+from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+
+MAX_BUFFER_S = 30.0  # Whisper's encoder sees exactly 30 s
+
+
+class Decoder(Protocol):
+    """What the stream needs from a model: a hypothesis for some audio, and text for token ids."""
+
+    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]: ...
+
+    def text(self, ids: Sequence[int]) -> str: ...
+
+
+class WhisperBuffered:
+    """A Whisper checkpoint shared by sessions; `open_stream()` gives each session its own buffer."""
+
+    def __init__(
+        self,
+        model: WhisperForConditionalGeneration,
+        tokenizer: PreTrainedTokenizerBase,
+        feature_extractor: WhisperFeatureExtractor,
+        cfg: ASRConfig,
+        *,
+        name: str = "whisper",
+    ) -> None:
+        if cfg.step_s <= 0 or not 0 < cfg.segment_s <= MAX_BUFFER_S:
+            raise ConfigError(
+                f"asr.step_s must be > 0 and asr.segment_s in (0, {MAX_BUFFER_S:g}] "
+                f"(got {cfg.step_s:g}, {cfg.segment_s:g})"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.feature_extractor = feature_extractor
+        self.cfg = cfg
+        self.name = name
+        vocab = tokenizer.get_vocab()
+        names = ["<|startoftranscript|>", f"<|{cfg.language}|>", "<|transcribe|>", "<|notimestamps|>"]
+        self.prompt_ids = [vocab[t] for t in names if t in vocab]
+        self.eos_id = tokenizer.eos_token_id
+        # Prompt + hypothesis must fit the decoder's learned positions.
+        self.max_tokens = min(cfg.max_new_tokens, model.config.max_target_positions - len(self.prompt_ids))
+
+    @classmethod
+    def load(
+        cls, cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str], None] | None = None
+    ) -> WhisperBuffered:
+        with load_progress(progress, "asr", cfg.model, device, dtype):
+            path = resolve_checkpoint(cfg.model, role="asr", progress=progress)
+            model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch_dtype(dtype))
+            model = model.to(device).eval()
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            feature_extractor = WhisperFeatureExtractor.from_pretrained(path)
+        return cls(model, tokenizer, feature_extractor, cfg, name=cfg.model)
+
+    def open_stream(self) -> WhisperBufferedStream:
+        return WhisperBufferedStream(self, step_s=self.cfg.step_s, segment_s=self.cfg.segment_s)
+
+    def text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    @torch.inference_mode()
+    def encode(self, audio: np.ndarray) -> torch.Tensor:
+        """Encoder states [1, frames, d] of up to 30 s of audio (the feature extractor pads to 30 s)."""
+        features = self.feature_extractor(audio, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+        features = features.to(self.model.device, self.model.dtype)
+        return self.model.model.encoder(features).last_hidden_state
+
+    def _next_logits(self, ids: torch.Tensor, states: torch.Tensor, cache: EncoderDecoderCache | None) -> torch.Tensor:
+        hidden = self.model.model.decoder(
+            input_ids=ids, encoder_hidden_states=states, past_key_values=cache, use_cache=cache is not None
+        ).last_hidden_state
+        return self.model.proj_out(hidden[:, -1])[0]
+
+    @torch.inference_mode()
+    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
+        """Greedy transcript ids (no prompt, no eos) of `audio`, continuing the `forced` prefix."""
+        return self._greedy(self.encode(audio), forced, cached=True)
+
+    @torch.inference_mode()
+    def hypothesis_uncached(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
+        """The same search re-running the whole decoder every step: the reference the cache must match."""
+        return self._greedy(self.encode(audio), forced, cached=False)
+
+    def _greedy(self, states: torch.Tensor, forced: Sequence[int], *, cached: bool) -> list[int]:
+        out = list(forced)
+        if len(out) >= self.max_tokens:
+            return out
+        device = self.model.device
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache()) if cached else None
+        pending = torch.tensor([self.prompt_ids + out], device=device)
+        while len(out) < self.max_tokens:
+            token = int(self._next_logits(pending, states, cache).argmax())
+            if token == self.eos_id:
+                break
+            out.append(token)
+            if cached:
+                pending = torch.tensor([[token]], device=device)
+            else:
+                pending = torch.tensor([self.prompt_ids + out], device=device)
+        return out
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _settled(text: str) -> str:
+    """Hold back a trailing U+FFFD: an incomplete UTF-8 character that the next token may complete."""
+    return text.rstrip("\ufffd")
+
+
+class WhisperBufferedStream:
+    """One session's buffer and LocalAgreement-2 state. Decode points fall at exact sample positions
+    (every `step_s` of item audio, completion at `segment_s`), so the result does not depend on how the
+    source cut its chunks."""
+
+    def __init__(self, decoder: Decoder, *, step_s: float, segment_s: float) -> None:
+        self._decoder = decoder
+        self._step = max(1, round(step_s * SAMPLE_RATE))
+        self._segment = max(1, round(segment_s * SAMPLE_RATE))
+        self._next_sample: int | None = None  # where the next chunk must start
+        self._item_start = 0  # sample index of the open item's first sample
+        self._state = "open"
+        self._new_item()
+
+    def _new_item(self) -> None:
+        self._item_id = new_id("item")
+        self._pieces: list[np.ndarray] = []
+        self._buffered = 0  # samples in the open item
+        self._since_decode = 0
+        self._hyp: list[int] | None = None
+        self._stable: list[int] = []
+        self._emitted = ""  # text of the stable tokens already sent as deltas
+
+    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
+        if self._state != "open":
+            raise RuntimeError(f"ASR stream is {self._state}; it accepts no more audio")
+        if self._next_sample is None:
+            self._next_sample = self._item_start = chunk.start_sample
+        elif chunk.start_sample != self._next_sample:
+            kind = "gap" if chunk.start_sample > self._next_sample else "overlap"
+            raise ValueError(
+                f"audio chunk starts at sample {chunk.start_sample}, expected {self._next_sample} ({kind})"
+            )
+        updates: list[TranscriptUpdate] = []
+        samples, pos = chunk.samples, 0
+        while pos < len(samples):
+            take = min(len(samples) - pos, self._segment - self._buffered, self._step - self._since_decode)
+            self._pieces.append(samples[pos : pos + take])
+            pos += take
+            self._buffered += take
+            self._since_decode += take
+            self._next_sample += take
+            if self._buffered >= self._segment:
+                updates.append(self._complete())
+            elif self._since_decode >= self._step:
+                updates.append(self._agree())
+        return updates
+
+    def finish(self) -> list[TranscriptUpdate]:
+        if self._state != "open":
+            return []
+        self._state = "finished"
+        return [self._complete()] if self._buffered else []
+
+    def close(self) -> None:
+        self._state = "closed"
+        self._pieces = []
+        self._hyp = None
+        self._stable = []
+
+    def _decode(self) -> list[int]:
+        audio = np.concatenate(self._pieces) if len(self._pieces) > 1 else self._pieces[0]
+        self._pieces = [audio]
+        self._since_decode = 0
+        return self._decoder.hypothesis(audio, self._stable)
+
+    def _times(self) -> tuple[float, float]:
+        return self._item_start / SAMPLE_RATE, (self._item_start + self._buffered) / SAMPLE_RATE
+
+    def _agree(self) -> TranscriptUpdate:
+        previous, hyp = self._hyp, self._decode()
+        self._hyp = hyp
+        if previous is not None:
+            n = common_prefix(previous, hyp)
+            if n > len(self._stable):
+                self._stable = hyp[:n]
+        stable_text = _settled(self._decoder.text(self._stable))
+        delta = stable_text[len(self._emitted) :] if stable_text.startswith(self._emitted) else ""
+        self._emitted += delta
+        full = self._decoder.text(hyp)
+        unstable = full[len(self._emitted) :] if full.startswith(self._emitted) else ""
+        start, end = self._times()
+        return TranscriptUpdate(self._item_id, delta, unstable, start, end)
+
+    def _complete(self) -> TranscriptUpdate:
+        hyp = self._hyp if self._hyp is not None and self._since_decode == 0 else self._decode()
+        text = self._decoder.text(hyp)
+        # `hyp` starts with the stable tokens, so `text` starts with what was emitted; keep it so if not.
+        transcript = text if text.startswith(self._emitted) else self._emitted
+        start, end = self._times()
+        update = TranscriptUpdate(
+            self._item_id, transcript[len(self._emitted) :], "", start, end, completed=True, transcript=transcript
+        )
+        self._item_start += self._buffered
+        self._new_item()
+        return update

@@ -1,0 +1,218 @@
+"""The processors a session runs: chunks in, events out.
+
+Each processor is one asyncio task reading one bounded channel. Model compute goes to the device worker
+(`worker.run`), so the loop only moves data and events:
+
+    audio channel --> AudioProcessor --(worker: ASR)--> transcript events + TranscriptMemory
+    video channel --> VideoProcessor (keeps the latest frame; the video-memory issue encodes it)
+    question channel --> QuestionProcessor --(worker: prefill, then one decode step per job)--> answer events
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from runtime.channels import BlockingChannel, LatestChannel
+from runtime.chunks import AudioChunk, VideoFrame
+from runtime.events import (
+    Event,
+    ResponseCreated,
+    ResponseDone,
+    ResponseTextDelta,
+    ResponseTextDone,
+    TranscriptionCompleted,
+    TranscriptionDelta,
+    error_event,
+    new_id,
+)
+from runtime.memory.transcript import TranscriptMemory
+from runtime.models.asr.base import ASRStream, TranscriptUpdate
+from runtime.models.lm.answerer import Answerer
+from runtime.worker import DeviceWorker, Priority
+
+log = logging.getLogger(__name__)
+Emit = Callable[[Event], Awaitable[None]]
+
+
+def transcript_event(update: TranscriptUpdate) -> Event:
+    if update.completed:
+        return TranscriptionCompleted(
+            item_id=update.item_id,
+            transcript=update.transcript,
+            start=update.start,
+            end=update.end,
+            media_time=update.end,
+        )
+    return TranscriptionDelta(
+        item_id=update.item_id,
+        delta=update.delta,
+        unstable=update.unstable,
+        start=update.start,
+        end=update.end,
+        media_time=update.end,
+    )
+
+
+class AudioProcessor:
+    """Feeds audio chunks to the session's ASR stream in order; publishes how far it has heard."""
+
+    def __init__(
+        self, channel: BlockingChannel[AudioChunk], stream: ASRStream, worker: DeviceWorker, emit: Emit,
+        memory: TranscriptMemory,
+    ) -> None:
+        self.channel = channel
+        self.stream = stream
+        self.worker = worker
+        self.emit = emit
+        self.memory = memory
+        self.heard_until = 0.0  # media seconds of audio the ASR has consumed
+        self.finished = False
+        self._progress = asyncio.Condition()
+
+    async def run(self) -> None:
+        try:
+            async for chunk in self.channel:
+                updates = await self._step(self.stream.accept, chunk, chunk.start)
+                await self._publish(updates, chunk.end)
+            updates = await self._step(self.stream.finish, None, self.heard_until)
+            await self._publish(updates, self.heard_until)
+        finally:
+            self.finished = True
+            async with self._progress:
+                self._progress.notify_all()
+
+    async def _step(self, fn: Callable[..., list[TranscriptUpdate]], arg: object, at: float) -> list[TranscriptUpdate]:
+        try:
+            return await self.worker.run(Priority.ASR, fn, *([arg] if arg is not None else []))
+        except Exception as err:  # one bad chunk costs its own words, not the session
+            log.exception("ASR failed")
+            await self.emit(error_event(f"speech recognition failed: {err}", code="asr_failed",
+                                        type="server_error", media_time=at))
+            return []
+
+    async def _publish(self, updates: list[TranscriptUpdate], heard_until: float) -> None:
+        for update in updates:
+            self.memory.apply(update)
+            if update.completed or update.delta or update.unstable:
+                await self.emit(transcript_event(update))
+        async with self._progress:
+            self.heard_until = max(self.heard_until, heard_until)
+            self._progress.notify_all()
+
+    async def caught_up(self, media_time: float) -> None:
+        """Wait until the ASR has consumed audio up to `media_time` (or has finished)."""
+        async with self._progress:
+            await self._progress.wait_for(lambda: self.finished or self.heard_until >= media_time - 1e-9)
+
+
+class VideoProcessor:
+    """The slice's video path: consumes frames so the channel's keep-latest policy is exercised end to end
+    and keeps the newest one. The video-memory issue replaces this with vision encoding into memory."""
+
+    def __init__(self, channel: LatestChannel[VideoFrame]) -> None:
+        self.channel = channel
+        self.latest: VideoFrame | None = None
+        self.frames = 0
+
+    async def run(self) -> None:
+        async for frame in self.channel:
+            self.latest = frame
+            self.frames += 1
+
+
+@dataclass
+class Question:
+    text: str
+    media_time: float  # media seconds at which it was asked
+    hear_until: float  # audio pushed when it was asked: the answer waits for the ASR to reach it
+    client_event_id: str | None = None
+    response_id: str = field(default_factory=lambda: new_id("resp"))
+    asked_wall: float = field(default_factory=time.perf_counter)
+
+
+class QuestionProcessor:
+    """Answers questions one at a time from the transcript so far, streaming each token as it is decoded."""
+
+    def __init__(
+        self, channel: BlockingChannel[Question], answerer: Answerer, worker: DeviceWorker, emit: Emit,
+        memory: TranscriptMemory, audio: AudioProcessor,
+    ) -> None:
+        self.channel = channel
+        self.answerer = answerer
+        self.worker = worker
+        self.emit = emit
+        self.memory = memory
+        self.audio = audio
+        self.current: Question | None = None
+        self._cancelled: set[str] = set()
+        self.answered = 0
+
+    def cancel(self, response_id: str | None = None) -> bool:
+        """Stop the current answer (or the named one) at its next decode step."""
+        if self.current is None or response_id not in (None, self.current.response_id):
+            return False
+        self._cancelled.add(self.current.response_id)
+        return True
+
+    async def run(self) -> None:
+        async for question in self.channel:
+            self.current = question
+            try:
+                await self._answer(question)
+            finally:
+                self.current = None
+                self._cancelled.discard(question.response_id)
+                self.answered += 1
+
+    async def _answer(self, q: Question) -> None:
+        item_id = new_id("item")
+        response = {"id": q.response_id, "object": "realtime.response", "status": "in_progress",
+                    "question": q.text}
+        await self.emit(ResponseCreated(response=response, media_time=q.media_time))
+        await self.audio.caught_up(q.hear_until)
+        parts: list[str] = []
+        status, reason, state, first_token_s, tokens = "completed", None, None, None, 0
+        try:
+            state = await self.worker.run(Priority.PREFILL, self.answerer.start, self.memory.context(), q.text)
+            while True:
+                if q.response_id in self._cancelled:
+                    status, reason = "cancelled", "client_cancelled"
+                    break
+                step = await self.worker.run(Priority.DECODE, self.answerer.step, state)
+                tokens += 1
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - q.asked_wall
+                if step.delta:
+                    parts.append(step.delta)
+                    await self.emit(ResponseTextDelta(response_id=q.response_id, item_id=item_id,
+                                                      delta=step.delta, media_time=q.media_time))
+                if step.done:
+                    if step.finish_reason == "length":
+                        status, reason = "incomplete", "max_output_tokens"
+                    break
+        except Exception as err:
+            log.exception("answer failed")
+            status, reason = "failed", "error"
+            await self.emit(error_event(f"answering failed: {err}", code="response_failed", type="server_error",
+                                        client_event_id=q.client_event_id, media_time=q.media_time))
+        finally:
+            if state is not None:
+                await self.worker.run(Priority.CONTROL, self.answerer.release, state)
+        text = "".join(parts)
+        await self.emit(ResponseTextDone(response_id=q.response_id, item_id=item_id, text=text,
+                                         media_time=q.media_time))
+        total_s = time.perf_counter() - q.asked_wall
+        response.update(
+            status=status,
+            status_details={"reason": reason} if reason else None,
+            output=[{"id": item_id, "type": "message", "role": "assistant",
+                     "content": [{"type": "output_text", "text": text}]}],
+            usage={"output_tokens": tokens},
+            timing={"first_token_s": None if first_token_s is None else round(first_token_s, 4),
+                    "total_s": round(total_s, 4)},
+        )
+        await self.emit(ResponseDone(response=response, media_time=q.media_time))

@@ -1,0 +1,233 @@
+"""A session: one stream of live media, its processors, and the events it emits.
+
+Sources push into it (`push_audio` waits when the audio channel is full; `push_video` never waits and keeps
+the newest frames at the configured fps), questions go in with `ask`, and everything that happens comes
+out of `events` in order. `finish()` ends the input and drains (final transcript, pending answers);
+`stop()` ends it now. Either way every task is gone and the per-session model state is released after.
+
+The models themselves (`Models`) are loaded once per process on the device worker and shared by sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.channels import BlockingChannel, ChannelClosed, LatestChannel
+from runtime.chunks import AudioChunk, VideoFrame
+from runtime.config import Profile
+from runtime.events import Event, Metrics, SessionCreated, error_event, new_id
+from runtime.memory.transcript import TranscriptMemory
+from runtime.metrics import LoopLagMonitor
+from runtime.models.asr.base import StreamingASR, load_asr
+from runtime.models.lm.answerer import Answerer, load_answerer
+from runtime.models.loading import configure_threads
+from runtime.pipeline import AudioProcessor, Question, QuestionProcessor, VideoProcessor
+from runtime.worker import DeviceWorker, Priority
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Models:
+    asr: StreamingASR
+    answerer: Answerer
+
+
+def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str], None] | None = None) -> Models:
+    """Load the profile's models on the worker thread (the thread that will run them)."""
+    opts: dict[str, Any] = {"device": profile.device, "dtype": profile.dtype, "progress": progress}
+    worker.call(Priority.CONTROL, configure_threads, profile.threads)
+    asr = worker.call(Priority.CONTROL, load_asr, profile.asr, **opts)
+    answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, seed=profile.seed, **opts)
+    return Models(asr=asr, answerer=answerer)
+
+
+class FrameSampler:
+    """Keeps frames at most `fps` per second of media time; the rest are counted, not queued."""
+
+    def __init__(self, fps: float) -> None:
+        self.period = 1.0 / fps
+        self._next = 0.0
+        self.kept = 0
+        self.skipped = 0
+
+    def keep(self, frame: VideoFrame) -> bool:
+        if frame.time + 1e-9 < self._next:
+            self.skipped += 1
+            return False
+        self._next = max(self._next + self.period, frame.time + self.period / 2)
+        self.kept += 1
+        return True
+
+
+class Session:
+    def __init__(self, profile: Profile, models: Models, worker: DeviceWorker) -> None:
+        self.id = new_id("sess")
+        self.profile = profile
+        self.worker = worker
+        pipe = profile.pipeline
+        self.audio_in: BlockingChannel[AudioChunk] = BlockingChannel(pipe.audio_queue_chunks, "audio")
+        self.video_in: LatestChannel[VideoFrame] = LatestChannel(pipe.video_queue_frames, "video")
+        self.questions: BlockingChannel[Question] = BlockingChannel(pipe.question_queue, "questions")
+        self.events: BlockingChannel[Event] = BlockingChannel(pipe.event_queue, "events")
+        self.sampler = FrameSampler(profile.video.fps)
+        self.memory = TranscriptMemory()
+        self._asr_stream = models.asr.open_stream()
+        self.audio = AudioProcessor(self.audio_in, self._asr_stream, worker, self.emit, self.memory)
+        self.video = VideoProcessor(self.video_in)
+        self.answers = QuestionProcessor(self.questions, models.answerer, worker, self.emit, self.memory,
+                                         self.audio)
+        self.lag = LoopLagMonitor()
+        self.pushed_until = 0.0  # media seconds of audio pushed so far
+        self.media_time = 0.0  # newest media time seen on any input
+        self._expected_sample = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics_task: asyncio.Task[None] | None = None
+        self._started = False
+        self._closed = False
+        self._models = models
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> Session:
+        if self._started:
+            return self
+        self._started = True
+        self.lag.start()
+        self._tasks = [
+            asyncio.create_task(self.audio.run(), name=f"{self.id}:audio"),
+            asyncio.create_task(self.video.run(), name=f"{self.id}:video"),
+            asyncio.create_task(self.answers.run(), name=f"{self.id}:answers"),
+        ]
+        if self.profile.pipeline.metrics_interval_s > 0:
+            self._metrics_task = asyncio.create_task(self._report_metrics(), name=f"{self.id}:metrics")
+        await self.emit(SessionCreated(session=self.describe()))
+        return self
+
+    async def __aenter__(self) -> Session:
+        return await self.start()
+
+    async def __aexit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            await self.finish()
+        else:
+            await self.stop()
+
+    async def finish(self) -> None:
+        """End of input: transcribe what is left, answer pending questions, emit final metrics, close."""
+        if self._closed:
+            return
+        self.audio_in.close()
+        self.video_in.close()
+        await asyncio.gather(self._tasks[0], self._tasks[1], return_exceptions=True)
+        self.questions.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close()
+
+    async def stop(self) -> None:
+        """Stop now: cancel every task (an answer in progress ends at its current step), then close."""
+        if self._closed:
+            return
+        for channel in (self.audio_in, self.video_in, self.questions):
+            channel.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close()
+
+    async def _close(self) -> None:
+        self._closed = True
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            await asyncio.gather(self._metrics_task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.worker.run(Priority.CONTROL, self._asr_stream.close)
+        await self.emit(Metrics(metrics=self.metrics(), media_time=self.media_time))
+        await self.lag.stop()
+        self.events.close()
+
+    # -- input -----------------------------------------------------------------------------------------------
+    async def push_audio(self, chunk: AudioChunk) -> None:
+        """Waits while the audio channel is full: audio is never dropped, the caller is slowed."""
+        if chunk.start_sample != self._expected_sample:
+            raise ValueError(f"audio chunk starts at sample {chunk.start_sample}, expected "
+                             f"{self._expected_sample}: chunks must be contiguous")
+        self._expected_sample = chunk.end_sample
+        await self.audio_in.put(chunk)
+        self.pushed_until = chunk.end
+        self.media_time = max(self.media_time, chunk.end)
+
+    def push_video(self, frame: VideoFrame) -> bool:
+        """Never waits. Returns False when the frame was skipped by the fps sampler."""
+        self.media_time = max(self.media_time, frame.time)
+        if not self.sampler.keep(frame):
+            return False
+        self.video_in.put_nowait(frame)
+        return True
+
+    async def ask(
+        self, text: str, *, media_time: float | None = None, client_event_id: str | None = None
+    ) -> str | None:
+        """Queue a question; returns its response id, or None after emitting an `error` event."""
+        at = self.media_time if media_time is None else media_time
+        if not text.strip():
+            await self.emit(error_event("the question is empty", code="empty_question", param="text",
+                                        client_event_id=client_event_id, media_time=at))
+            return None
+        if len(self.questions) >= self.questions.capacity or self.questions.closed:
+            why = "closed" if self.questions.closed else f"full ({self.questions.capacity} waiting)"
+            await self.emit(error_event(f"question queue is {why}; ask again after the current answer",
+                                        code="question_queue_full", client_event_id=client_event_id,
+                                        media_time=at))
+            return None
+        question = Question(text.strip(), at, min(at, self.pushed_until), client_event_id)
+        try:
+            await self.questions.put(question)
+        except ChannelClosed:
+            return None
+        return question.response_id
+
+    def cancel_response(self, response_id: str | None = None) -> bool:
+        return self.answers.cancel(response_id)
+
+    async def emit(self, event: Event) -> None:
+        """Waits while the event channel is full: events are never dropped, the processors are slowed."""
+        if not self.events.closed:
+            await self.events.put(event)
+
+    # -- reporting -------------------------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        p = self.profile
+        return {
+            "id": self.id,
+            "object": "realtime.session",
+            "profile": p.name,
+            "device": p.device,
+            "dtype": p.dtype,
+            "random_weights": p.random_weights,
+            "asr": {"backend": p.asr.backend, "model": p.asr.model, "language": p.asr.language},
+            "lm": {"backend": p.lm.backend, "model": p.lm.model, "max_new_tokens": p.lm.max_new_tokens},
+            "video": {"fps": p.video.fps, "max_side": p.video.max_side},
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "loop_lag": self.lag.report(),
+            "channels": {c.name: c.stats.to_dict() for c in (self.audio_in, self.video_in, self.questions,
+                                                             self.events)},
+            "video": {"frames_in": self.sampler.kept + self.sampler.skipped, "fps_skipped": self.sampler.skipped,
+                      "dropped_full": self.video_in.stats.dropped, "processed": self.video.frames},
+            "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.audio.heard_until, 3),
+                    "lag_s": round(self.pushed_until - self.audio.heard_until, 3)},
+            "answers": {"answered": self.answers.answered},
+            "worker": self.worker.stats(),
+        }
+
+    async def _report_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(self.profile.pipeline.metrics_interval_s)
+            await self.emit(Metrics(metrics=self.metrics(), media_time=self.media_time))

@@ -1,0 +1,156 @@
+"""The device worker: the one thread that owns the models and the accelerator.
+
+Model compute never runs on the event loop. Processors hand the worker small jobs (one ASR chunk, one
+prefill, one decode step) and await the result; the worker runs them one at a time in priority order, so
+ASR, which holds the latency budget, overtakes queued decode steps between tokens. Models are loaded by a
+worker job too and are touched only inside jobs.
+
+The GIL: a model step is thousands of small torch ops, each releasing and retaking the GIL. When another
+thread runs Python meanwhile, each retake can wait a whole switch interval (5 ms by default): a probe with
+one busy Python thread beside a tiny Whisper decode took 118 s instead of 0.36 s. The worker lowers the
+process's switch interval to 1 ms on start (3.4 s in the same probe); pass `switch_interval_s=None` to
+leave it alone.
+
+Bounded: at most `max_pending` jobs wait at once; a submitter beyond that waits for a slot (backpressure),
+it is never refused. A job whose awaiting task was cancelled before it started is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from enum import IntEnum
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Priority(IntEnum):
+    """Lower runs first."""
+
+    CONTROL = 0  # loading, releasing per-session state
+    ASR = 1
+    PREFILL = 2
+    DECODE = 3
+    VISION = 4
+
+
+class WorkerStopped(RuntimeError):
+    pass
+
+
+class DeviceWorker:
+    def __init__(
+        self, max_pending: int = 64, name: str = "device-worker", switch_interval_s: float | None = 0.001
+    ) -> None:
+        self.max_pending = max_pending
+        self.switch_interval_s = switch_interval_s
+        self.name = name
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._slots: asyncio.Semaphore | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._lock = threading.Lock()
+        self._pending = 0
+        self.jobs_done: dict[str, int] = {p.name: 0 for p in Priority}
+        self.busy_s = 0.0
+        self.max_job_s: dict[str, float] = {p.name: 0.0 for p in Priority}
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> DeviceWorker:
+        if self._thread is None:
+            if self.switch_interval_s is not None:
+                sys.setswitchinterval(min(sys.getswitchinterval(), self.switch_interval_s))
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Finish the jobs already queued, then end the thread."""
+        if self._thread is None or self._stopping:
+            return
+        self._stopping = True
+        self._queue.put((len(Priority) + 1, next(self._seq), None))
+        self._thread.join(timeout)
+
+    def __enter__(self) -> DeviceWorker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    # -- submitting ------------------------------------------------------------------------------------------
+    def submit(self, priority: Priority, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        """Thread-safe, unbounded: for callers outside the event loop (start-up, tests)."""
+        if self._stopping or self._thread is None:
+            raise WorkerStopped(f"{self.name} is not running")
+        priority = Priority(priority)
+        fut: Future[T] = Future()
+
+        def job() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            started = time.perf_counter()
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # delivered to the awaiting side
+                fut.set_exception(err)
+            finally:
+                elapsed = time.perf_counter() - started
+                self.busy_s += elapsed
+                self.jobs_done[priority.name] += 1
+                self.max_job_s[priority.name] = max(self.max_job_s[priority.name], elapsed)
+
+        with self._lock:
+            self._pending += 1
+        fut.add_done_callback(self._job_finished)
+        self._queue.put((int(priority), next(self._seq), job))
+        return fut
+
+    def call(self, priority: Priority, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Blocking submit-and-wait, for code that is not on an event loop."""
+        return self.submit(priority, fn, *args, **kwargs).result()
+
+    async def run(self, priority: Priority, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` on the worker and await its result without blocking the loop; waits for a free slot."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_pending)
+        async with self._slots:
+            fut = self.submit(priority, fn, *args, **kwargs)
+            try:
+                return await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                fut.cancel()  # skipped if it has not started; a running job finishes on its own
+                raise
+
+    def _job_finished(self, _fut: Future[Any]) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _loop(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            job()
+
+    # -- metrics ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pending": self._pending,
+            "max_pending": self.max_pending,
+            "busy_s": round(self.busy_s, 4),
+            "jobs_done": dict(self.jobs_done),
+            "max_job_ms": {k: round(v * 1000, 2) for k, v in self.max_job_s.items()},
+        }

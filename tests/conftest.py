@@ -1,0 +1,20 @@
+"""Test-wide settings: never touch the network, and build tiny models into one temporary cache that the
+CLI subprocesses share."""
+
+import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("RUNTIME_CACHE", tempfile.mkdtemp(prefix="runtime-test-cache-"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo_file():
+    """The demo sample as an MP4 (speech + moving shapes), built once per test run."""
+    from runtime.io.sample import ensure_demo_file
+
+    return ensure_demo_file()

@@ -1,0 +1,94 @@
+"""Channel policies: audio is never dropped under a slow consumer; video keeps the latest and counts drops."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from runtime.channels import BlockingChannel, ChannelClosed, LatestChannel
+from runtime.chunks import AudioChunk, VideoFrame
+
+
+def _chunk(i: int, n: int = 160) -> AudioChunk:
+    return AudioChunk(np.full(n, i, dtype=np.float32), start_sample=i * n)
+
+
+@pytest.mark.asyncio
+async def test_blocking_channel_never_drops_and_slows_the_producer():
+    channel: BlockingChannel[AudioChunk] = BlockingChannel(4, "audio")
+    sent = 200
+    got: list[AudioChunk] = []
+    producer_done_at: list[int] = []
+
+    async def producer():
+        for i in range(sent):
+            await channel.put(_chunk(i))
+        producer_done_at.append(len(got))
+        channel.close()
+
+    async def slow_consumer():
+        async for chunk in channel:
+            got.append(chunk)
+            assert len(channel) <= channel.capacity
+            await asyncio.sleep(0.0005)
+
+    await asyncio.gather(producer(), slow_consumer())
+    assert [int(c.samples[0]) for c in got] == list(range(sent))  # all, in order
+    assert channel.stats.dropped == 0
+    assert channel.stats.max_depth == channel.capacity  # it filled up...
+    assert channel.stats.blocked_s > 0  # ...and the producer waited
+    assert producer_done_at[0] >= sent - channel.capacity  # the producer could not run far ahead
+
+
+@pytest.mark.asyncio
+async def test_latest_channel_keeps_newest_and_counts_drops():
+    channel: LatestChannel[VideoFrame] = LatestChannel(2, "video")
+    image = np.zeros((4, 4, 3), dtype=np.uint8)
+    dropped = sum(channel.put_nowait(VideoFrame(image, t / 10)) for t in range(10))
+    assert dropped == 8 and channel.stats.dropped == 8
+    channel.close()
+    kept = [f.time async for f in channel]
+    assert kept == [0.8, 0.9]
+
+
+@pytest.mark.asyncio
+async def test_latest_channel_with_a_live_consumer_delivers_in_order():
+    channel: LatestChannel[int] = LatestChannel(1, "video")
+    seen: list[int] = []
+
+    async def consumer():
+        async for item in channel:
+            seen.append(item)
+            await asyncio.sleep(0.002)
+
+    task = asyncio.create_task(consumer())
+    for i in range(50):
+        channel.put_nowait(i)
+        await asyncio.sleep(0.0003)
+    channel.close()
+    await task
+    assert seen == sorted(seen) and seen[-1] == 49
+    assert channel.stats.dropped == 50 - len(seen) > 0
+
+
+@pytest.mark.asyncio
+async def test_closed_channel_drains_then_ends_and_refuses_puts():
+    channel: BlockingChannel[int] = BlockingChannel(3)
+    await channel.put(1)
+    await channel.put(2)
+    channel.close()
+    with pytest.raises(ChannelClosed):
+        await channel.put(3)
+    assert [await channel.get(), await channel.get(), await channel.get()] == [1, 2, None]
+
+
+@pytest.mark.asyncio
+async def test_close_releases_a_blocked_producer():
+    channel: BlockingChannel[int] = BlockingChannel(1)
+    await channel.put(1)
+    blocked = asyncio.create_task(channel.put(2))
+    await asyncio.sleep(0.01)
+    assert not blocked.done()
+    channel.close()
+    with pytest.raises(ChannelClosed):
+        await blocked

@@ -1,0 +1,129 @@
+"""The CLI as a user meets it: help, one-line errors that name what is wrong, and JSON event lines."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.cli import main
+from runtime.events import parse_event
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("runtime: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("serve", "demo", "transcribe", "ask", "bench", "train"):
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_unbuilt_commands_say_so_and_fail(capsys, command):
+    code, _, err = run_cli(capsys, command, "llm")
+    assert code != 0 and "not built yet" in err
+
+
+def test_unknown_profile(capsys):
+    code, _, err = run_cli(capsys, "transcribe", "x.wav", "--profile", "nosuch")
+    assert code == 1 and "unknown profile 'nosuch'" in one_error_line(err)
+
+
+def test_unreadable_files(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "transcribe", str(tmp_path / "missing.mp4"))
+    assert code == 1 and "cannot read" in one_error_line(err) and "missing.mp4" in err
+    garbage = tmp_path / "garbage.mp4"
+    garbage.write_bytes(b"this is not a video" * 100)
+    code, _, err = run_cli(capsys, "ask", str(garbage), "what?")
+    assert code == 1 and "cannot read" in one_error_line(err) and "garbage.mp4" in err
+
+
+def test_missing_weights_fail_at_once_naming_the_checkpoint(capsys, demo_file):
+    started = time.perf_counter()
+    code, _, err = run_cli(capsys, "transcribe", str(demo_file), "--set", "asr.model=/nonexistent/whisper-base")
+    assert code == 1 and "/nonexistent/whisper-base" in one_error_line(err)
+    code, _, err = run_cli(capsys, "transcribe", str(demo_file), "--profile", "cpu")  # hub id, not cached
+    assert code == 1 and "openai/whisper-base" in one_error_line(err) and "--set asr.model=" in err
+    assert time.perf_counter() - started < 10
+
+
+def test_no_camera_fails_fast_naming_the_device(capsys):
+    started = time.perf_counter()
+    code, _, err = run_cli(capsys, "serve", "--camera", "97")
+    assert time.perf_counter() - started < 5
+    line = one_error_line(err)
+    assert code == 1 and "/dev/video97" in line and "--source" in line
+
+
+def test_no_microphone_fails_fast_naming_the_device(capsys):
+    started = time.perf_counter()
+    code, _, err = run_cli(capsys, "serve", "--no-camera", "--mic", "hw:97")
+    assert time.perf_counter() - started < 5
+    line = one_error_line(err)
+    assert code == 1 and "hw:97" in line
+
+
+def _subprocess(*argv: str, stdin: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "runtime", *argv], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=Path(__file__).parent.parent)
+
+
+def _events(stdout: str) -> list:
+    lines = stdout.splitlines()
+    assert lines, "no output"
+    return [parse_event(json.loads(line)) for line in lines]  # every line is one valid event
+
+
+def test_demo_at_speed_8_prints_transcript_and_answer():
+    result = _subprocess("demo", "--speed", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    events = _events(result.stdout)
+    types = [e.type for e in events]
+    assert "conversation.item.input_audio_transcription.completed" in types
+    assert "response.output_text.delta" in types and "response.done" in types
+    assert "random, untrained weights" in result.stderr
+
+
+def test_ask_at_a_media_time_answers_then_finishes(demo_file):
+    result = _subprocess("ask", str(demo_file), "what moved?", "--at", "3", "--json", "--set", "lm.max_new_tokens=4")
+    assert result.returncode == 0, result.stderr
+    events = _events(result.stdout)
+    created = next(e for e in events if e.type == "response.created")
+    assert created.media_time == 3 and created.response["question"] == "what moved?"
+    done = next(e for e in events if e.type == "response.done")
+    assert done.response["usage"]["output_tokens"] <= 4
+    transcripts = [e for e in events if e.type.endswith("transcription.completed")]
+    assert transcripts and transcripts[-1].end > 3  # the file kept streaming after the question
+
+
+def test_serve_with_a_file_source_takes_questions_on_stdin(demo_file):
+    result = _subprocess("serve", "--source", str(demo_file), "--speed", "8", "--json",
+                         stdin="\nwhat is the red ball doing?\n")
+    assert result.returncode == 0, result.stderr
+    events = _events(result.stdout)
+    created = [e for e in events if e.type == "response.created"]
+    assert [e.response["question"] for e in created] == ["what is the red ball doing?"]
+    assert any(e.type == "response.done" for e in events)
+
+
+def test_transcribe_text_output(demo_file):
+    result = _subprocess("transcribe", str(demo_file), "--speed", "0")
+    assert result.returncode == 0, result.stderr
+    assert "[00:0" in result.stdout  # live lines stamped with media time

@@ -1,0 +1,84 @@
+"""The real tiny models through the whole pipeline: what the session emits equals running the same models
+directly, outside the pipeline, on the same input (so channels, the worker and events lose nothing)."""
+
+import asyncio
+
+import pytest
+
+from runtime.config import load_profile
+from runtime.feed import ScheduledQuestion, feed
+from runtime.io.file_source import FileSource
+from runtime.session import Models, Session, load_models
+from runtime.worker import DeviceWorker
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    profile = load_profile("tiny", overrides=["pipeline.metrics_interval_s=0", "lm.max_new_tokens=8"])
+    with DeviceWorker() as worker:
+        yield profile, worker, load_models(profile, worker)
+
+
+async def _chunks(path, profile):
+    return [item async for item in FileSource(path, speed=0, video=False,
+                                              chunk_ms=profile.pipeline.audio_chunk_ms)]
+
+
+@pytest.mark.asyncio
+async def test_session_equals_direct_model_calls(tiny, demo_file):
+    profile, worker, models = tiny
+    spy = ContextSpy(models.answerer)
+    session = await Session(profile, Models(models.asr, spy), worker).start()
+    events: list = []
+    consumer = asyncio.create_task(_drain(session, events))
+    await feed(FileSource(demo_file, speed=0, chunk_ms=profile.pipeline.audio_chunk_ms), session,
+               [ScheduledQuestion("what moved?", at=5.0)])
+    await session.finish()
+    await consumer
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    # The same audio straight through the ASR stream, no pipeline.
+    stream = models.asr.open_stream()
+    direct = [u for chunk in await _chunks(demo_file, profile) for u in stream.accept(chunk)] + stream.finish()
+    completed = [e.transcript for e in events if e.type.endswith("transcription.completed")]
+    assert completed == [u.transcript for u in direct if u.completed]
+    deltas = [e.delta for e in events if e.type.endswith("transcription.delta")]
+    assert "".join(deltas) == "".join(u.delta for u in direct if not u.completed)
+
+    # The answer equals the answerer run directly on the context the session gave it.
+    (context,) = spy.contexts
+    assert context.startswith("[00:00.0] ")  # what was heard before the question, stamped
+    state = models.answerer.start(context, "what moved?")
+    expected = []
+    while True:
+        step = models.answerer.step(state)
+        expected.append(step.delta)
+        if step.done:
+            break
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert answer == "".join(expected)
+    done = next(e for e in events if e.type == "response.done")
+    assert done.response["usage"]["output_tokens"] == len(expected)
+    assert done.response["timing"]["first_token_s"] > 0
+
+
+class ContextSpy:
+    """The real answerer, recording the context the session hands it."""
+
+    def __init__(self, answerer):
+        self.answerer, self.contexts = answerer, []
+
+    def start(self, context, question):
+        self.contexts.append(context)
+        return self.answerer.start(context, question)
+
+    def step(self, state):
+        return self.answerer.step(state)
+
+    def release(self, state):
+        return self.answerer.release(state)
+
+
+async def _drain(session, sink):
+    async for event in session.events:
+        sink.append(event)

@@ -1,0 +1,61 @@
+"""One event schema: every event serialises to JSON and parses back to itself."""
+
+import json
+
+import pytest
+
+from runtime.events import (
+    Metrics,
+    ResponseCreated,
+    ResponseDone,
+    ResponseTextDelta,
+    ResponseTextDone,
+    SessionCreated,
+    TranscriptionCompleted,
+    TranscriptionDelta,
+    error_event,
+    event_types,
+    parse_event,
+)
+
+SAMPLES = [
+    SessionCreated(session={"id": "sess_1"}),
+    TranscriptionDelta(item_id="item_1", delta="hello ", unstable="wor", start=0.0, end=1.2, media_time=1.2),
+    TranscriptionCompleted(item_id="item_1", transcript="hello world", start=0.0, end=2.0, media_time=2.0),
+    ResponseCreated(response={"id": "resp_1", "status": "in_progress"}),
+    ResponseTextDelta(response_id="resp_1", item_id="item_2", delta="Hi"),
+    ResponseTextDone(response_id="resp_1", item_id="item_2", text="Hi"),
+    ResponseDone(response={"id": "resp_1", "status": "completed"}),
+    Metrics(metrics={"loop_lag": {"max_ms": 1.0}}),
+    error_event("bad", code="empty_question", param="text", client_event_id="evt_c"),
+]
+
+
+def test_every_event_type_is_covered():
+    assert sorted(e.type for e in SAMPLES) == event_types()
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: e.type)
+def test_round_trip(event):
+    line = event.to_json()
+    assert "\n" not in line
+    data = json.loads(line)
+    assert data["type"] == event.type and data["event_id"].startswith("evt_")
+    assert isinstance(data["wall_time"], float) and "media_time" in data
+    assert parse_event(line) == event
+
+
+def test_openai_realtime_names_and_error_shape():
+    err = error_event("the question is empty", code="empty_question", param="text", client_event_id="evt_9")
+    data = err.to_dict()
+    assert data["type"] == "error"
+    assert data["error"] == {"type": "invalid_request_error", "code": "empty_question",
+                             "message": "the question is empty", "param": "text", "event_id": "evt_9"}
+    assert TranscriptionDelta.type == "conversation.item.input_audio_transcription.delta"
+    assert ResponseTextDelta.type == "response.output_text.delta"
+
+
+def test_parse_rejects_garbage():
+    for bad in ['{"type": "nope"}', '[]', '{"type": "response.done", "response": {}, "extra": 1}']:
+        with pytest.raises(ValueError):
+            parse_event(bad)

@@ -1,0 +1,110 @@
+"""CLI printers: JSON lines that round-trip through parse_event, and a readable live text view."""
+
+import io
+
+from runtime.events import (
+    Metrics,
+    ResponseCreated,
+    ResponseDone,
+    ResponseTextDelta,
+    ResponseTextDone,
+    SessionCreated,
+    TranscriptionCompleted,
+    TranscriptionDelta,
+    error_event,
+    parse_event,
+)
+from runtime.io.printers import DIM, JsonLinesPrinter, TextPrinter, timestamp
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def conversation() -> list:
+    item = dict(item_id="item_1", start=1.0, end=2.0)
+    answer = dict(response_id="resp_1", item_id="item_a")
+    return [
+        SessionCreated(session={"id": "sess_1"}),
+        TranscriptionDelta(delta="A red", unstable=" bal", **item),
+        TranscriptionDelta(delta=" ball rolls", unstable=" to", **item),
+        TranscriptionCompleted(transcript="A red ball rolls to the right.", **item),
+        ResponseCreated(response={"id": "resp_1", "question": "What rolls?"}),
+        ResponseTextDelta(delta="The red", **answer),
+        ResponseTextDelta(delta=" ball.", **answer),
+        ResponseTextDone(text="The red ball.", **answer),
+        ResponseDone(response={"id": "resp_1", "status": "completed"}),
+        Metrics(metrics={"rtf": 0.1}),
+        error_event("question queue is full", code="queue_full"),
+    ]
+
+
+def test_json_lines_round_trip() -> None:
+    stream = io.StringIO()
+    printer = JsonLinesPrinter(stream)
+    events = conversation()
+    for event in events:
+        printer.write(event)
+    printer.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == len(events)
+    parsed = [parse_event(line) for line in lines]
+    assert [p.to_dict() for p in parsed] == [e.to_dict() for e in events]
+
+
+def test_text_view() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    printer = TextPrinter(out, error_stream=err)
+    for event in conversation():
+        printer.write(event)
+    printer.close()
+    lines = out.getvalue().splitlines()
+    assert lines == ["[00:01.0] A red ball rolls to the right.", "Q: What rolls?", "A: The red ball."]
+    assert "\x1b" not in out.getvalue()  # not a terminal: no unstable tail, no escapes
+    assert err.getvalue() == "error: question queue is full\n"
+
+
+def test_metrics_only_when_asked() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, show_metrics=True, error_stream=io.StringIO())
+    printer.write(Metrics(metrics={"rtf": 0.1}))
+    assert out.getvalue() == 'metrics: {"rtf":0.1}\n'
+
+
+def test_terminal_shows_unstable_tail_dim() -> None:
+    out = Terminal()
+    printer = TextPrinter(out)
+    printer.write(TranscriptionDelta(item_id="i", delta="hello", unstable=" wor", start=65.0, end=66.0))
+    assert out.getvalue().startswith("[01:05.0] hello") and f"{DIM} wor" in out.getvalue()
+    printer.write(TranscriptionCompleted(item_id="i", transcript="hello world", start=65.0, end=66.0))
+    assert out.getvalue().endswith(" world\n")
+
+
+def test_interleaved_lines_and_fallbacks() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, error_stream=io.StringIO())
+    answer = dict(response_id="r", item_id="a")
+    printer.write(ResponseCreated(response={"id": "r"}))
+    printer.write(ResponseTextDelta(delta="Yes", **answer))
+    printer.write(TranscriptionDelta(item_id="t", delta="more speech", start=3.0, end=4.0))
+    printer.write(ResponseTextDelta(delta=" indeed", **answer))
+    printer.write(ResponseDone(response={"id": "r", "status": "cancelled"}))
+    printer.write(TranscriptionCompleted(item_id="t", transcript="more speech here", start=3.0, end=5.0))
+    printer.write(TranscriptionCompleted(item_id="u", transcript="no deltas", start=6.0, end=7.0))
+    printer.write(ResponseCreated(response={"id": "s"}))
+    printer.write(ResponseTextDone(text="whole answer", response_id="s", item_id="b"))
+    printer.write(ResponseDone(response={"id": "s", "status": "completed"}))
+    printer.close()
+    assert out.getvalue().splitlines() == [  # transcript held while the answer streams, then printed
+        "A: Yes indeed [cancelled]",
+        "[00:03.0] more speech here",
+        "[00:06.0] no deltas",
+        "A: whole answer",
+    ]
+
+
+def test_timestamp() -> None:
+    assert timestamp(0) == "[00:00.0]"
+    assert timestamp(59.96) == "[01:00.0]"
+    assert timestamp(754.32) == "[12:34.3]"

@@ -1,0 +1,291 @@
+"""The session's pipeline with stand-in models whose behaviour the assertions can predict: ordering,
+waiting for the words heard before a question, errors that cost nothing else, cancel, backpressure,
+video sampling and clean shutdown. The real tiny models run end to end in test_end_to_end.py."""
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
+from runtime.config import load_profile, with_overrides
+from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.lm.answerer import AnswerStep
+from runtime.session import Models, Session
+from runtime.worker import DeviceWorker
+
+CHUNK = SAMPLE_RATE // 10  # 100 ms
+
+
+class WordASR:
+    """Hears one word per chunk: 'w<index>'; completes an item every `per_item` chunks."""
+
+    name = "words"
+
+    def __init__(self, per_item: int = 5, delay_s: float = 0.0, fail_on: int | None = None) -> None:
+        self.per_item, self.delay_s, self.fail_on = per_item, delay_s, fail_on
+        self.streams: list[WordStream] = []
+
+    def open_stream(self) -> "WordStream":
+        self.streams.append(WordStream(self))
+        return self.streams[-1]
+
+
+@dataclass
+class WordStream:
+    model: WordASR
+    chunks: list[int] = field(default_factory=list)
+    item: int = 0
+    words: list[str] = field(default_factory=list)
+    item_start: float = 0.0
+    closed: bool = False
+    threads: set[str] = field(default_factory=set)
+
+    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
+        self.threads.add(threading.current_thread().name)
+        index = chunk.start_sample // CHUNK
+        if index == self.model.fail_on:
+            raise RuntimeError("corrupt chunk")
+        time.sleep(self.model.delay_s)
+        self.chunks.append(index)
+        self.words.append(f"w{index}")
+        out = [TranscriptUpdate(f"item{self.item}", f"w{index} ", "", self.item_start, chunk.end)]
+        if len(self.words) == self.model.per_item:
+            out.append(self._complete(chunk.end))
+        return out
+
+    def _complete(self, end: float) -> TranscriptUpdate:
+        update = TranscriptUpdate(f"item{self.item}", "", "", self.item_start, end, True, " ".join(self.words))
+        self.item, self.words, self.item_start = self.item + 1, [], end
+        return update
+
+    def finish(self) -> list[TranscriptUpdate]:
+        return [self._complete(len(self.chunks) * CHUNK / SAMPLE_RATE)] if self.words else []
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class EchoAnswerer:
+    """Answers by spelling back the last word of its context, one character per step."""
+
+    name = "echo"
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.contexts: list[str] = []
+        self.released = 0
+
+    def start(self, context: str, question: str) -> dict:
+        self.contexts.append(context)
+        last = context.split()[-1] if context.split() else "nothing"
+        return {"text": f"{question}->{last}", "i": 0}
+
+    def step(self, state: dict) -> AnswerStep:
+        time.sleep(self.step_s)
+        ch = state["text"][state["i"]]
+        state["i"] += 1
+        done = state["i"] == len(state["text"])
+        return AnswerStep(ch, done, "stop" if done else None)
+
+    def release(self, state: dict) -> None:
+        self.released += 1
+
+
+def _profile(**pipeline):
+    return with_overrides(load_profile("tiny"), pipeline={"metrics_interval_s": 0.0, **pipeline})
+
+
+def _audio(n_chunks: int, start: int = 0) -> list[AudioChunk]:
+    return [AudioChunk(np.zeros(CHUNK, np.float32), (start + i) * CHUNK) for i in range(n_chunks)]
+
+
+async def _collect(session: Session) -> list:
+    return [event async for event in session.events]
+
+
+def _types(events) -> list[str]:
+    return [e.type for e in events]
+
+
+@pytest.fixture
+def worker():
+    with DeviceWorker() as w:
+        yield w
+
+
+@pytest.mark.asyncio
+async def test_transcript_then_answer_in_order_with_no_task_left(worker):
+    asr, answerer = WordASR(), EchoAnswerer()
+    session = await Session(_profile(), Models(asr, answerer), worker).start()
+    events = asyncio.create_task(_collect(session))
+    for chunk in _audio(12):
+        await session.push_audio(chunk)
+    await session.ask("q", media_time=1.2)
+    await session.finish()
+    out = await events
+    types = _types(out)
+    assert types[0] == "session.created" and types[-1] == "metrics"
+    completed = [e.transcript for e in out if e.type.endswith("transcription.completed")]
+    assert completed == ["w0 w1 w2 w3 w4", "w5 w6 w7 w8 w9", "w10 w11"]
+    answer = "".join(e.delta for e in out if e.type == "response.output_text.delta")
+    assert answer == "q->w11"  # the answer waited for every word heard before the question
+    assert types.index("response.created") < types.index("response.output_text.done") < types.index("response.done")
+    done = next(e for e in out if e.type == "response.done")
+    assert done.response["status"] == "completed" and done.response["usage"]["output_tokens"] == len("q->w11")
+    assert asr.streams[0].chunks == list(range(12)) and asr.streams[0].closed
+    assert asr.streams[0].threads == {worker.name}  # model compute ran on the worker, not the loop
+    assert answerer.released == 1
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+@pytest.mark.asyncio
+async def test_question_mid_stream_sees_only_what_was_heard(worker):
+    answerer = EchoAnswerer()
+    session = await Session(_profile(), Models(WordASR(per_item=100), answerer), worker).start()
+    events = asyncio.create_task(_collect(session))
+    for chunk in _audio(5):
+        await session.push_audio(chunk)
+    await session.ask("mid")  # media time 0.5 s: words w0..w4
+    for chunk in _audio(5, start=5):
+        await session.push_audio(chunk)
+    await session.finish()
+    await events
+    assert answerer.contexts[0].split()[-1] == "w4"
+
+
+@pytest.mark.asyncio
+async def test_media_times_line_up(worker):
+    session = await Session(_profile(), Models(WordASR(per_item=3), EchoAnswerer()), worker).start()
+    events = asyncio.create_task(_collect(session))
+    for chunk in _audio(9):
+        await session.push_audio(chunk)
+    await session.finish()
+    out = [e for e in await events if e.type.startswith("conversation.item")]
+    ends = [e.end for e in out]
+    assert ends == sorted(ends) and ends[-1] == pytest.approx(0.9)
+    completed = [e for e in out if e.type.endswith("completed")]
+    spans = [(c.start, c.end) for c in completed]
+    assert spans == [(0.0, pytest.approx(0.3)), (pytest.approx(0.3), pytest.approx(0.6)),
+                     (pytest.approx(0.6), pytest.approx(0.9))]
+    assert all(e.media_time == e.end for e in out)
+
+
+@pytest.mark.asyncio
+async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
+    asr = WordASR(fail_on=2)
+    session = await Session(_profile(), Models(asr, EchoAnswerer()), worker).start()
+    events = asyncio.create_task(_collect(session))
+    assert await session.ask("   ", client_event_id="evt_client") is None
+    with pytest.raises(ValueError, match="contiguous"):
+        await session.push_audio(AudioChunk(np.zeros(10, np.float32), 999))
+    for chunk in _audio(4):
+        await session.push_audio(chunk)
+    await session.ask("still there?")
+    await session.finish()
+    out = await events
+    errors = [e.error for e in out if e.type == "error"]
+    assert [e["code"] for e in errors] == ["empty_question", "asr_failed"]
+    assert errors[0]["event_id"] == "evt_client" and errors[0]["param"] == "text"
+    assert asr.streams[0].chunks == [0, 1, 3]  # only the bad chunk was lost
+    assert "".join(e.delta for e in out if e.type == "response.output_text.delta") == "still there?->w3"
+
+
+@pytest.mark.asyncio
+async def test_cancel_stops_the_answer_within_a_step(worker):
+    answerer = EchoAnswerer(step_s=0.02)
+    session = await Session(_profile(), Models(WordASR(), answerer), worker).start()
+    seen: list = []
+
+    async def consume():
+        async for event in session.events:
+            seen.append(event)
+            if event.type == "response.output_text.delta" and len(seen) < 100:
+                session.cancel_response()
+
+    consumer = asyncio.create_task(consume())
+    await session.ask("a long question that would take many steps")
+    await session.finish()
+    await consumer
+    deltas = [e for e in seen if e.type == "response.output_text.delta"]
+    done = next(e for e in seen if e.type == "response.done")
+    assert done.response["status"] == "cancelled"
+    assert len(deltas) <= 2 and answerer.released == 1
+
+
+@pytest.mark.asyncio
+async def test_slow_asr_slows_the_source_and_loses_no_audio(worker):
+    asr = WordASR(per_item=1000, delay_s=0.01)
+    session = await Session(_profile(audio_queue_chunks=3), Models(asr, EchoAnswerer()), worker).start()
+    events = asyncio.create_task(_collect(session))
+    started = time.perf_counter()
+    for chunk in _audio(40):
+        await session.push_audio(chunk)
+        assert len(session.audio_in) <= 3
+    pushing_s = time.perf_counter() - started
+    await session.finish()
+    out = await events
+    assert asr.streams[0].chunks == list(range(40))
+    assert pushing_s >= 0.01 * (40 - 3 - 2)  # the producer was held back by the consumer
+    final = out[-1].metrics["channels"]["audio"]
+    assert final["dropped"] == 0 and final["blocked_s"] > 0 and final["max_depth"] == 3
+
+
+@pytest.mark.asyncio
+async def test_video_is_sampled_at_the_configured_fps(worker):
+    profile = with_overrides(_profile(), video={"fps": 2.0})
+    session = await Session(profile, Models(WordASR(), EchoAnswerer()), worker).start()
+    events = asyncio.create_task(_collect(session))
+    image = np.zeros((8, 8, 3), np.uint8)
+    kept = [session.push_video(VideoFrame(image, i / 30)) for i in range(90)]  # 3 s at 30 fps
+    await session.finish()
+    out = await events
+    assert sum(kept) == 6
+    video = out[-1].metrics["video"]
+    assert video["frames_in"] == 90 and video["fps_skipped"] == 84
+    assert video["processed"] + video["dropped_full"] == 6
+
+
+@pytest.mark.asyncio
+async def test_stop_mid_answer_leaves_nothing_behind(worker):
+    asr, answerer = WordASR(), EchoAnswerer(step_s=0.05)
+    session = await Session(_profile(), Models(asr, answerer), worker).start()
+    events = asyncio.create_task(_collect(session))
+    for chunk in _audio(3):
+        await session.push_audio(chunk)
+    await session.ask("something long enough to still be answering")
+    await asyncio.sleep(0.2)
+    await session.stop()
+    out = await events
+    assert out[-1].type == "metrics"
+    assert asr.streams[0].closed and answerer.released == 1
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    assert await worker.run(0, lambda: "alive") == "alive"
+
+
+@pytest.mark.asyncio
+async def test_full_question_queue_is_refused_with_an_error(worker):
+    session = await Session(_profile(question_queue=1), Models(WordASR(), EchoAnswerer(step_s=0.05)),
+                            worker).start()
+    events = asyncio.create_task(_collect(session))
+    ids = [await session.ask(f"q{i}") for i in range(4)]
+    await session.stop()
+    out = await events
+    assert ids[0] is not None and None in ids
+    assert any(e.type == "error" and e.error["code"] == "question_queue_full" for e in out)
+
+
+@pytest.mark.asyncio
+async def test_metrics_are_emitted_periodically(worker):
+    session = await Session(_profile(metrics_interval_s=0.05), Models(WordASR(), EchoAnswerer()), worker).start()
+    events = asyncio.create_task(_collect(session))
+    await asyncio.sleep(0.3)
+    await session.finish()
+    metrics = [e.metrics for e in await events if e.type == "metrics"]
+    assert len(metrics) >= 3
+    assert {"loop_lag", "channels", "video", "asr", "worker"} <= set(metrics[-1])
+    assert metrics[-1]["loop_lag"]["samples"] > 0

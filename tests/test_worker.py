@@ -1,0 +1,80 @@
+"""The device worker runs jobs off the event loop, in priority order, bounded, and reports failures."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from runtime.worker import DeviceWorker, Priority, WorkerStopped
+
+
+@pytest.mark.asyncio
+async def test_jobs_run_on_the_worker_thread_not_the_loop():
+    with DeviceWorker() as worker:
+        name = await worker.run(Priority.ASR, lambda: threading.current_thread().name)
+        assert name == worker.name != threading.current_thread().name
+
+
+@pytest.mark.asyncio
+async def test_loop_stays_responsive_while_a_job_computes():
+    with DeviceWorker() as worker:
+        job = asyncio.create_task(worker.run(Priority.DECODE, time.sleep, 0.3))
+        ticks = 0
+        while not job.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks >= 10  # the loop kept running during the 0.3 s job
+
+
+@pytest.mark.asyncio
+async def test_asr_overtakes_queued_decode_and_vision():
+    order: list[str] = []
+    gate = threading.Event()
+    with DeviceWorker() as worker:
+        blocker = asyncio.create_task(worker.run(Priority.CONTROL, gate.wait, 5))
+        await asyncio.sleep(0.02)  # the worker is now busy; the rest queue up
+        jobs = [
+            asyncio.create_task(worker.run(p, order.append, p.name))
+            for p in (Priority.VISION, Priority.DECODE, Priority.PREFILL, Priority.DECODE, Priority.ASR)
+        ]
+        await asyncio.sleep(0.02)
+        gate.set()
+        await asyncio.gather(blocker, *jobs)
+    assert order == ["ASR", "PREFILL", "DECODE", "DECODE", "VISION"]
+
+
+@pytest.mark.asyncio
+async def test_errors_reach_the_caller_and_the_worker_survives():
+    def boom():
+        raise ValueError("bad chunk")
+
+    with DeviceWorker() as worker:
+        with pytest.raises(ValueError, match="bad chunk"):
+            await worker.run(Priority.ASR, boom)
+        assert await worker.run(Priority.ASR, lambda: 42) == 42
+
+
+@pytest.mark.asyncio
+async def test_pending_jobs_are_bounded_and_cancelled_jobs_are_skipped():
+    ran: list[int] = []
+    gate = threading.Event()
+    with DeviceWorker(max_pending=2) as worker:
+        first = asyncio.create_task(worker.run(Priority.CONTROL, gate.wait, 5))
+        queued = [asyncio.create_task(worker.run(Priority.DECODE, ran.append, i)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        assert worker.stats()["pending"] == 2  # the other three callers wait for a slot
+        queued[0].cancel()
+        await asyncio.sleep(0.01)
+        gate.set()
+        await first
+        await asyncio.gather(*queued, return_exceptions=True)
+    assert ran == [1, 2, 3]
+
+
+def test_stopped_worker_refuses_work():
+    worker = DeviceWorker().start()
+    worker.stop()
+    assert not worker.thread.is_alive()
+    with pytest.raises(WorkerStopped):
+        worker.submit(Priority.ASR, print)
