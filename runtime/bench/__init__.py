@@ -1,0 +1,1 @@
+"""`runtime bench ...`: shape-true benchmarks, arriving with the ASR, language-engine and video issues."""

@@ -1,0 +1,1 @@
+"""Serving (websocket protocol, WebRTC, browser demo) arrives with the serving issue; nothing here yet."""
