@@ -56,9 +56,7 @@ class Console:
         self._bar = bar
 
         def update(media_time: float) -> None:
-            bar.n = min(round(media_time, 1), bar.total or media_time)
-            bar.refresh() if bar.n - getattr(bar, "_shown", -1.0) >= 0.5 else None
-            bar._shown = bar.n  # type: ignore[attr-defined]
+            bar.update(max(0.0, round(media_time, 1) - bar.n))  # tqdm throttles redraws itself
 
         return update
 
