@@ -21,12 +21,20 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class ASRConfig:
-    backend: str = "whisper-buffered"
-    model: str = "tiny:whisper"  # a hub id, a local directory, or tiny:<name> (random, built from config)
+    backend: str = "whisper-buffered"  # whisper-buffered (the reference peer) | causal-whisper | fastconformer
+    model: str = "tiny:whisper"  # a hub id, a local directory (or .nemo file), or tiny:<name> (random)
     language: str = "en"
-    step_s: float = 1.0  # how often the buffered slice re-decodes its buffer
-    segment_s: float = 8.0  # buffer length at which a transcript item is completed and the buffer cut
-    max_new_tokens: int = 48
+    max_new_tokens: int = 48  # decoder tokens per transcript item (Whisper backends)
+    # whisper-buffered: re-decode the buffer every step_s; complete an item and cut the buffer at segment_s.
+    step_s: float = 1.0
+    segment_s: float = 8.0
+    # causal-whisper: block (chunk) size, tokens re-checked per chunk, cache reset point, LoRA adapter dir.
+    chunk_ms: int = 300  # 40 | 100 | 200 | 300 | 1000
+    lookback_tokens: int = 2
+    reset_s: float = 30.0
+    adapter: str = ""
+    # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
+    lookahead_ms: int = 1040
 
 
 @dataclass(frozen=True)

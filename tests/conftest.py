@@ -12,6 +12,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Tiny models are latency-bound; on a loaded 2-core machine spare intra-op threads only spin."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def demo_file():
     """The demo sample as an MP4 (speech + moving shapes), built once per test run."""

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-import torch
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
@@ -15,19 +14,6 @@ from runtime.models.asr import TranscriptUpdate, load_asr
 from runtime.models.asr.whisper_buffered import WhisperBuffered, WhisperBufferedStream
 
 CFG = ASRConfig(step_s=0.5, segment_s=2.0, max_new_tokens=24)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def runtime_cache(tmp_path_factory: pytest.TempPathFactory):
-    """A private model cache, offline, and one torch thread: tiny models are latency-bound, and on a
-    loaded 2-core machine oversubscribed intra-op threads make them ~30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RUNTIME_CACHE", str(tmp_path_factory.mktemp("runtime-cache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

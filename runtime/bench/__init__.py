@@ -1,1 +1,48 @@
-"""`runtime bench ...`: shape-true benchmarks, arriving with the ASR, language-engine and video issues."""
+"""`runtime bench NAME [--quick] [--json]`: shape-true benchmarks that print one JSON object.
+
+Shape-true: the real architectures' configs with random weights. Compute does not depend on weight values,
+so speed and memory are real; accuracy, acceptance rates and answer quality are not, and no benchmark here
+reports them. `--quick` shrinks shapes so a run fits in about a minute on 2 CPU cores (CI-sized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# name -> (module, one-line description); each module has `run(args) -> dict`.
+BENCHES: dict[str, tuple[str, str]] = {
+    "asr": ("runtime.bench.asr", "streaming ASR: exactness, per-chunk cost, RTF, cost growth, buffered peer"),
+}
+NOT_BUILT = {
+    "llm": "the language-engine issue (KV window, streaming prefill, speculative decoding)",
+    "video": "the video-memory issue",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    names = ", ".join([*BENCHES, *NOT_BUILT])
+    parser.add_argument("name", metavar="NAME", help=f"which benchmark: {names}")
+    parser.add_argument("--quick", action="store_true", help="small shapes; about a minute on 2 CPU cores")
+    parser.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                        help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: one per core but one)")
+
+
+def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
+    if args.name in NOT_BUILT:
+        print(f"runtime bench {args.name}: not built yet: arrives with {NOT_BUILT[args.name]}.", file=sys.stderr)
+        return 2
+    if args.name not in BENCHES:
+        print(f"runtime: error: unknown benchmark {args.name!r} (known: {', '.join(BENCHES)})", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHES[args.name][0])
+    result: dict[str, Any] = module.run(args, status)
+    print(json.dumps(result, indent=None if args.json else 2, sort_keys=False))
+    return 0

@@ -8,6 +8,7 @@ not on disk fails at once with a one-line `CheckpointNotFound` that says how to 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -37,6 +38,7 @@ HUB_PATTERNS = [
     "*.jinja",  # chat_template.jinja
     "*.model",  # sentencepiece tokenizers
     "*.tiktoken",
+    "*.nemo",  # NVIDIA NeMo archives (FastConformer)
 ]
 
 
@@ -85,6 +87,10 @@ def tiny_hash(name: str, seed: int) -> str:
         "seed": seed,
         "version": tiny.TINY_VERSION,
         "source": hashlib.sha256(inspect.getsource(tiny).encode()).hexdigest(),
+        "sources": [
+            hashlib.sha256(inspect.getsource(importlib.import_module(m)).encode()).hexdigest()
+            for m in tiny.TINY_SOURCES.get(name, ())
+        ],
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
         "torch": torch.__version__.split("+")[0],

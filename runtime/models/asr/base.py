@@ -50,7 +50,7 @@ class StreamingASR(Protocol):
     def open_stream(self) -> ASRStream: ...
 
 
-BACKENDS = ("whisper-buffered",)
+BACKENDS = ("whisper-buffered", "causal-whisper", "fastconformer")
 
 
 def load_asr(cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str], None] | None = None) -> StreamingASR:
@@ -59,4 +59,8 @@ def load_asr(cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str
         from runtime.models.asr.whisper_buffered import WhisperBuffered
 
         return WhisperBuffered.load(cfg, device=device, dtype=dtype, progress=progress)
+    if cfg.backend == "fastconformer":
+        from runtime.models.asr.fastconformer.stream import FastConformerASR
+
+        return FastConformerASR.load(cfg, device=device, dtype=dtype, progress=progress)
     raise ConfigError(f"unknown asr.backend {cfg.backend!r} (known: {', '.join(BACKENDS)})")

@@ -1,0 +1,30 @@
+"""Real architectures' configs for shape-true benchmarks (random weights, real compute).
+
+Numbers are the published configs of the checkpoints named; `--quick` swaps in small shapes of the same
+families so CI-sized machines finish in about a minute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import WhisperConfig
+
+WHISPER_SHAPES: dict[str, dict[str, Any]] = {
+    "whisper-base": dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+                         decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+                         num_mel_bins=80, vocab_size=51865),
+    "whisper-large-v3": dict(d_model=1280, encoder_layers=32, decoder_layers=32, encoder_attention_heads=20,
+                             decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
+                             num_mel_bins=128, vocab_size=51866),
+    # --quick: the whisper-base family shrunk (same layer types, 30 s positional table).
+    "whisper-quick": dict(d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024,
+                          num_mel_bins=80, vocab_size=51865),
+}
+
+
+def whisper_config(name: str) -> WhisperConfig:
+    shape = WHISPER_SHAPES[name]
+    return WhisperConfig(max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258,
+                         pad_token_id=50257, bos_token_id=50257, eos_token_id=50257, **shape)

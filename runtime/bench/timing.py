@@ -1,0 +1,33 @@
+"""Timing helpers shared by the benchmarks: wall time that waits for the accelerator, and percentiles."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+T = TypeVar("T")
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], T], device: str = "cpu") -> tuple[T, float]:
+    """Run `fn` and return (result, seconds), waiting for queued GPU work on both sides."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - started
+
+
+def percentiles_ms(seconds: Sequence[float], qs: Sequence[int] = (50, 95)) -> dict[str, float]:
+    if not seconds:
+        return {f"p{q}": float("nan") for q in qs}
+    values = np.asarray(seconds) * 1000.0
+    return {f"p{q}": round(float(np.percentile(values, q)), 3) for q in qs}

@@ -1,0 +1,302 @@
+"""Block-causal Whisper encoder (CarelessWhisper) with an exact incremental streaming path.
+
+Encoder frames are 20 ms (mel hop 10 ms, conv2 stride 2). Frames are grouped in blocks of `block_frames`
+(`gran`, = chunk_ms / 20); the first block is widened by one block (2 * gran frames), so the first output
+has enough context. A frame in block b attends to every frame of blocks <= b: bidirectional inside a block,
+causal across blocks. `forward_full` runs that mask over a whole mel in one pass (training, reference);
+`EncoderStream` computes the same states chunk by chunk, each frame exactly once:
+
+- The convolutions run incrementally: between calls only their receptive-field context is carried (two
+  mel frames for conv1, at most two conv1 frames for conv2). Encoder frame s reads mel frames 2s-2..2s+2,
+  so it is held back until mel frame 2s+2 has arrived (10 ms of look-ahead); at flush the right edge is
+  zero-padded exactly as the convs' own padding pads it in `forward_full`.
+- Positional embeddings are added at each frame's absolute index.
+- Only completed blocks go through the layers: queries are the block's frames, keys/values the per-layer
+  cache plus the block. Attention to the past is the only cost that grows with the stream.
+
+A stream holds at most `max_source_positions` (1500, 30 s) encoder frames, the size of the positional
+table; feeding more raises `EncoderStreamFull` before any state changes. The caller resets by opening a new
+stream (CarelessWhisper resets its caches at 30 s and carries text, not audio, across the reset).
+
+The layers call the HF modules themselves (q/k/v/out projections, fc1/fc2, layer norms, convs), looked up
+at every call, so peft LoRA wrappers injected into the model are used and trained through `forward_full`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.models.whisper.modeling_whisper import WhisperAttention, WhisperEncoder, WhisperEncoderLayer
+
+from runtime.errors import ConfigError
+from runtime.models.asr.causal_whisper.features import HOP, INIT_MAX, StreamingLogMel, log_mel
+
+FRAME_MS = 20  # one encoder frame: two 10 ms mel hops
+MEL_PER_FRAME = 2
+
+
+class EncoderStreamFull(RuntimeError):
+    """More audio than the positional table holds (1500 frames, 30 s): open a new stream."""
+
+
+def block_frames_for(chunk_ms: int) -> int:
+    """Block size in encoder frames for a chunk of `chunk_ms` (40/100/200/300/1000 ms -> 2/5/10/15/50)."""
+    if chunk_ms <= 0 or chunk_ms % FRAME_MS:
+        raise ConfigError(f"asr.chunk_ms must be a positive multiple of {FRAME_MS} ms, got {chunk_ms}")
+    return chunk_ms // FRAME_MS
+
+
+def block_end(frame: int, block_frames: int) -> int:
+    """Exclusive end (in encoder frames) of the block holding `frame`; the first block is 2 * block_frames."""
+    return max(2, frame // block_frames + 1) * block_frames
+
+
+def block_causal_mask(
+    q_start: int, q_end: int, k_end: int, block_frames: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Boolean [q_end - q_start, k_end] mask (True = attend) of queries q_start.. over keys 0..k_end-1."""
+    i = torch.arange(q_start, q_end, device=device)
+    limit = torch.clamp(i // block_frames + 1, min=2) * block_frames
+    return torch.arange(k_end, device=device)[None, :] < limit[:, None]
+
+
+class _KVCache:
+    """One layer's self-attention keys/values [1, heads, n, head_dim], grown geometrically (no copy per block)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.n = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = self.n + k.shape[2]
+        if self.k is None or need > self.k.shape[2]:
+            cap = max(need, 2 * (self.k.shape[2] if self.k is not None else 0), 64)
+            grow_k, grow_v = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            if self.k is not None:
+                grow_k[:, :, : self.n] = self.k[:, :, : self.n]
+                grow_v[:, :, : self.n] = self.v[:, :, : self.n]
+            self.k, self.v = grow_k, grow_v
+        self.k[:, :, self.n : need] = k
+        self.v[:, :, self.n : need] = v
+        self.n = need
+        return self.k[:, :, :need], self.v[:, :, :need]
+
+
+def _attention(
+    attn: WhisperAttention, x: torch.Tensor, mask: torch.Tensor | None, cache: _KVCache | None
+) -> torch.Tensor:
+    """Whisper self-attention with an explicit mask and optional K/V cache (HF's math: q scaled first)."""
+    b, t, _ = x.shape
+    shape = (b, t, attn.num_heads, attn.head_dim)
+    q = (attn.q_proj(x) * attn.scaling).view(shape).transpose(1, 2)
+    k = attn.k_proj(x).view(shape).transpose(1, 2)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.append(k, v)
+    p = attn.dropout if attn.training else 0.0
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+    return attn.out_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _layer(
+    layer: WhisperEncoderLayer, h: torch.Tensor, mask: torch.Tensor | None, cache: _KVCache | None
+) -> torch.Tensor:
+    """WhisperEncoderLayer.forward with our attention (pre-norm attention and MLP, residuals, fp16 clamp)."""
+    training = layer.training
+    x = _attention(layer.self_attn, layer.self_attn_layer_norm(h), mask, cache)
+    h = h + F.dropout(x, p=layer.dropout, training=training)
+    x = layer.activation_fn(layer.fc1(layer.final_layer_norm(h)))
+    x = layer.fc2(F.dropout(x, p=layer.activation_dropout, training=training))
+    h = h + F.dropout(x, p=layer.dropout, training=training)
+    if h.dtype == torch.float16:
+        bound = torch.finfo(h.dtype).max - 1000
+        h = torch.clamp(h, min=-bound, max=bound)
+    return h
+
+
+class CausalWhisperEncoder:
+    """The block-causal view of a Whisper model's encoder (its weights, not a copy).
+
+    `model` is a WhisperForConditionalGeneration / WhisperModel (possibly peft-wrapped) or a WhisperEncoder.
+    Dropout follows the encoder's train/eval mode; layerdrop is not applied.
+    """
+
+    def __init__(self, model: PreTrainedModel | WhisperEncoder, *, block_frames: int) -> None:
+        if block_frames < 1:
+            raise ConfigError(f"block_frames must be >= 1, got {block_frames}")
+        self.encoder: WhisperEncoder = model if isinstance(model, WhisperEncoder) else model.get_encoder()
+        self.block_frames = block_frames
+        config = self.encoder.config
+        self.n_mels: int = config.num_mel_bins
+        self.d_model: int = config.d_model
+        self.max_frames: int = config.max_source_positions  # 1500: the positional table
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.conv1.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder.conv1.weight.dtype
+
+    def frames_for(self, mel_frames: int) -> int:
+        """Encoder frames of `mel_frames` mel frames: ceil(T / 2)."""
+        return -(-mel_frames // MEL_PER_FRAME)
+
+    def forward_full(self, mel: torch.Tensor) -> torch.Tensor:
+        """[B, n_mels, T] mel -> [B, ceil(T / 2), d_model] states under the block-causal mask, in one pass.
+
+        Differentiable and batched. Every sequence in the batch is read as T frames long: with right padding,
+        frames whose block (or whose conv window, one mel frame ahead) reaches the padding see it.
+        """
+        enc = self.encoder
+        if mel.ndim != 3 or mel.shape[1] != self.n_mels:
+            raise ValueError(f"mel must be [batch, {self.n_mels}, frames], got {tuple(mel.shape)}")
+        if self.frames_for(mel.shape[2]) > self.max_frames:
+            raise ValueError(f"{mel.shape[2]} mel frames exceed the encoder's {self.max_frames} positions (30 s)")
+        mel = mel.to(self.device, self.dtype)
+        x = F.gelu(enc.conv2(F.gelu(enc.conv1(mel)))).transpose(1, 2)
+        t = x.shape[1]
+        h = x + enc.embed_positions(torch.arange(t, device=x.device))
+        h = F.dropout(h, p=enc.dropout, training=enc.training)
+        mask = block_causal_mask(0, t, t, self.block_frames, x.device)
+        for layer in enc.layers:
+            h = _layer(layer, h, mask, None)
+        return enc.layer_norm(h)
+
+    @torch.inference_mode()
+    def encode_audio(self, samples: np.ndarray, *, init_max: float = INIT_MAX) -> torch.Tensor:
+        """Offline states [frames, d_model] of up to 30 s of 16 kHz audio: what `StreamingEncoder` emits."""
+        return self.forward_full(log_mel(samples, self.n_mels, init_max=init_max)[None])[0]
+
+    @torch.inference_mode()
+    def open(self) -> EncoderStream:
+        """A new mel-frame stream with empty caches."""
+        return EncoderStream(self)
+
+    def open_audio(self, *, init_max: float = INIT_MAX) -> StreamingEncoder:
+        """A new audio stream (causal log-mel + encoder stream)."""
+        return StreamingEncoder(self, init_max=init_max)
+
+
+class EncoderStream:
+    """Exact incremental `forward_full` of one mel stream; see the module docstring.
+
+    `accept(mel [n_mels, n])` returns the encoder frames [k, d_model] of every block it completes (k is a
+    whole number of blocks, often 0); `flush()` ends the input and returns the rest, including a final
+    partial block. `frames_done` counts emitted frames; `conv1_frames`, `conv2_frames` and `layer_frames`
+    count the work done, each frame exactly once.
+    """
+
+    def __init__(self, owner: CausalWhisperEncoder) -> None:
+        self.owner = owner
+        enc, device, dtype = owner.encoder, owner.device, owner.dtype
+        self._mel = torch.zeros(owner.n_mels, 1, device=device, dtype=dtype)  # conv1's left zero padding
+        self._conv = torch.zeros(owner.d_model, 1, device=device, dtype=dtype)  # conv2's left zero padding
+        self._pending = torch.empty(0, owner.d_model, device=device, dtype=dtype)  # embedded, not yet in a block
+        self._caches = [_KVCache() for _ in enc.layers]
+        self.mel_frames = 0  # mel frames received
+        self.conv1_frames = 0
+        self.conv2_frames = 0  # = encoder frames out of the front end (their positions)
+        self.layer_frames = 0  # frames pushed through the layers
+        self.frames_done = 0  # encoder frames emitted
+        self.closed = False
+
+    def _front(self, mel: torch.Tensor, *, last: bool) -> None:
+        """Run the convs over the new mel frames as far as their right context allows (all of it if last)."""
+        enc = self.owner.encoder
+        zero_mel = mel.new_zeros(mel.shape[0], 1 if last and self.mel_frames else 0)
+        x = torch.cat([self._mel, mel, zero_mel], dim=1)
+        n1 = max(0, x.shape[1] - 2)
+        self._mel = x[:, n1:]
+        y = self._conv
+        if n1:
+            y1 = F.gelu(F.conv1d(x[None], enc.conv1.weight, enc.conv1.bias))[0]
+            y = torch.cat([y, y1], dim=1)
+            self.conv1_frames += n1
+        if last and self.mel_frames:
+            y = torch.cat([y, y.new_zeros(y.shape[0], 1)], dim=1)  # conv2's right zero padding
+        n2 = max(0, (y.shape[1] - 3) // 2 + 1)
+        self._conv = y[:, 2 * n2 :]
+        if n2:
+            y2 = F.gelu(F.conv1d(y[None], enc.conv2.weight, enc.conv2.bias, stride=2))[0].T
+            pos = enc.embed_positions(torch.arange(self.conv2_frames, self.conv2_frames + n2, device=y2.device))
+            self._pending = torch.cat([self._pending, y2 + pos])
+            self.conv2_frames += n2
+
+    def _layers(self, *, last: bool) -> torch.Tensor:
+        """Push every completed block (every pending frame if last) through the layers; return the states."""
+        gran, start = self.owner.block_frames, self.layer_frames
+        end = start
+        while end < self.conv2_frames and (last or block_end(end, gran) <= self.conv2_frames):
+            end = min(block_end(end, gran), self.conv2_frames)
+        if end == start:
+            return self._pending.new_empty(0, self.owner.d_model)
+        h, self._pending = self._pending[None, : end - start], self._pending[end - start :]
+        single = block_end(start, gran) >= end  # one block: every key is visible, no mask needed
+        mask = None if single else block_causal_mask(start, end, end, gran, h.device)
+        for layer, cache in zip(self.owner.encoder.layers, self._caches, strict=True):
+            h = _layer(layer, h, mask, cache)
+        self.layer_frames = self.frames_done = end
+        return self.owner.encoder.layer_norm(h)[0]
+
+    @torch.inference_mode()
+    def accept(self, mel: torch.Tensor) -> torch.Tensor:
+        """Feed mel frames [n_mels, n]; returns the encoder frames [k, d_model] of the blocks they complete."""
+        if self.closed:
+            raise RuntimeError("EncoderStream.accept after flush: open a new stream")
+        if mel.ndim != 2 or mel.shape[0] != self.owner.n_mels:
+            raise ValueError(f"mel must be [{self.owner.n_mels}, frames], got {tuple(mel.shape)}")
+        limit = self.owner.max_frames * MEL_PER_FRAME
+        if self.mel_frames + mel.shape[1] > limit:
+            raise EncoderStreamFull(
+                f"encoder stream full: {self.mel_frames + mel.shape[1]} mel frames exceed {limit} "
+                f"({self.owner.max_frames} encoder frames, 30 s); flush it and open a new stream"
+            )
+        self._front(mel.to(self.owner.device, self.owner.dtype), last=False)
+        self.mel_frames += mel.shape[1]
+        return self._layers(last=False)
+
+    @torch.inference_mode()
+    def flush(self) -> torch.Tensor:
+        """End of input: the held-back frames (right edge zero-padded as in `forward_full`); closes the stream."""
+        if self.closed:
+            raise RuntimeError("EncoderStream.flush called twice")
+        self.closed = True
+        self._front(self._mel[:, :0], last=True)
+        return self._layers(last=True)
+
+
+class StreamingEncoder:
+    """Audio in, encoder states out: `StreamingLogMel` feeding an `EncoderStream`.
+
+    Block b (ending at encoder frame e, i.e. e * 20 ms) is emitted by the `accept` that brings the audio to
+    e * 20 ms + 10 ms (sample 160 * (2e + 1)): its last 10 ms hop of mel plus one hop of conv look-ahead.
+    At most 30 s (480000 samples) per stream.
+    """
+
+    def __init__(self, encoder: CausalWhisperEncoder, *, init_max: float = INIT_MAX) -> None:
+        self.mel = StreamingLogMel(encoder.n_mels, init_max=init_max)
+        self.stream = encoder.open()
+        self.max_samples = encoder.max_frames * MEL_PER_FRAME * HOP
+
+    @property
+    def frames_done(self) -> int:
+        return self.stream.frames_done
+
+    def accept(self, samples: np.ndarray) -> torch.Tensor:
+        """Feed float32 16 kHz samples; returns the new encoder frames [k, d_model]."""
+        if self.mel.samples_seen + len(samples) > self.max_samples:
+            raise EncoderStreamFull(
+                f"encoder stream full: {self.mel.samples_seen + len(samples)} samples exceed "
+                f"{self.max_samples} (30 s); flush it and open a new stream"
+            )
+        return self.stream.accept(self.mel.accept(samples))
+
+    def flush(self) -> torch.Tensor:
+        """End of input: every remaining frame."""
+        head = self.stream.accept(self.mel.flush())
+        return torch.cat([head, self.stream.flush()])

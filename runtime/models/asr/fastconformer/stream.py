@@ -1,0 +1,189 @@
+"""`FastConformerASR`: the cache-aware FastConformer-CTC behind the `StreamingASR` interface.
+
+Greedy CTC needs no search and no revision: a frame's label is final as soon as its chunk has run, so every
+token is emitted as stable text (`delta`) at once and `unstable` is always "". Repeats are collapsed across
+chunk boundaries by carrying the previous frame's label. An item is completed at a pause (`pause_s`, 0.8 s
+= 10 frames of consecutive blanks after some text) and at `finish()`; its start is the frame of its first
+token and its end the frame after its last token (80 ms per frame, from the stream's first sample).
+The look-ahead (`asr.lookahead_ms`: 0 | 80 | 480 | 1040) picks one of the model's trained [left, right]
+attention contexts at run time; the same weights serve all of them.
+
+Item text is re-decoded from the item's tokens on each update (tokens -> text is not piecewise for byte
+pieces); that costs microseconds per token and items end at pauses. The encoder's per-chunk work is flat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from runtime.chunks import SAMPLE_RATE, AudioChunk
+from runtime.config import ASRConfig
+from runtime.errors import CheckpointNotFound, ConfigError
+from runtime.events import new_id
+from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.asr.fastconformer.model import FastConformerCTC
+from runtime.models.asr.fastconformer.nemo import load_nemo
+from runtime.models.asr.fastconformer.streaming import EncoderStream
+from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer
+from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+
+PAUSE_S = 0.8
+
+
+def context_for_lookahead(model: FastConformerCTC, lookahead_ms: int) -> tuple[int, int]:
+    """The model's [left, right] attention context whose look-ahead is `lookahead_ms`."""
+    offered = {model.cfg.lookahead_ms(c): c for c in model.cfg.att_context_sizes}
+    if lookahead_ms not in offered:
+        known = ", ".join(str(ms) for ms in sorted(offered))
+        raise ConfigError(f"asr.lookahead_ms={lookahead_ms} is not offered by this model (one of {known})")
+    return offered[lookahead_ms]
+
+
+def find_nemo(ref: str, progress: Callable[[str], None] | None = None) -> Path:
+    """A `.nemo` file: `ref` itself, or the single `.nemo` in the checkpoint directory `ref` resolves to."""
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path
+    directory = resolve_checkpoint(ref, role="asr", progress=progress)
+    found = sorted(directory.glob("*.nemo"))
+    if len(found) != 1:
+        what = "no .nemo file" if not found else f"{len(found)} .nemo files ({', '.join(p.name for p in found)})"
+        raise CheckpointNotFound(f"asr checkpoint {ref!r}: {directory} holds {what}; point asr.model at one .nemo file")
+    return found[0]
+
+
+class FastConformerASR:
+    """A loaded model shared by sessions; each `open_stream()` carries its own caches."""
+
+    def __init__(
+        self,
+        model: FastConformerCTC,
+        tokenizer: CTCTokenizer,
+        cfg: ASRConfig,
+        *,
+        name: str = "fastconformer",
+        pause_s: float = PAUSE_S,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.name = name
+        self.context = context_for_lookahead(model, cfg.lookahead_ms)
+        self.pause_frames = max(1, round(pause_s / model.cfg.frame_seconds))
+
+    @classmethod
+    def load(
+        cls, cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str], None] | None = None
+    ) -> FastConformerASR:
+        with load_progress(progress, "asr", cfg.model, device, dtype):
+            model, tokenizer = load_nemo(find_nemo(cfg.model, progress))
+            model.to_runtime(device, torch_dtype(dtype))
+        return cls(model, tokenizer, cfg, name=cfg.model)
+
+    def open_stream(self) -> FastConformerStream:
+        return FastConformerStream(self)
+
+
+class FastConformerStream:
+    """One session: encoder caches, the previous CTC label and the open item."""
+
+    def __init__(self, asr: FastConformerASR) -> None:
+        self._asr = asr
+        self._encoder: EncoderStream | None = EncoderStream(asr.model, asr.context)
+        self._blank = asr.model.blank
+        self._frame_s = asr.model.cfg.frame_seconds
+        self._next_sample: int | None = None
+        self._origin = 0.0  # media seconds of the stream's first sample
+        self._frames = 0  # encoder frames decoded so far
+        self._previous: int | None = None  # label of the last frame: repeats collapse across chunks
+        self._blank_run = 0
+        self._state = "open"
+        self.token_ids: list[int] = []  # every final token so far, across items
+        self._new_item()
+
+    def _new_item(self) -> None:
+        self._item_id = new_id("item")
+        self._tokens: list[int] = []
+        self._emitted = ""
+        self._first_frame = 0
+        self._last_frame = 0
+
+    def _time(self, frame: int) -> float:
+        return self._origin + frame * self._frame_s
+
+    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
+        if self._state != "open" or self._encoder is None:
+            raise RuntimeError(f"ASR stream is {self._state}; it accepts no more audio")
+        if self._next_sample is None:
+            self._next_sample = chunk.start_sample
+            self._origin = chunk.start_sample / SAMPLE_RATE
+        elif chunk.start_sample != self._next_sample:
+            kind = "gap" if chunk.start_sample > self._next_sample else "overlap"
+            raise ValueError(
+                f"audio chunk starts at sample {chunk.start_sample}, expected {self._next_sample} ({kind})"
+            )
+        self._next_sample = chunk.end_sample
+        return self._decode(self._encoder.accept(chunk.samples))
+
+    def finish(self) -> list[TranscriptUpdate]:
+        if self._state != "open" or self._encoder is None:
+            return []
+        self._state = "finished"
+        updates = self._decode(self._encoder.finish())
+        if self._tokens:
+            updates.append(self._complete())
+        return updates
+
+    def close(self) -> None:
+        self._state = "closed"
+        self._encoder = None
+
+    @torch.inference_mode()
+    def _decode(self, frames: torch.Tensor) -> list[TranscriptUpdate]:
+        if frames.shape[0] == 0:
+            return []
+        labels = self._asr.model.decoder(frames.unsqueeze(0))[0].argmax(-1).tolist()
+        updates: list[TranscriptUpdate] = []
+        for label in labels:
+            frame = self._frames
+            self._frames += 1
+            if label == self._blank:
+                self._blank_run += 1
+            else:
+                self._blank_run = 0
+                if label != self._previous:
+                    if not self._tokens:
+                        self._first_frame = frame
+                    self._tokens.append(label)
+                    self.token_ids.append(label)
+                self._last_frame = frame
+            self._previous = label
+            if self._tokens and self._blank_run >= self._asr.pause_frames:
+                updates.append(self._complete())
+        if self._tokens:
+            text = self._asr.tokenizer.decode(self._tokens).rstrip("\ufffd")  # a byte piece may complete later
+            delta = text[len(self._emitted) :] if text.startswith(self._emitted) else ""
+            if delta:
+                self._emitted += delta
+                start = self._time(self._first_frame)
+                updates.append(TranscriptUpdate(self._item_id, delta, "", start, self._time(self._frames)))
+        return updates
+
+    def _complete(self) -> TranscriptUpdate:
+        text = self._asr.tokenizer.decode(self._tokens)
+        transcript = text if text.startswith(self._emitted) else self._emitted
+        update = TranscriptUpdate(
+            self._item_id,
+            transcript[len(self._emitted) :],
+            "",
+            self._time(self._first_frame),
+            self._time(self._last_frame + 1),
+            completed=True,
+            transcript=transcript,
+        )
+        self._new_item()
+        return update
+

@@ -1,0 +1,27 @@
+"""`runtime bench asr --quick --json` prints one JSON object with the issue's fields. Speed targets are not
+asserted here (they live in the benchmark's numbers); exactness is, because it does not depend on speed."""
+
+import json
+
+from runtime.cli import main
+
+
+def test_bench_asr_quick_json(capsys):
+    assert main(["bench", "asr", "--quick", "--json", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1
+    result = json.loads(out)
+    for key in ("stream_vs_full_max_abs_diff", "per_chunk_ms", "rtf", "cost_growth_ratio",
+                "buffered_baseline_compute_ratio", "algorithmic_latency_ms"):
+        assert key in result, key
+    assert result["stream_vs_full_max_abs_diff"] <= 1e-4
+    models = {key.split("/")[0] for key in result["per_chunk_ms"]}
+    assert models == {"causal-whisper", "fastconformer"}
+    for timing in result["per_chunk_ms"].values():
+        assert 0 < timing["p50"] <= timing["p95"]
+    assert result["cost_growth_ratio"] > 0 and result["buffered_baseline_compute_ratio"] > 0
+
+
+def test_unbuilt_benchmarks_say_so(capsys):
+    assert main(["bench", "video"]) != 0
+    assert "not built yet" in capsys.readouterr().err
