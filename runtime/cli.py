@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from runtime import __version__, bench
 from runtime.config import Profile, available_profiles, load_profile
@@ -29,9 +31,6 @@ from runtime.session import Models, Session, load_models
 from runtime.worker import DeviceWorker
 
 DEMO_QUESTION = "What did the red ball do?"
-NOT_BUILT = {
-    "train": "training (causal Whisper adapters, FastConformer) arrives with the streaming ASR issue",
-}
 
 
 class Console:
@@ -63,6 +62,11 @@ class Console:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _train_recipe(name: str) -> Any:
+    """Training recipes import their own heavy dependencies; load one only when it is used."""
+    return importlib.import_module(f"runtime.train.{name}")
 
 
 # -- argument parsing ----------------------------------------------------------------------------------------
@@ -137,9 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no status lines on stderr")
 
-    for name, why in NOT_BUILT.items():
-        p = sub.add_parser(name, help=f"(not built yet) {why}", description=f"Not built yet: {why}.")
-        p.add_argument("args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("train", help="train models (causal Whisper LoRA adapters)",
+                       description="Train models with the project's recipes.")
+    recipes = p.add_subparsers(dest="recipe", required=True, metavar="RECIPE")
+    r = recipes.add_parser("causal-whisper", help="LoRA adapters for Whisper's block-causal encoder",
+                           description="Train LoRA adapters (q/k/v/out of encoder self-attention, decoder self- "
+                           "and cross-attention) so Whisper works with the block-causal encoder mask. DATA holds "
+                           "audio files, each with a same-named .txt transcript.")
+    _train_recipe("causal_whisper").add_arguments(r)
     return parser
 
 
@@ -287,13 +296,12 @@ def _live_source(args: argparse.Namespace, profile: Profile) -> Source:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in NOT_BUILT:
-        print(f"runtime {args.command}: not built yet: {NOT_BUILT[args.command]}.", file=sys.stderr)
-        return 2
-    console = Console(args.quiet)
+    console = Console(getattr(args, "quiet", False))
     try:
         if args.command == "bench":
             return bench.run(args, console.status)
+        if args.command == "train":
+            return _train_recipe(args.recipe.replace("-", "_")).run(args)
         return _run(args, console)
     except UserError as err:
         console.close()

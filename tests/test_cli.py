@@ -34,10 +34,15 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
-@pytest.mark.parametrize("command", ["bench", "train"])
-def test_unbuilt_commands_say_so_and_fail(capsys, command):
-    code, _, err = run_cli(capsys, command, "llm")
+def test_unbuilt_benchmark_says_so_and_fails(capsys):
+    code, _, err = run_cli(capsys, "bench", "llm")
     assert code != 0 and "not built yet" in err
+
+
+def test_train_errors_are_one_line(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "train", "causal-whisper", "--base", "tiny:whisper", "--data",
+                           str(tmp_path / "nodata"), "--out", str(tmp_path / "out"))
+    assert code == 1 and "nodata" in one_error_line(err)
 
 
 def test_unknown_profile(capsys):
@@ -58,8 +63,10 @@ def test_missing_weights_fail_at_once_naming_the_checkpoint(capsys, demo_file):
     started = time.perf_counter()
     code, _, err = run_cli(capsys, "transcribe", str(demo_file), "--set", "asr.model=/nonexistent/whisper-base")
     assert code == 1 and "/nonexistent/whisper-base" in one_error_line(err)
-    code, _, err = run_cli(capsys, "transcribe", str(demo_file), "--profile", "cpu")  # hub id, not cached
+    code, _, err = run_cli(capsys, "transcribe", str(demo_file), "--profile", "whisper-buffered")  # not cached
     assert code == 1 and "openai/whisper-base" in one_error_line(err) and "--set asr.model=" in err
+    code, _, err = run_cli(capsys, "transcribe", str(demo_file), "--profile", "cpu")
+    assert code == 1 and "stt_en_fastconformer" in one_error_line(err)
     assert time.perf_counter() - started < 10
 
 

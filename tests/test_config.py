@@ -7,7 +7,10 @@ from runtime.errors import ConfigError
 
 
 def test_shipped_profiles_load():
-    assert {"tiny", "cpu", "gpu"} <= set(available_profiles())
+    assert {"tiny", "tiny-fastconformer", "cpu", "gpu", "whisper-causal", "whisper-buffered"} <= set(
+        available_profiles())
+    for name in available_profiles():
+        load_profile(name)
     tiny = load_profile("tiny")
     assert tiny.random_weights and tiny.asr.model.startswith("tiny:")
     cpu = load_profile("cpu")

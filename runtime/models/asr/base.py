@@ -59,6 +59,10 @@ def load_asr(cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str
         from runtime.models.asr.whisper_buffered import WhisperBuffered
 
         return WhisperBuffered.load(cfg, device=device, dtype=dtype, progress=progress)
+    if cfg.backend == "causal-whisper":
+        from runtime.models.asr.causal_whisper.stream import CausalWhisperASR
+
+        return CausalWhisperASR.load(cfg, device=device, dtype=dtype, progress=progress)
     if cfg.backend == "fastconformer":
         from runtime.models.asr.fastconformer.stream import FastConformerASR
 

@@ -1,0 +1,55 @@
+"""LoRA adapters that teach an offline Whisper to read block-causal encoder states (CarelessWhisper).
+
+Adapters sit on the q/k/v/out projections of the encoder self-attention, the decoder self-attention and the
+decoder cross-attention: the encoder must learn to work without future context, and the decoder to read
+the states that result. Rank 16-32 (default 16), alpha = rank (scale 1), no dropout; peft initialises B to
+zero, so an untrained adapter leaves the model's outputs exactly unchanged and training starts from the
+offline model. Convolutions, MLPs, embeddings and norms stay frozen.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import WhisperForConditionalGeneration
+
+DEFAULT_RANK = 16
+# peft full-matches a string target against module names such as model.decoder.layers.3.encoder_attn.k_proj
+TARGET_MODULES = (
+    r"(.*\.)?(encoder\.layers\.\d+\.self_attn|decoder\.layers\.\d+\.(self_attn|encoder_attn))"
+    r"\.(q_proj|k_proj|v_proj|out_proj)"
+)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """peft 0.21 calls a transformers API that transformers 5 deprecates: noise, not the user's problem."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
+
+
+def lora_config(rank: int = DEFAULT_RANK) -> LoraConfig:
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    return LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", target_modules=TARGET_MODULES)
+
+
+def add_lora(model: WhisperForConditionalGeneration, rank: int = DEFAULT_RANK) -> PeftModel:
+    """Wrap `model` (in place) with fresh trainable adapters; only the adapters require grad."""
+    with _quiet():
+        return get_peft_model(model, lora_config(rank))
+
+
+def load_adapter(model: WhisperForConditionalGeneration, path: str | Path, *, trainable: bool = False) -> PeftModel:
+    """Wrap `model` with the adapter saved in `path` (peft `save_pretrained` layout, as `runtime train` writes).
+    For inference, `.merge_and_unload()` folds it into the weights."""
+    path = Path(path).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{path} has no adapter_config.json")
+    with _quiet():
+        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)

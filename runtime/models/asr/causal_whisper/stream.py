@@ -1,0 +1,396 @@
+"""Causal streaming Whisper (CarelessWhisper, design.md §3): the emission rule, cache resets, the stream.
+
+Audio goes into a block-causal `StreamingEncoder`; after each block of encoder frames the decoder
+(`IncrementalDecoder`, cross-attention K/V appended per block) runs the emission rule (`ItemDecoder.step`):
+
+1. re-check the unstable tail (the last `lookback_tokens` tokens not yet stable): a token stays if its
+   probability under the new encoder context did not fall (against its last evaluation), or it is still
+   the argmax; at the first that fails, it and everything after it are cut (self-attention KV rolled back);
+2. greedily decode on until eos, `block_tokens` new tokens, or the item's token budget.
+
+Tokens older than the look-back window are stable: emitted once as `delta`, never retracted. Deltas are the
+difference between decodes of the whole stable prefix (byte-level BPE safe; a trailing incomplete UTF-8
+character is held back). At finish the encoder is flushed, the last step decodes to eos and all is stable.
+
+Decode points are block ends, and the stream feeds its encoder exactly up to each block's emission sample,
+so the encoder and decoder see the same calls whatever the chunking: output is identical for any chunking.
+
+Reset (the encoder holds at most 30 s): at the block end nearest below `reset_s` (or when the item's token
+budget is spent) the item is completed with its stable text; its unstable tail is dropped. Without word
+timestamps the text/audio alignment is approximated by emission times: a token emitted with F frames heard
+describes audio before F. A fresh encoder restarts at `restart = last stable token's emission - 0.5 s`,
+clamped to at most 5 s (and half the segment) before the reset point, and the buffered audio from there is
+re-fed, so the dropped tail and anything not yet transcribed is heard again. The last stable tokens are
+carried: those emitted after `restart` may describe re-fed audio, so they become a forced transcript prefix
+(the model continues after them instead of repeating them); older ones go into the `<|startofprev|>`
+prompt (see `decoder.context_ids`). Carried tokens are context only, never emitted again. The new item's
+`start` is the previous item's end (items tile the timeline), and `end` never goes back over re-fed audio.
+
+`offline_transcript` is the exactness reference: one `forward_full` per segment, `RecomputeDecoder` (no
+caches, per-position cross-attention masks), the same rule, steps and resets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperForConditionalGeneration
+
+from runtime.chunks import SAMPLE_RATE, AudioChunk
+from runtime.config import ASRConfig
+from runtime.errors import CheckpointNotFound, ConfigError
+from runtime.events import new_id
+from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.asr.causal_whisper.decoder import (
+    IncrementalDecoder,
+    RecomputeDecoder,
+    Scorer,
+    context_ids,
+    prompt_ids,
+)
+from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_end, block_frames_for
+from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+
+FRAME_SAMPLES = SAMPLE_RATE // 50  # one 20 ms encoder frame
+RESTART_MARGIN_S = 0.5  # re-feed from this long before the last stable token's emission
+MAX_OVERLAP_S = 5.0  # ... but never more than this (nor half the segment) before the reset point
+CARRY_TOKENS = 64  # stable tokens carried across a reset as prompt / forced prefix
+
+
+def emission_sample(frame_end: int) -> int:
+    """Samples after which the block ending at encoder frame `frame_end` is emitted (its last 10 ms hop
+    plus the conv's 10 ms look-ahead; see `StreamingEncoder`)."""
+    return FRAME_SAMPLES * frame_end + FRAME_SAMPLES // 2
+
+
+def keep_count(ids: Sequence[int], old_probs: Sequence[float], logprobs: torch.Tensor) -> int:
+    """The look-back rule: how many of the re-checked tokens `ids` stay. Token i stays if its probability
+    under the new context (`logprobs[i]`, log-probs over the vocabulary) did not fall below `old_probs[i]`,
+    or it is still the argmax; the first that fails is cut together with everything after it."""
+    for i, tok in enumerate(ids):
+        p = math.exp(float(logprobs[i, tok]))
+        if not (p >= old_probs[i] or int(logprobs[i].argmax()) == tok):
+            return i
+    return len(ids)
+
+
+@dataclass
+class Token:
+    id: int
+    prob: float  # its probability when last evaluated
+    frame: int  # absolute encoder frame count (stream time / 20 ms) heard when it was decoded
+
+
+class ItemDecoder:
+    """The emission rule over one encoder segment (one transcript item)."""
+
+    def __init__(self, scorer: Scorer, context: list[int], *, eos_id: int, lookback: int, max_tokens: int,
+                 block_tokens: int, frame0: int) -> None:
+        self.scorer, self.context, self.eos_id = scorer, context, eos_id
+        self.lookback, self.max_tokens, self.block_tokens = lookback, max_tokens, block_tokens
+        self.frame0 = frame0  # absolute frame of the segment's start
+        self.tokens: list[Token] = []
+        self.stable = 0  # tokens[:stable] are stable
+
+    def step(self, frames: torch.Tensor, *, final: bool = False) -> None:
+        """Take a block of new encoder frames [n, d], re-check the tail, decode on."""
+        s = self.scorer
+        s.add_frames(frames)
+        if s.n_frames == 0:
+            return
+        tail = self.tokens[self.stable :]
+        ids = self.context + [t.id for t in self.tokens]
+        anchor = len(self.context) + self.stable - 1  # the last context/stable position: predicts tail[0]
+        start = min(s.length, anchor)
+        s.truncate(start)
+        logp = s.feed(ids[start : anchor + 1 + len(tail)], last=1 + len(tail))
+        keep = keep_count([t.id for t in tail], [t.prob for t in tail], logp)
+        for i in range(keep):
+            tail[i].prob = math.exp(float(logp[i, tail[i].id]))
+        if keep < len(tail):
+            del self.tokens[self.stable + keep :]
+            s.truncate(anchor + 1 + keep)
+        nxt = logp[keep]
+        budget = self.max_tokens - len(self.tokens)
+        if not final:
+            budget = min(budget, self.block_tokens)
+        while budget > 0:
+            tok = int(nxt.argmax())
+            if tok == self.eos_id:
+                break
+            self.tokens.append(Token(tok, math.exp(float(nxt[tok])), self.frame0 + s.n_frames))
+            budget -= 1
+            if budget:
+                nxt = s.feed([tok])[0]
+        self.stable = len(self.tokens) if final else max(self.stable, len(self.tokens) - self.lookback)
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) >= self.max_tokens
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What crosses a reset: where the new segment starts and the decoder context of its item."""
+
+    restart_frame: int  # absolute encoder frame where the new encoder starts
+    previous: list[int]  # prompt text (emitted before restart)
+    forced: list[int]  # forced transcript prefix (emitted after restart: may describe re-fed audio)
+
+
+def plan_reset(history: Sequence[Token], reset_frame: int, segment_start: int, *, margin: int,
+               max_overlap: int) -> Carry:
+    """Where to restart and what to carry; `history` = the carried stable tokens so far (oldest first),
+    frames absolute. The restart lies in [reset - overlap, reset] with overlap <= half the segment, so
+    every reset advances the audio by at least half a segment."""
+    overlap = min(max_overlap, (reset_frame - segment_start) // 2)
+    anchor = history[-1].frame if history else segment_start
+    restart = min(reset_frame, max(reset_frame - overlap, anchor - margin))
+    first = next((i for i, t in enumerate(history) if t.frame > restart), len(history))
+    return Carry(restart, [t.id for t in history[:first]], [t.id for t in history[first:]])
+
+
+def settled(text: str) -> str:
+    """Hold back a trailing U+FFFD: an incomplete UTF-8 character that the next token may complete."""
+    return text.rstrip("\ufffd")
+
+
+class CausalWhisperASR:
+    """A Whisper checkpoint (optionally with a merged LoRA adapter) read as a causal streaming model."""
+
+    def __init__(self, model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, cfg: ASRConfig,
+                 *, name: str = "causal-whisper") -> None:
+        self.block_frames = block_frames_for(cfg.chunk_ms)
+        if cfg.lookback_tokens < 0:
+            raise ConfigError(f"asr.lookback_tokens must be >= 0, got {cfg.lookback_tokens}")
+        self.model, self.tokenizer, self.cfg, self.name = model, tokenizer, cfg, name
+        self.encoder = CausalWhisperEncoder(model, block_frames=self.block_frames)
+        b = self.block_frames
+        # The last block end whose emission fits the encoder's 30 s (1500 frames; frame 1500 needs flush).
+        limit = min(round(cfg.reset_s * 50), self.encoder.max_frames - 1)
+        self.reset_frame = (limit // b) * b
+        if not 0 < cfg.reset_s <= 30 or self.reset_frame < 2 * b:
+            raise ConfigError(f"asr.reset_s must be in (0, 30] and hold two chunks of {cfg.chunk_ms} ms, "
+                              f"got {cfg.reset_s:g}")
+        self.sot = prompt_ids(tokenizer, cfg.language)
+        if not self.sot:
+            raise ConfigError(f"asr.model {name!r}: its tokenizer has no <|startoftranscript|>; is it Whisper?")
+        self.eos_id = int(tokenizer.eos_token_id)
+        positions = model.config.max_target_positions - len(self.sot) - 1
+        self.max_tokens = min(cfg.max_new_tokens, positions // 2)
+        if self.max_tokens <= cfg.lookback_tokens:
+            raise ConfigError(f"asr.max_new_tokens ({self.max_tokens} usable) must exceed asr.lookback_tokens")
+        self.carry_tokens = min(CARRY_TOKENS, positions - self.max_tokens)
+        self.block_tokens = max(2, math.ceil(cfg.chunk_ms / 100))
+        self.margin = round(RESTART_MARGIN_S * 50)
+        self.max_overlap = round(MAX_OVERLAP_S * 50)
+
+    @classmethod
+    def load(cls, cfg: ASRConfig, *, device: str, dtype: str,
+             progress: Callable[[str], None] | None = None) -> CausalWhisperASR:
+        """Load model and tokenizer; a `cfg.adapter` LoRA is merged into the weights (no inference cost)."""
+        with load_progress(progress, "asr", cfg.model, device, dtype):
+            path = resolve_checkpoint(cfg.model, role="asr", progress=progress)
+            model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch_dtype(dtype))
+            if cfg.adapter:
+                from runtime.models.asr.causal_whisper.lora import load_adapter
+
+                try:
+                    model = load_adapter(model, cfg.adapter).merge_and_unload()
+                except (OSError, ValueError) as err:
+                    raise CheckpointNotFound(f"asr adapter {cfg.adapter!r} cannot be loaded ({err}); point "
+                                             "--set asr.adapter= at a directory written by `runtime train`") from None
+            model = model.to(device).eval()
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, cfg, name=cfg.model)
+
+    def open_stream(self) -> CausalWhisperStream:
+        return CausalWhisperStream(self)
+
+    def text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def item(self, scorer: Scorer, carry: Carry | None) -> ItemDecoder:
+        previous, forced = (carry.previous, carry.forced) if carry else ([], [])
+        context = context_ids(self.tokenizer, self.sot, previous) + forced
+        return ItemDecoder(scorer, context, eos_id=self.eos_id, lookback=self.cfg.lookback_tokens,
+                           max_tokens=self.max_tokens, block_tokens=self.block_tokens,
+                           frame0=carry.restart_frame if carry else 0)
+
+    def reset_due(self, item: ItemDecoder, frames: int) -> bool:
+        """After a non-final step with `frames` frames in the segment: is it time to reset?"""
+        return frames >= self.reset_frame or item.full
+
+    def carry(self, history: list[Token], item: ItemDecoder, frames: int) -> Carry:
+        """Extend `history` with the item's stable tokens (kept to CARRY_TOKENS) and plan the reset."""
+        history += item.tokens[: item.stable]
+        del history[: -self.carry_tokens or len(history)]
+        return plan_reset(history, item.frame0 + frames, item.frame0, margin=self.margin,
+                          max_overlap=self.max_overlap)
+
+    @torch.inference_mode()
+    def offline_transcript(self, audio: np.ndarray) -> str:
+        """The reference: the whole transcript by one `forward_full` per segment and a cache-free decoder,
+        under the same emission rule, block steps and resets as the stream."""
+        texts: list[str] = []
+        history: list[Token] = []
+        carry: Carry | None = None
+        while True:
+            start = carry.restart_frame * FRAME_SAMPLES if carry else 0
+            seg = audio[start : start + emission_sample(self.reset_frame)]
+            frames = self.encoder.encode_audio(seg)
+            item = self.item(RecomputeDecoder(self.model), carry)
+            done, end = 0, block_end(0, self.block_frames)
+            reset = False
+            while emission_sample(end) <= len(seg):
+                item.step(frames[done:end])
+                done, end = end, end + self.block_frames
+                if self.reset_due(item, done):
+                    reset = True
+                    break
+            if not reset:
+                if len(frames):
+                    item.step(frames[done:], final=True)
+                texts.append(self.text([t.id for t in item.tokens]))
+                return "".join(texts)
+            texts.append(self.text([t.id for t in item.tokens[: item.stable]]))
+            carry = self.carry(history, item, done)
+
+
+class _Samples:
+    """The current segment's audio, grown with amortised doubling (1-sample chunks stay linear)."""
+
+    def __init__(self, samples: np.ndarray | None = None) -> None:
+        self.data = np.zeros(0 if samples is None else len(samples), np.float32)
+        self.size = 0
+        if samples is not None:
+            self.append(samples)
+
+    def append(self, x: np.ndarray) -> None:
+        if self.size + len(x) > len(self.data):
+            grown = np.zeros(max(2 * (self.size + len(x)), 4096), np.float32)
+            grown[: self.size] = self.data[: self.size]
+            self.data = grown
+        self.data[self.size : self.size + len(x)] = x
+        self.size += len(x)
+
+    def view(self, a: int, b: int | None = None) -> np.ndarray:
+        return self.data[a : self.size if b is None else b]
+
+
+class CausalWhisperStream:
+    """One session: its encoder stream, decoder caches, emission state and segment audio."""
+
+    def __init__(self, asr: CausalWhisperASR) -> None:
+        self._asr = asr
+        self._next_sample: int | None = None  # where the next chunk must start
+        self._history: list[Token] = []
+        self._state = "open"
+        self._item_start = 0.0
+        self._heard = 0.0
+        self._open_segment(0, None, _Samples())
+
+    def _open_segment(self, start_sample: int, carry: Carry | None, audio: _Samples) -> None:
+        asr = self._asr
+        self._seg_start = start_sample  # absolute sample of the segment's first sample
+        self._audio = audio
+        self._fed = 0  # samples fed to the encoder
+        self._frames = 0  # encoder frames received
+        self._end = block_end(0, asr.block_frames)  # next block end
+        self._encoder = asr.encoder.open_audio()
+        self._item = asr.item(IncrementalDecoder(asr.model), carry)
+        self._item_id = new_id("item")
+        self._emitted = ""  # stable text already sent as deltas
+        self._unstable = ""
+
+    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
+        if self._state != "open":
+            raise RuntimeError(f"ASR stream is {self._state}; it accepts no more audio")
+        if self._next_sample is None:
+            self._next_sample = self._seg_start = chunk.start_sample
+            self._item_start = self._heard = chunk.start
+        elif chunk.start_sample != self._next_sample:
+            kind = "gap" if chunk.start_sample > self._next_sample else "overlap"
+            raise ValueError(
+                f"audio chunk starts at sample {chunk.start_sample}, expected {self._next_sample} ({kind})"
+            )
+        self._next_sample += len(chunk.samples)
+        self._audio.append(chunk.samples)
+        return self._drain()
+
+    def _drain(self) -> list[TranscriptUpdate]:
+        """Feed the encoder block by block, exactly up to each block's emission sample, and step."""
+        asr, updates = self._asr, []
+        while self._audio.size >= (point := emission_sample(self._end)):
+            frames = self._encoder.accept(self._audio.view(self._fed, point))
+            self._fed = point
+            assert self._frames + len(frames) == self._end, "encoder emitted an unexpected block"
+            self._frames = self._end
+            self._end += asr.block_frames
+            self._item.step(frames)
+            if asr.reset_due(self._item, self._frames):
+                updates.append(self._reset())
+            elif update := self._update():
+                updates.append(update)
+        return updates
+
+    def _reset(self) -> TranscriptUpdate:
+        asr, item = self._asr, self._item
+        carry = asr.carry(self._history, item, self._frames)
+        update = self._complete(item.tokens[: item.stable], end_frame=self._frames)
+        restart = (carry.restart_frame - item.frame0) * FRAME_SAMPLES
+        self._open_segment(self._seg_start + restart, carry, _Samples(self._audio.view(restart)))
+        return update
+
+    def finish(self) -> list[TranscriptUpdate]:
+        if self._state != "open":
+            return []
+        self._state = "finished"
+        if self._next_sample is None:
+            return []
+        frames = torch.cat([self._encoder.accept(self._audio.view(self._fed)), self._encoder.flush()])
+        if self._frames + len(frames):
+            self._item.step(frames, final=True)
+        self._frames += len(frames)
+        return [self._complete(self._item.tokens, end_frame=None)]
+
+    def close(self) -> None:
+        self._state = "closed"
+        self._audio = _Samples()
+        self._item = None  # type: ignore[assignment]  # drops the decoder caches
+        self._encoder = None  # type: ignore[assignment]
+
+    def _time(self, frame: int | None) -> float:
+        """Media time decoded up to (the end of input if None); monotone: re-fed overlap never goes back."""
+        if frame is None:
+            t = self._next_sample / SAMPLE_RATE if self._next_sample is not None else 0.0
+        else:
+            t = (self._seg_start + frame * FRAME_SAMPLES) / SAMPLE_RATE
+        self._heard = max(self._heard, t)
+        return self._heard
+
+    def _update(self) -> TranscriptUpdate | None:
+        """The step's update: newly stable text and the tail; None when nothing changed."""
+        item, text = self._item, self._asr.text
+        stable = settled(text([t.id for t in item.tokens[: item.stable]]))
+        delta = stable[len(self._emitted) :] if stable.startswith(self._emitted) else ""
+        self._emitted += delta
+        full = text([t.id for t in item.tokens])
+        unstable = full[len(self._emitted) :] if full.startswith(self._emitted) else ""
+        if not delta and unstable == self._unstable:
+            return None
+        self._unstable = unstable
+        return TranscriptUpdate(self._item_id, delta, unstable, self._item_start, self._time(self._frames))
+
+    def _complete(self, tokens: Sequence[Token], *, end_frame: int | None) -> TranscriptUpdate:
+        text = self._asr.text([t.id for t in tokens])
+        transcript = text if text.startswith(self._emitted) else self._emitted
+        end = self._time(end_frame)
+        update = TranscriptUpdate(self._item_id, transcript[len(self._emitted) :], "", self._item_start, end,
+                                  completed=True, transcript=transcript)
+        self._item_start = end
+        return update

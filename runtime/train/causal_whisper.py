@@ -1,0 +1,232 @@
+"""`runtime train causal-whisper`: LoRA adapters that turn an offline Whisper into a causal streaming one.
+
+The loss is Whisper's own: teacher-forced decoder cross-entropy on each clip's transcript (after the
+`<|startoftranscript|><|lang|><|transcribe|><|notimestamps|>` prompt, ending in eos), but the encoder runs
+`forward_full` under the block-causal mask of `--chunk-ms`, so the adapters learn to read causal encoder
+states. Batches pad the shorter clips' AUDIO with silence (the causal encoder then sees what it would see
+live if the speaker paused) and the decoder's cross-attention is masked to each clip's own frames, so
+padding changes no clip's loss target; labels are padded with -100.
+
+Run state is exact: data order is a pure function of (seed, step), and `checkpoint-N/` holds the adapter,
+the optimizer, the step and the RNG state, so `--resume` continues the loss trajectory of an uninterrupted
+run. The final adapter goes to `--out/adapter/` (peft layout), loadable with `--set asr.adapter=DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperForConditionalGeneration
+
+from runtime.errors import ConfigError
+from runtime.models.asr.causal_whisper.decoder import prompt_ids
+from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_frames_for
+from runtime.models.asr.causal_whisper.features import log_mel, mel_frames_for
+from runtime.models.asr.causal_whisper.lora import DEFAULT_RANK, add_lora, load_adapter
+from runtime.models.loading import resolve_checkpoint, torch_dtype
+from runtime.train.data import load_examples
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    base: str
+    data: str
+    out: str
+    rank: int = DEFAULT_RANK
+    chunk_ms: int = 300
+    steps: int = 1000
+    batch_size: int = 8
+    lr: float = 1e-4
+    save_every: int = 200
+    resume: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    language: str = "en"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig("", "", "")
+    parser.add_argument("--base", required=True, help="Whisper checkpoint: hub id, local directory or tiny:whisper")
+    parser.add_argument("--data", required=True, help="folder of audio files, each with a same-named .txt")
+    parser.add_argument("--out", required=True, help="output folder: checkpoint-N/, adapter/, log.jsonl")
+    parser.add_argument("--rank", type=int, default=d.rank, help="LoRA rank (16-32; alpha = rank)")
+    parser.add_argument("--chunk-ms", type=int, default=d.chunk_ms, help="encoder block (chunk) size to train for")
+    parser.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (constant)")
+    parser.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest --out/checkpoint-N")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--language", default=d.language, help="language token of the transcripts")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    train(cfg)
+    return 0
+
+
+@dataclass
+class Batch:
+    mel: torch.Tensor  # [B, n_mels, T] of the silence-padded audio
+    frames: torch.Tensor  # [B] encoder frames of each clip's own audio
+    input_ids: torch.Tensor  # [B, L] prompt + transcript (padded with eos)
+    labels: torch.Tensor  # [B, L] next tokens: transcript + eos, -100 on prompt and padding
+
+
+def make_batch(clips: list[tuple[np.ndarray, list[int]]], sot: list[int], eos: int, n_mels: int) -> Batch:
+    """Clips are (audio, transcript ids)."""
+    longest = max(len(a) for a, _ in clips)
+    mel = torch.stack([log_mel(np.pad(a, (0, longest - len(a))), n_mels) for a, _ in clips])
+    frames = torch.tensor([-(-mel_frames_for(len(a)) // 2) for a, _ in clips])
+    width = len(sot) + max(len(ids) for _, ids in clips)
+    input_ids = torch.full((len(clips), width), eos)
+    labels = torch.full((len(clips), width), -100)
+    for i, (_, ids) in enumerate(clips):
+        seq = sot + ids
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, len(sot) - 1 : len(seq)] = torch.tensor([*ids, eos])
+    return Batch(mel, frames, input_ids, labels)
+
+
+def decoder_logits(model: torch.nn.Module, input_ids: torch.Tensor, states: torch.Tensor,
+                   frames: torch.Tensor) -> torch.Tensor:
+    """Whisper's decoder over [B, L] ids with cross-attention limited to each row's first `frames[b]` encoder
+    states (WhisperDecoder.forward passes no encoder mask, so its layers are driven here)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dec = base.model.decoder
+    length, width = input_ids.shape[1], states.shape[1]
+    h = dec.embed_tokens(input_ids) + dec.embed_positions.weight[:length]
+    neg = torch.finfo(h.dtype).min
+    causal = torch.full((length, length), neg, dtype=h.dtype, device=h.device).triu(1)[None, None]
+    visible = torch.arange(width, device=h.device)[None, :] < frames.to(h.device)[:, None]
+    cross = torch.zeros(visible.shape, dtype=h.dtype, device=h.device).masked_fill(~visible, neg)[:, None, None]
+    for layer in dec.layers:
+        h = layer(h, attention_mask=causal, encoder_hidden_states=states, encoder_attention_mask=cross,
+                  use_cache=False)
+    return base.proj_out(dec.layer_norm(h))
+
+
+def loss_and_logits(model: torch.nn.Module, encoder: CausalWhisperEncoder,
+                    batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over the transcript tokens, and the logits [B, L, vocab]."""
+    device = encoder.device
+    states = encoder.forward_full(batch.mel.to(device))
+    logits = decoder_logits(model, batch.input_ids.to(device), states, batch.frames)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.to(device).flatten(), ignore_index=-100)
+    return loss, logits
+
+
+def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """Clips of `step`: consecutive slices of per-epoch permutations seeded by (seed, epoch)."""
+    out = []
+    for k in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(k, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        out.append(int(order[pos]))
+    return out
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Transcript ids with Whisper's leading space (its outputs start with one)."""
+    return tokenizer.encode(" " + text.strip(), add_special_tokens=False)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = [(int(p.name.split("-")[1]), p) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    return max(found)[1] if found else None
+
+
+def _save_checkpoint(out: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Written to a temporary folder and renamed: a crash never leaves a half checkpoint as the latest."""
+    tmp, final = out / f".checkpoint-{step}.tmp", out / f"checkpoint-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "adapter")
+    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+
+
+def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
+    """Train (or resume) and save; returns the trained peft model and the losses of the steps run here."""
+    from tqdm import tqdm
+
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.save_every < 1:
+        raise ConfigError("--steps, --batch-size and --save-every must be >= 1")
+    block_frames = block_frames_for(cfg.chunk_ms)
+    out = Path(cfg.out).expanduser()
+    ckpt = latest_checkpoint(out) if out.is_dir() else None
+    if ckpt is not None and not cfg.resume:
+        raise ConfigError(f"{out} already holds {ckpt.name}: pass --resume to continue it, or a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    path = resolve_checkpoint(cfg.base, role="asr")
+    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch_dtype(cfg.dtype)).to(cfg.device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    sot, eos = prompt_ids(tokenizer, cfg.language), int(tokenizer.eos_token_id)
+    room = model.config.max_target_positions - len(sot)
+    clips = []
+    for ex in load_examples(cfg.data):
+        ids = encode_text(tokenizer, ex.text)
+        if len(ids) >= room:
+            raise ConfigError(f"transcript of {ex.path} has {len(ids)} tokens; the decoder holds {room - 1}")
+        clips.append((ex.audio, ids))
+
+    model = load_adapter(model, ckpt / "adapter", trainable=True) if ckpt else add_lora(model, cfg.rank)
+    model.train()
+    encoder = CausalWhisperEncoder(model, block_frames=block_frames)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    start = 0
+    log_path = out / "log.jsonl"
+    if ckpt:
+        start = json.loads((ckpt / "state.json").read_text())["step"]
+        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=cfg.device))
+        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= start] \
+            if log_path.exists() else []
+        log_path.write_text("".join(line + "\n" for line in kept))
+    elif log_path.exists():
+        log_path.unlink()
+
+    losses: list[float] = []
+    bar = tqdm(total=cfg.steps, initial=start, desc="train causal-whisper", unit="step", file=sys.stderr,
+               disable=None)
+    with log_path.open("a") as log:
+        for step in range(start, cfg.steps):
+            picked = [clips[i] for i in batch_indices(step, len(clips), cfg.batch_size, cfg.seed)]
+            loss, _ = loss_and_logits(model, encoder, make_batch(picked, sot, eos, encoder.n_mels))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            log.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                _save_checkpoint(out, step + 1, model, opt)
+    bar.close()
+    model.save_pretrained(out / "adapter")
+    model.eval()
+    return model, losses

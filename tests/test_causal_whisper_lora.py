@@ -1,0 +1,160 @@
+"""LoRA adapters for causal Whisper and `runtime train causal-whisper`: targets, zero-init identity, the loss
+going down, saved adapters reproducing the trained model, exact resume."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from transformers import AutoTokenizer, WhisperForConditionalGeneration
+
+from runtime.config import ASRConfig
+from runtime.errors import ConfigError
+from runtime.models.asr.causal_whisper.decoder import prompt_ids
+from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder
+from runtime.models.asr.causal_whisper.lora import add_lora, load_adapter
+from runtime.models.asr.causal_whisper.stream import CausalWhisperASR
+from runtime.models.loading import resolve_checkpoint
+from runtime.train import causal_whisper
+from runtime.train.causal_whisper import TrainConfig, decoder_logits, encode_text, loss_and_logits, make_batch, train
+from runtime.train.data import load_examples
+
+TEXTS = ["the quick brown fox", "good morning everyone", "listen carefully to the river", "thank you very much"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime_cache(tmp_path_factory: pytest.TempPathFactory):
+    """A private model cache, offline, and one torch thread (tiny models are latency-bound)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RUNTIME_CACHE", str(tmp_path_factory.mktemp("runtime-cache")))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Short tones in noise with transcripts; one 8 kHz file exercises the resampling (PyAV) path."""
+    root = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    for i, text in enumerate(TEXTS):
+        rate = 8_000 if i == 3 else 16_000
+        n = rate * (2 + i) // 4
+        t = np.arange(n) / rate
+        x = 0.3 * np.sin(2 * np.pi * (200 + 150 * i) * t) + 0.05 * rng.standard_normal(n)
+        soundfile.write(root / f"clip{i}.wav", x.astype(np.float32), rate)
+        (root / f"clip{i}.txt").write_text(text + "\n")
+    (root / "orphan.txt").write_text("no audio beside me")
+    return root
+
+
+def base_model() -> WhisperForConditionalGeneration:
+    return WhisperForConditionalGeneration.from_pretrained(resolve_checkpoint("tiny:whisper", role="asr")).eval()
+
+
+def config(data_dir: Path, out: Path, **kw) -> TrainConfig:
+    defaults = dict(base="tiny:whisper", data=str(data_dir), out=str(out), steps=30, batch_size=2, lr=1e-2,
+                    save_every=10, chunk_ms=40)
+    return TrainConfig(**{**defaults, **kw})
+
+
+def probe_logits(model: torch.nn.Module, data_dir: Path) -> torch.Tensor:
+    """Logits of a fixed batch (all clips) through the block-causal encoder and the decoder."""
+    tok = AutoTokenizer.from_pretrained(resolve_checkpoint("tiny:whisper", role="asr"))
+    clips = [(ex.audio, encode_text(tok, ex.text)) for ex in load_examples(data_dir)]
+    batch = make_batch(clips, prompt_ids(tok, "en"), tok.eos_token_id, 80)
+    with torch.no_grad():
+        return loss_and_logits(model, CausalWhisperEncoder(model, block_frames=2), batch)[1]
+
+
+def test_data_pairs_and_resampling(data_dir: Path) -> None:
+    examples = load_examples(data_dir)
+    assert [e.path.name for e in examples] == [f"clip{i}.wav" for i in range(4)]  # orphan.txt skipped
+    assert [e.text for e in examples] == TEXTS
+    assert [len(e.audio) for e in examples] == [8_000, 12_000, 16_000, 20_000]  # 8 kHz clip resampled to 16 kHz
+    assert all(e.audio.dtype == np.float32 for e in examples)
+
+
+def test_batch_layout_and_padding_masks() -> None:
+    clips = [(np.zeros(3200, np.float32), [7, 8]), (np.full(1600, 0.1, np.float32), [9])]
+    batch = make_batch(clips, [1, 2], 0, 80)
+    assert batch.mel.shape == (2, 80, 20) and batch.frames.tolist() == [10, 5]
+    assert batch.input_ids.tolist() == [[1, 2, 7, 8], [1, 2, 9, 0]]
+    assert batch.labels.tolist() == [[-100, 7, 8, 0], [-100, 9, 0, -100]]  # next token; prompt, padding ignored
+    # The decoder reads only each row's own frames: changing row 1's padding frames changes nothing.
+    model = base_model()
+    states = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(0))
+    other = states.clone()
+    other[1, 5:] = 7.0
+    with torch.no_grad():
+        a, b = (decoder_logits(model, batch.input_ids, s, batch.frames) for s in (states, other))
+        assert torch.equal(a, b)
+        other[1, 4] = 7.0
+        assert not torch.allclose(decoder_logits(model, batch.input_ids, other, batch.frames)[1], a[1])
+
+
+def test_adapter_targets_and_zero_init_identity(data_dir: Path) -> None:
+    model = base_model()
+    before = probe_logits(model, data_dir)
+    peft = add_lora(model)
+    wrapped = {n.removeprefix("base_model.model.").rsplit(".lora_A", 1)[0]
+               for n, _ in peft.named_parameters() if ".lora_A." in n}
+    expected = {f"model.{part}.{proj}"
+                for i in range(2)
+                for part in (f"encoder.layers.{i}.self_attn", f"decoder.layers.{i}.self_attn",
+                             f"decoder.layers.{i}.encoder_attn")
+                for proj in ("q_proj", "k_proj", "v_proj", "out_proj")}
+    assert wrapped == expected
+    cfg = peft.peft_config["default"]
+    assert cfg.r == 16 and cfg.lora_alpha == 16
+    trainable = [n for n, p in peft.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert all(torch.count_nonzero(p) == 0 for n, p in peft.named_parameters() if ".lora_B." in n)
+    assert torch.equal(probe_logits(peft, data_dir), before)
+
+
+def test_training_lowers_loss_and_saved_adapter_reproduces_it(data_dir: Path, tmp_path: Path) -> None:
+    model, losses = train(config(data_dir, tmp_path / "run"))
+    assert len(losses) == 30
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    out = tmp_path / "run"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [e["loss"] for e in logged] == losses
+
+    trained = probe_logits(model, data_dir)
+    assert not torch.allclose(trained, probe_logits(base_model(), data_dir), atol=1e-3)
+    loaded = load_adapter(base_model(), out / "adapter").eval()
+    assert torch.equal(probe_logits(loaded, data_dir), trained)
+    # Inference merges the adapter into the weights: same function up to float rounding.
+    asr = CausalWhisperASR.load(ASRConfig(chunk_ms=40, adapter=str(out / "adapter")), device="cpu", dtype="float32")
+    assert not hasattr(asr.model, "peft_config")
+    torch.testing.assert_close(probe_logits(asr.model, data_dir), trained, atol=1e-3, rtol=1e-4)
+
+
+def test_resume_continues_the_same_trajectory(data_dir: Path, tmp_path: Path) -> None:
+    _, straight = train(config(data_dir, tmp_path / "a", steps=8, save_every=3))
+    parser = argparse.ArgumentParser()
+    causal_whisper.add_arguments(parser)
+
+    def argv(steps: int) -> list[str]:
+        return ["--base", "tiny:whisper", "--data", str(data_dir), "--out", str(tmp_path / "b"), "--steps",
+                str(steps), "--batch-size", "2", "--lr", "1e-2", "--save-every", "3", "--chunk-ms", "40"]
+
+    assert causal_whisper.run(parser.parse_args(argv(5))) == 0
+    # an interrupted run: the log went past the last checkpoint (6 steps logged, checkpoint-5 the latest)
+    log = tmp_path / "b" / "log.jsonl"
+    log.write_text(log.read_text() + json.dumps({"step": 6, "loss": 0.0}) + "\n")
+    with pytest.raises(ConfigError, match="--resume"):
+        causal_whisper.run(parser.parse_args(argv(8)))
+    assert causal_whisper.run(parser.parse_args([*argv(8), "--resume"])) == 0
+    resumed = [json.loads(line)["loss"] for line in log.read_text().splitlines()][5:]
+    assert resumed == straight[5:]
+    assert [json.loads(line)["loss"] for line in log.read_text().splitlines()] == straight
