@@ -25,18 +25,6 @@ from runtime.models.asr.causal_whisper.stream import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def runtime_cache(tmp_path_factory: pytest.TempPathFactory):
-    """A private model cache, offline, and one torch thread (tiny models are latency-bound)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RUNTIME_CACHE", str(tmp_path_factory.mktemp("runtime-cache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-    torch.set_num_threads(threads)
-
-
 def load(**kw) -> CausalWhisperASR:
     return CausalWhisperASR.load(ASRConfig(**kw), device="cpu", dtype="float32")
 

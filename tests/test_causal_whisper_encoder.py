@@ -24,18 +24,6 @@ from runtime.models.loading import resolve_checkpoint
 TOL = 1e-4  # fp32 streaming vs forward_full (measured ~1.5e-5 on states of magnitude ~4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def runtime_cache(tmp_path_factory: pytest.TempPathFactory):
-    """A private model cache, offline, and one torch thread (tiny models are latency-bound)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RUNTIME_CACHE", str(tmp_path_factory.mktemp("runtime-cache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny() -> WhisperForConditionalGeneration:
     path = resolve_checkpoint("tiny:whisper", role="asr")

@@ -27,18 +27,6 @@ from runtime.train.data import load_examples
 TEXTS = ["the quick brown fox", "good morning everyone", "listen carefully to the river", "thank you very much"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def runtime_cache(tmp_path_factory: pytest.TempPathFactory):
-    """A private model cache, offline, and one torch thread (tiny models are latency-bound)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RUNTIME_CACHE", str(tmp_path_factory.mktemp("runtime-cache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Short tones in noise with transcripts; one 8 kHz file exercises the resampling (PyAV) path."""

@@ -21,14 +21,6 @@ from runtime.models.asr.fastconformer.nemo import config_from_nemo
 from runtime.models.asr.fastconformer.tiny import TINY_NEMO_NAME, fastconformer_114m_config, synthetic_audio
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def archive(tmp_path_factory) -> Path:
     return build_tiny_fastconformer(tmp_path_factory.mktemp("fc"), seed=0)

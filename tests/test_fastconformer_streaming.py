@@ -21,14 +21,6 @@ LOOKAHEAD_MS = {(70, 13): 1040, (70, 6): 480, (70, 1): 80, (70, 0): 0}
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return load_nemo(build_tiny_fastconformer(tmp_path_factory.mktemp("fc"), seed=0))
