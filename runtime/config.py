@@ -39,15 +39,23 @@ class ASRConfig:
 
 @dataclass(frozen=True)
 class LMConfig:
-    backend: str = "generate"
+    backend: str = "generate"  # generate (plain transformers, the slice) | engine (sink KV, streaming prefill)
     model: str = "tiny:qwen2"
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    max_context_tokens: int = 2048  # the transcript is cut from the front to fit
+    max_context_tokens: int = 2048  # generate: the transcript is cut from the front to fit
     system_prompt: str = (
         "You are a live assistant. Answer the question about what was said, using the transcript."
     )
+    # engine: attention-sink KV window (StreamingLLM), sized per session and never grown.
+    sink_tokens: int = 4
+    window_tokens: int = 2048
+    prefill_chunk_tokens: int = 256  # streamed context is prefilled in jobs of at most this many tokens
+    # engine: lossless speculative decoding. drafter: none | ngram | recycling | draft-model | auto
+    drafter: str = "auto"
+    draft_model: str = ""  # a smaller model sharing the tokenizer, for drafter = draft-model
+    max_draft_tokens: int = 8  # the upper bound; the engine adapts below it from measured acceptance and cost
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import AudioChunk, VideoFrame
@@ -31,7 +32,7 @@ from runtime.events import (
 )
 from runtime.memory.transcript import TranscriptMemory
 from runtime.models.asr.base import ASRStream, TranscriptUpdate
-from runtime.models.lm.answerer import Answerer
+from runtime.models.lm.answerer import AnswerBackend
 from runtime.worker import DeviceWorker, Priority
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,14 @@ class AudioProcessor:
 
     def __init__(
         self, channel: BlockingChannel[AudioChunk], stream: ASRStream, worker: DeviceWorker, emit: Emit,
-        memory: TranscriptMemory,
+        memory: TranscriptMemory, on_transcript: Callable[[], None] = lambda: None,
     ) -> None:
         self.channel = channel
         self.stream = stream
         self.worker = worker
         self.emit = emit
         self.memory = memory
+        self.on_transcript = on_transcript
         self.heard_until = 0.0  # media seconds of audio the ASR has consumed
         self.finished = False
         self._progress = asyncio.Condition()
@@ -99,6 +101,8 @@ class AudioProcessor:
             self.memory.apply(update)
             if update.completed or update.delta or update.unstable:
                 await self.emit(transcript_event(update))
+        if updates:
+            self.on_transcript()
         async with self._progress:
             self.heard_until = max(self.heard_until, heard_until)
             self._progress.notify_all()
@@ -107,6 +111,37 @@ class AudioProcessor:
         """Wait until the ASR has consumed audio up to `media_time` (or has finished)."""
         async with self._progress:
             await self._progress.wait_for(lambda: self.finished or self.heard_until >= media_time - 1e-9)
+
+
+class ContextPrefiller:
+    """Streaming prefill (Stream2LLM): whenever the transcript changes, hand the answerer's stream session the
+    new context and prefill it in small worker jobs, so a question later costs only its own prefill.
+
+    Changes coalesce: while a prefill runs, further transcript updates only mark the context dirty, and the
+    next round prefills the latest text (update mode keeps the KV up to the longest common prefix)."""
+
+    def __init__(self, lm_stream: Any, worker: DeviceWorker, memory: TranscriptMemory) -> None:
+        self.lm_stream = lm_stream
+        self.worker = worker
+        self.memory = memory
+        self.dirty = asyncio.Event()
+        self.prefilled_tokens = 0
+        self.closed = False
+
+    def mark_dirty(self) -> None:
+        self.dirty.set()
+
+    async def run(self) -> None:
+        while not self.closed:
+            await self.dirty.wait()
+            self.dirty.clear()
+            await self.catch_up()
+
+    async def catch_up(self) -> None:
+        """Prefill the current transcript fully (also called right before answering)."""
+        self.lm_stream.set_context(self.memory.context())
+        while n := await self.worker.run(Priority.PREFILL, self.lm_stream.prefill_step):
+            self.prefilled_tokens += n
 
 
 class VideoProcessor:
@@ -138,11 +173,14 @@ class QuestionProcessor:
     """Answers questions one at a time from the transcript so far, streaming each token as it is decoded."""
 
     def __init__(
-        self, channel: BlockingChannel[Question], answerer: Answerer, worker: DeviceWorker, emit: Emit,
-        memory: TranscriptMemory, audio: AudioProcessor,
+        self, channel: BlockingChannel[Question], answerer: AnswerBackend, worker: DeviceWorker, emit: Emit,
+        memory: TranscriptMemory, audio: AudioProcessor, lm_stream: Any = None,
+        prefiller: ContextPrefiller | None = None,
     ) -> None:
         self.channel = channel
         self.answerer = answerer
+        self.lm_stream = lm_stream
+        self.prefiller = prefiller
         self.worker = worker
         self.emit = emit
         self.memory = memory
@@ -177,7 +215,10 @@ class QuestionProcessor:
         parts: list[str] = []
         status, reason, state, first_token_s, tokens = "completed", None, None, None, 0
         try:
-            state = await self.worker.run(Priority.PREFILL, self.answerer.start, self.memory.context(), q.text)
+            if self.prefiller is not None:
+                await self.prefiller.catch_up()  # usually nothing left: the transcript was prefilled as it came
+            state = await self.worker.run(Priority.PREFILL, self.answerer.start, self.memory.context(), q.text,
+                                          session=self.lm_stream)
             while True:
                 if q.response_id in self._cancelled:
                     status, reason = "cancelled", "client_cancelled"

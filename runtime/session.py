@@ -24,9 +24,9 @@ from runtime.events import Event, Metrics, SessionCreated, error_event, new_id
 from runtime.memory.transcript import TranscriptMemory
 from runtime.metrics import LoopLagMonitor
 from runtime.models.asr.base import StreamingASR, load_asr
-from runtime.models.lm.answerer import Answerer, load_answerer
+from runtime.models.lm.answerer import AnswerBackend, load_answerer
 from runtime.models.loading import configure_threads
-from runtime.pipeline import AudioProcessor, Question, QuestionProcessor, VideoProcessor
+from runtime.pipeline import AudioProcessor, ContextPrefiller, Question, QuestionProcessor, VideoProcessor
 from runtime.worker import DeviceWorker, Priority
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Models:
     asr: StreamingASR
-    answerer: Answerer
+    answerer: AnswerBackend
 
 
 def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str], None] | None = None) -> Models:
@@ -78,7 +78,9 @@ class Session:
         self.sampler = FrameSampler(profile.video.fps)
         self.memory = TranscriptMemory()
         self._asr_stream = models.asr.open_stream()
-        self.audio = AudioProcessor(self.audio_in, self._asr_stream, worker, self.emit, self.memory)
+        self.prefiller: ContextPrefiller | None = None
+        self.audio = AudioProcessor(self.audio_in, self._asr_stream, worker, self.emit, self.memory,
+                                    on_transcript=self._transcript_changed)
         self.video = VideoProcessor(self.video_in)
         self.answers = QuestionProcessor(self.questions, models.answerer, worker, self.emit, self.memory,
                                          self.audio)
@@ -98,11 +100,17 @@ class Session:
             return self
         self._started = True
         self.lag.start()
+        lm_stream = await self.worker.run(Priority.CONTROL, self._models.answerer.open_session)
+        if lm_stream is not None:  # the answerer keeps per-stream KV: prefill the transcript as it lands
+            self.prefiller = ContextPrefiller(lm_stream, self.worker, self.memory)
+            self.answers.lm_stream, self.answers.prefiller = lm_stream, self.prefiller
         self._tasks = [
             asyncio.create_task(self.audio.run(), name=f"{self.id}:audio"),
             asyncio.create_task(self.video.run(), name=f"{self.id}:video"),
             asyncio.create_task(self.answers.run(), name=f"{self.id}:answers"),
         ]
+        if self.prefiller is not None:
+            self._tasks.append(asyncio.create_task(self.prefiller.run(), name=f"{self.id}:prefill"))
         if self.profile.pipeline.metrics_interval_s > 0:
             self._metrics_task = asyncio.create_task(self._report_metrics(), name=f"{self.id}:metrics")
         await self.emit(SessionCreated(session=self.describe()))
@@ -125,6 +133,9 @@ class Session:
         self.video_in.close()
         await asyncio.gather(self._tasks[0], self._tasks[1], return_exceptions=True)
         self.questions.close()
+        await asyncio.gather(self._tasks[2], return_exceptions=True)
+        for task in self._tasks[3:]:  # the prefiller waits for changes forever: nothing more will change
+            task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._close()
 
@@ -191,6 +202,10 @@ class Session:
             return None
         return question.response_id
 
+    def _transcript_changed(self) -> None:
+        if self.prefiller is not None:
+            self.prefiller.mark_dirty()
+
     def cancel_response(self, response_id: str | None = None) -> bool:
         return self.answers.cancel(response_id)
 
@@ -223,7 +238,8 @@ class Session:
                       "dropped_full": self.video_in.stats.dropped, "processed": self.video.frames},
             "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.audio.heard_until, 3),
                     "lag_s": round(self.pushed_until - self.audio.heard_until, 3)},
-            "answers": {"answered": self.answers.answered},
+            "answers": {"answered": self.answers.answered,
+                        "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0},
             "worker": self.worker.stats(),
         }
 

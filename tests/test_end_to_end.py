@@ -1,5 +1,7 @@
 """The real tiny models through the whole pipeline: what the session emits equals running the same models
-directly, outside the pipeline, on the same input (so channels, the worker and events lose nothing)."""
+directly, outside the pipeline, on the same input (so channels, the worker and events lose nothing). For the
+engine, the answer from the transcript prefilled as it streamed equals one from a single prefill at question
+time (greedy)."""
 
 import asyncio
 
@@ -68,9 +70,12 @@ class ContextSpy:
     def __init__(self, answerer):
         self.answerer, self.contexts = answerer, []
 
-    def start(self, context, question):
+    def open_session(self):
+        return self.answerer.open_session()
+
+    def start(self, context, question, **kwargs):
         self.contexts.append(context)
-        return self.answerer.start(context, question)
+        return self.answerer.start(context, question, **kwargs)
 
     def step(self, state):
         return self.answerer.step(state)

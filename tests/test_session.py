@@ -79,7 +79,10 @@ class EchoAnswerer:
         self.contexts: list[str] = []
         self.released = 0
 
-    def start(self, context: str, question: str) -> dict:
+    def open_session(self) -> None:
+        return None
+
+    def start(self, context: str, question: str, *, seed=None, session=None) -> dict:
         self.contexts.append(context)
         last = context.split()[-1] if context.split() else "nothing"
         return {"text": f"{question}->{last}", "i": 0}
@@ -93,6 +96,41 @@ class EchoAnswerer:
 
     def release(self, state: dict) -> None:
         self.released += 1
+
+
+class StreamingEchoAnswerer(EchoAnswerer):
+    """Keeps per-stream state like the engine: records every context it was handed and prefills it in
+    pieces of 5 characters (one worker job each)."""
+
+    def open_session(self) -> dict:
+        return StreamState()
+
+    def start(self, context, question, *, seed=None, session=None) -> dict:
+        assert session is not None and session.pending() == 0, "the pipeline must prefill before answering"
+        session.prefilled_at_question.append(session.prefilled)
+        return super().start(context, question)
+
+
+class StreamState:
+    def __init__(self) -> None:
+        self.target, self.prefilled, self.contexts, self.prefilled_at_question = "", "", [], []
+        self.threads: set[str] = set()
+
+    def set_context(self, text: str) -> None:
+        self.contexts.append(text)
+        keep = 0
+        while keep < min(len(text), len(self.prefilled)) and text[keep] == self.prefilled[keep]:
+            keep += 1
+        self.target, self.prefilled = text, self.prefilled[:keep]  # update mode: keep the common prefix
+
+    def pending(self) -> int:
+        return len(self.target) - len(self.prefilled)
+
+    def prefill_step(self) -> int:
+        self.threads.add(threading.current_thread().name)
+        n = min(5, self.pending())
+        self.prefilled = self.target[: len(self.prefilled) + n]
+        return n
 
 
 def _profile(**pipeline):
@@ -289,3 +327,23 @@ async def test_metrics_are_emitted_periodically(worker):
     assert len(metrics) >= 3
     assert {"loop_lag", "channels", "video", "asr", "worker"} <= set(metrics[-1])
     assert metrics[-1]["loop_lag"]["samples"] > 0
+
+
+@pytest.mark.asyncio
+async def test_transcript_is_prefilled_as_it_arrives(worker):
+    answerer = StreamingEchoAnswerer()
+    session = await Session(_profile(), Models(WordASR(per_item=4), answerer), worker).start()
+    events = asyncio.create_task(_collect(session))
+    for chunk in _audio(8):
+        await session.push_audio(chunk)
+    await asyncio.sleep(0.2)  # idle: the prefiller catches up in the background
+    stream = session.answers.lm_stream
+    assert stream.prefilled == session.memory.context() and "w7" in stream.prefilled
+    assert stream.threads == {worker.name}  # prefill ran on the device worker
+    await session.ask("q")
+    await session.finish()
+    out = await events
+    assert "".join(e.delta for e in out if e.type == "response.output_text.delta") == "q->w7"
+    assert stream.prefilled_at_question == [session.memory.context()]
+    assert out[-1].metrics["answers"]["prefilled_tokens"] == len(stream.prefilled)
+    assert asyncio.all_tasks() == {asyncio.current_task()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from transformers import (
@@ -24,8 +25,23 @@ from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
 from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
 
-BACKENDS = ("generate",)
+BACKENDS = ("generate", "engine")
 CUT_MARK = "... "  # prefixed to a context that was cut from the front
+
+
+class AnswerBackend(Protocol):
+    """What the pipeline calls, on the device worker: a per-stream session (None when the backend keeps no
+    stream state; else it has `set_context(text)` and `prefill_step() -> int`), then start/step/release."""
+
+    name: str
+
+    def open_session(self) -> Any: ...
+
+    def start(self, context: str, question: str, *, seed: int | None = None, session: Any = None) -> Any: ...
+
+    def step(self, state: Any) -> AnswerStep: ...
+
+    def release(self, state: Any) -> None: ...
 
 
 @dataclass
@@ -134,7 +150,11 @@ class Answerer:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     @torch.inference_mode()
-    def start(self, context: str, question: str, *, seed: int | None = None) -> AnswerState:
+    def open_session(self) -> None:
+        """No per-stream state: this answerer prefills everything at question time."""
+        return None
+
+    def start(self, context: str, question: str, *, seed: int | None = None, session: None = None) -> AnswerState:
         """Build and prefill the prompt; the first token is chosen by the first `step()`."""
         ids, kept, cut = self.build_prompt(context, question)
         cache = DynamicCache(config=self.model.config)
@@ -208,7 +228,11 @@ def load_answerer(
     dtype: str,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
-) -> Answerer:
+) -> AnswerBackend:
     if cfg.backend == "generate":
         return Answerer.load(cfg, device=device, dtype=dtype, seed=seed, progress=progress)
+    if cfg.backend == "engine":
+        from runtime.models.lm.engine_answerer import EngineAnswerer  # lazy: imports the engine's own model
+
+        return EngineAnswerer.load(cfg, device=device, dtype=dtype, seed=seed, progress=progress)
     raise ConfigError(f"unknown lm.backend {cfg.backend!r} (known: {', '.join(BACKENDS)})")

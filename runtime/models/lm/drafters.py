@@ -1,0 +1,286 @@
+"""Drafters: cheap guesses of the next tokens, verified losslessly by `SpeculativeDecoder`.
+
+Tree convention (everything a drafter returns): a `Draft` is a tree *below the pending token* (the last emitted
+token, which the decoder feeds as the root of the verification tree). `parents[i] == -1` makes node i a child of
+the pending token, otherwise `parents[i]` is the index of an earlier draft node (`-1 <= parents[i] < i`).
+`budget` is the maximum depth (levels below the pending token), chosen by the decoder's adaptive controller;
+nodes deeper than that are dropped by the decoder. Siblings should carry distinct tokens (a duplicate is
+harmless, only wasted). `q[i]` is the probability vector node i's token was *sampled* from (given its ancestors
+and earlier siblings), or None when the drafter chose it deterministically; losslessness relies on this being
+exact, so a drafter that picks by argmax must report None, not its softmax.
+
+`observe(tokens, parents, logits)` receives every verification tree the target scored (root included, parents
+in the target's convention: -1 = after the committed sequence) with its logits, for drafters that learn online.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from runtime.config import LMConfig
+from runtime.errors import ConfigError
+from runtime.models.lm.speculative import sampling_probs
+from runtime.models.lm.target import Target
+
+DRAFTERS = ("none", "ngram", "recycling", "draft-model", "auto")
+
+
+class Draft(NamedTuple):
+    tokens: list[int]
+    parents: list[int]
+    q: list[torch.Tensor | None] | None = None  # None: every node deterministic
+
+
+EMPTY = Draft([], [])
+
+
+def chain(tokens: Sequence[int]) -> list[int]:
+    """Parents of a chain below the pending token."""
+    return list(range(-1, len(tokens) - 1))
+
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
+        """A draft tree below `pending`, at most `budget` levels deep. `context` holds every token before
+        `pending` that the drafter may look things up in (prompt/transcript + answer so far); it only grows
+        during an answer."""
+        ...
+
+    def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class NgramDrafter:
+    """Prompt/context lookup: find the most recent earlier occurrence of the last n tokens (n = n_max down to
+    n_min, longest first) of context + [pending] and copy what followed it (at most max_copy tokens).
+
+    Streaming QA answers quote the transcript, so copies are often right, and the drafter costs no model. The
+    index (n-gram -> most recent position whose continuation is known) grows incrementally as the context
+    grows; a context that is not an extension of the last one (checked by length and last token) rebuilds it.
+    """
+
+    def __init__(self, n_max: int = 3, max_copy: int = 10, n_min: int = 1) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError("need 1 <= n_min <= n_max")
+        self.n_max, self.n_min, self.max_copy = n_max, n_min, max_copy
+        self.reset()
+
+    def reset(self) -> None:
+        self._seq: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> start of its continuation (most recent)
+
+    def _sync(self, context: Sequence[int]) -> None:
+        known = len(self._seq)
+        if len(context) < known or (known and context[known - 1] != self._seq[-1]):
+            self.reset()
+            known = 0
+        self._seq.extend(context[known:])
+        # index n-grams ending at e whose continuation e+1 is now known: e in [known-1, len-2]
+        for e in range(max(0, known - 1), len(self._seq) - 1):
+            for n in range(self.n_min, self.n_max + 1):
+                if e + 1 >= n:
+                    self._index[tuple(self._seq[e + 1 - n : e + 1])] = e + 1
+
+    def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
+        self._sync(context)
+        limit = min(budget, self.max_copy)
+        if limit <= 0:
+            return EMPTY
+        tail = [*self._seq[-(self.n_max - 1) :], pending] if self.n_max > 1 else [pending]
+        for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
+            start = self._index.get(tuple(tail[-n:]))
+            if start is not None:
+                tokens = self._seq[start : start + limit]
+                if len(tokens) < limit and start + len(tokens) == len(self._seq):
+                    tokens.append(pending)  # the copy ran into the present: the pending token comes next
+                return Draft(tokens, chain(tokens))
+        return EMPTY
+
+    def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
+        pass
+
+
+def static_tree(branching: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """A fixed BFS draft tree: (parent, rank, depth) per node, parent -1 = the pending token. A node whose path
+    has rank sum s (0 = always the top candidate) gets max(0, branching[depth] - s) children, so likely paths
+    are deep and wide and unlikely ones end early. (8, 6, 4, 3, 2, 2) gives 77 nodes over 6 levels."""
+    parent, rank, depth = [], [], []
+    frontier = [(-1, 0)]  # (node, rank sum of its path)
+    for d, width in enumerate(branching):
+        nxt = []
+        for node, penalty in frontier:
+            for r in range(max(0, width - penalty)):
+                parent.append(node)
+                rank.append(r)
+                depth.append(d + 1)
+                nxt.append((len(parent) - 1, penalty + r))
+        frontier = nxt
+    return parent, rank, depth
+
+
+class TokenRecyclingDrafter:
+    """Token Recycling (2024): an adjacency matrix [vocab, k] (int32) holding, for each token id, the top-k
+    next tokens the target last predicted after it. Every scored tree refreshes the rows of all its nodes
+    (accepted or not: the candidates are "recycled"); drafts walk the matrix from the pending token along a
+    static BFS tree. Rows never seen are pruned from the tree (no point verifying zeros). Size: vocab * k * 4
+    bytes, e.g. 1.6 MB for 50k ids, 4.9 MB for Qwen2.5's 151,936. It stays warm across answers: do not reset
+    between questions of one model."""
+
+    def __init__(self, vocab_size: int, k: int = 8, branching: Sequence[int] = (8, 6, 4, 3, 2, 2)) -> None:
+        if max(branching) > k:
+            raise ValueError("branching per node cannot exceed k candidates")
+        self.vocab_size, self.k = vocab_size, k
+        parent, rank, depth = static_tree(branching)
+        self.tree_parent, self.tree_rank = np.array(parent), np.array(rank)
+        self.tree_depth = np.array(depth)
+        self.adjacency = torch.zeros(vocab_size, k, dtype=torch.int32)
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+        self._adj, self._seen = self.adjacency.numpy(), self.seen.numpy()  # shared memory views
+
+    @property
+    def nbytes(self) -> int:
+        return self.adjacency.numel() * self.adjacency.element_size()
+
+    def reset(self) -> None:
+        self.adjacency.zero_()
+        self.seen.zero_()
+
+    def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
+        top = logits[..., : self.vocab_size].topk(self.k, dim=-1).indices.to(torch.int32).cpu()
+        ids = torch.as_tensor(list(tokens), dtype=torch.long)
+        keep = ids < self.vocab_size
+        self.adjacency[ids[keep]] = top[keep]
+        self.seen[ids[keep]] = True
+
+    def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
+        n = int(np.searchsorted(self.tree_depth, budget, side="right"))  # BFS order: depths ascend
+        if n == 0 or not 0 <= pending < self.vocab_size:
+            return EMPTY
+        par, rank = self.tree_parent[:n], self.tree_rank[:n]
+        tok = np.full(n, -1, dtype=np.int64)
+        for d in range(1, int(self.tree_depth[n - 1]) + 1):
+            level = np.flatnonzero(self.tree_depth[:n] == d)
+            src = np.where(par[level] < 0, pending, tok[np.maximum(par[level], 0)])
+            ok = src >= 0
+            ok[ok] = self._seen[src[ok]]
+            tok[level] = np.where(ok, self._adj[np.maximum(src, 0), rank[level]], -1)
+        kept = np.flatnonzero(tok >= 0)  # a pruned node's descendants are pruned too (their src is -1)
+        new = {-1: -1, **{int(old): i for i, old in enumerate(kept)}}
+        return Draft([int(t) for t in tok[kept]], [new[int(par[o])] for o in kept])
+
+
+class DraftModelDrafter:
+    """A smaller model of the same tokenizer, driven through the Target protocol (its own KV session).
+
+    Its target must hold, when the drafter is made, exactly `fed` committed (the prompt, as the main target).
+    Each propose first feeds what it has not seen (the tokens accepted since, plus the pending token, which the
+    main target always commits) and commits them, then drafts a chain of `budget` tokens with tentative
+    forwards that are dropped again (`commit([])`), because the protocol cannot roll back a commit. With
+    temperature > 0 it samples each token from q = sampling_probs(draft logits) (the decoder's temperature and
+    top_p, which maximises acceptance) and reports q; at temperature 0 it drafts greedily and reports None.
+    Cost: budget forwards of the draft model per step, the last ones on chains of up to budget tokens.
+    """
+
+    def __init__(
+        self,
+        draft: Target,
+        *,
+        fed: Sequence[int] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if draft.committed_tokens() != len(fed):
+            raise ValueError(f"draft target holds {draft.committed_tokens()} tokens, `fed` names {len(fed)}")
+        self.draft, self.fed = draft, list(fed)
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+
+    def reset(self) -> None:
+        """Nothing to forget: a new context must extend what was fed (else make a new draft session)."""
+
+    def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
+        pass
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if self.temperature <= 0:
+            return int(logits.argmax()), None
+        q = sampling_probs(logits, self.temperature, self.top_p)
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
+        n = len(self.fed)
+        if budget <= 0:
+            return EMPTY
+        if len(context) < n or list(context[:n]) != self.fed:
+            raise RuntimeError("draft model out of sync: the context does not extend what it was fed")
+        new = [*context[n:], pending]  # accepted since the last propose, and the pending token
+        logits = self.draft.score(new, chain(new))
+        self.draft.commit(list(range(len(new))))  # the main target always commits these: safe to keep
+        self.fed.extend(new)
+        tokens: list[int] = []
+        qs: list[torch.Tensor | None] = []
+        row = logits[-1]
+        while True:
+            tok, q = self._pick(row)
+            tokens.append(tok)
+            qs.append(q)
+            if len(tokens) >= budget:
+                break
+            row = self.draft.score(tokens, chain(tokens))[-1]
+            self.draft.commit([])
+        return Draft(tokens, chain(tokens), None if self.temperature <= 0 else qs)
+
+
+class AutoDrafter:
+    """`auto`: the n-gram copy when the context has a match (answers that quote the transcript get long
+    accepted runs for free), else a token-recycling tree (always has candidates once warm). Both learn from
+    every forward; the recycling matrix stays warm across answers."""
+
+    def __init__(self, vocab_size: int, ngram: NgramDrafter | None = None) -> None:
+        self.ngram = ngram or NgramDrafter()
+        self.recycling = TokenRecyclingDrafter(vocab_size)
+
+    def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
+        draft = self.ngram.propose(context, pending, budget)
+        return draft if draft.tokens else self.recycling.propose(context, pending, budget)
+
+    def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
+        self.recycling.observe(tokens, parents, logits)
+
+    def reset(self) -> None:
+        self.ngram.reset()
+        self.recycling.reset()
+
+
+def make_drafter(
+    cfg: LMConfig,
+    *,
+    vocab_size: int,
+    draft_target: Target | None = None,
+    draft_fed: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> Drafter | None:
+    """The drafter `cfg.drafter` names (None for "none"). draft-model needs `draft_target`: a session of
+    `cfg.draft_model` holding `draft_fed` (the same prompt as the main target)."""
+    kind = cfg.drafter
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "recycling":
+        return TokenRecyclingDrafter(vocab_size)
+    if kind == "auto":
+        return AutoDrafter(vocab_size)
+    if kind == "draft-model":
+        if draft_target is None:
+            raise ConfigError("lm.drafter = draft-model needs lm.draft_model (a smaller model, same tokenizer)")
+        return DraftModelDrafter(
+            draft_target, fed=draft_fed, temperature=cfg.temperature, top_p=cfg.top_p, generator=generator
+        )
+    raise ConfigError(f"lm.drafter {kind!r} is not one of {', '.join(DRAFTERS)}")

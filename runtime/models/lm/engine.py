@@ -1,0 +1,300 @@
+"""The language engine: our Transformer over an attention-sink KV cache, prefilled while the context streams in.
+
+`LMEngine` is shared (model, tokenizer, config; loaded once); an `EngineSession` is one stream's cache and
+token bookkeeping. Every method but `set_context` runs on the device worker.
+
+Prompt layout (the same text as `answerer.Answerer.prompt_text`, cut in two where the transcript goes):
+
+    source group:  <system prompt + user-turn framing "Transcript so far:\\n"> <transcript, growing and revised>
+    target group:  <"\\n\\nQuestion: ..." + end of user turn + assistant header> <answer tokens>
+
+The source head is pinned (it becomes the attention sinks when it is longer than `lm.sink_tokens`), so the
+instructions survive the window sliding; the transcript after it is the StreamingLLM window. The target group
+is separate (group position encoding): its positions continue from the source length at question time, it
+sees the source as it was then, and the source keeps growing beside it without either seeing the other.
+
+Streaming prefill (Stream2LLM): `set_context(text)` only records the newest transcript; `prefill_step()`
+re-tokenises the changed tail, keeps the KV up to the longest common prefix of the old and new token ids
+(update mode; append mode is the case where nothing is cut) and prefills at most `prefill_chunk_tokens` of
+the rest. Tokens already evicted from the window are committed history: an edit never re-prefills them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from runtime.config import LMConfig
+from runtime.errors import ConfigError, UserError
+from runtime.models.lm.kv_cache import Attend, SinkKVCache
+from runtime.models.lm.transformer import Transformer
+from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+
+EMPTY_CONTEXT = "(nothing yet)"  # as answerer.py writes an empty transcript
+_MARK = "<<runtime:context>>"
+
+
+def common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings, by binary search over C-level comparisons."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+class SourceTokens:
+    """A growing text's token ids, re-tokenising only the tail that changed.
+
+    Tokenising a whole hour of transcript costs ~70 ms, too much per ASR update. Instead the text from a token
+    `margin` tokens before the first changed character is re-tokenised and spliced on, provided its first
+    tokens reproduce the old ones there (the tokenizer has re-synchronised: for regex pre-tokenizers with
+    byte-level BPE it always has once a pre-token boundary is shared); otherwise the whole text is
+    re-tokenised, so the ids always equal a full tokenisation in every case the check can see."""
+
+    margin, check = 8, 4
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.ids: list[int] = []
+        self.starts: list[int] = []  # character offset of each token
+        self.full_encodes = 0
+
+    def _encode(self, text: str, offset: int = 0) -> tuple[list[int], list[int]]:
+        if not self.tokenizer.is_fast:  # no offsets: every update re-tokenises the whole text
+            ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+            return ids, [offset] * len(ids)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        return enc["input_ids"], [offset + s for s, _ in enc["offset_mapping"]]
+
+    def update(self, text: str) -> int | None:
+        """Make `ids` those of `text`; returns how many leading ids are unchanged (None: text unchanged)."""
+        if text == self.text:
+            return None
+        first = bisect.bisect_left(self.starts, common_prefix(self.text, text))  # first token at/after the edit
+        k = first - self.margin
+        while k > 0 and self.starts[k] == self.starts[k - 1]:  # start on a character boundary
+            k -= 1
+        if k > 0 and self.tokenizer.is_fast:
+            ids, starts = self._encode(text[self.starts[k] :], self.starts[k])
+            n = self.check
+            if ids[:n] == self.ids[k : k + n] and starts[:n] == self.starts[k : k + n]:
+                self.ids, self.starts, self.text = self.ids[:k] + ids, self.starts[:k] + starts, text
+                return k
+        self.ids, self.starts = self._encode(text)
+        self.text = text
+        self.full_encodes += 1
+        return 0
+
+
+class LMEngine:
+    """The shared half: model, tokenizer, prompt framing and the cache geometry every session gets."""
+
+    def __init__(self, model: Transformer, tokenizer: PreTrainedTokenizerBase, cfg: LMConfig, *, name: str,
+                 seed: int = 0, eos_ids: Sequence[int] = (), max_question_tokens: int = 256,
+                 tree_tokens: int = 128, reserve_tokens: int | None = None, pin_head: bool = True) -> None:
+        if cfg.sink_tokens < 0 or cfg.window_tokens <= 0 or cfg.prefill_chunk_tokens <= 0:
+            raise ConfigError("lm.sink_tokens must be >= 0, lm.window_tokens and lm.prefill_chunk_tokens > 0")
+        self.model, self.tokenizer, self.cfg, self.name, self.seed = model, tokenizer, cfg, name, seed
+        self.eos_ids = set(eos_ids)
+        if tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.head = self.prompt_parts("")[0]
+        self.sink = max(cfg.sink_tokens, len(self.encode(self.head)) if pin_head else 0)
+        self.window = cfg.window_tokens
+        self.chunk = min(cfg.prefill_chunk_tokens, cfg.window_tokens)  # a chunk never evicts its own tokens
+        self.reserve = reserve_tokens or 2 * self.chunk
+        self.max_question_tokens = max_question_tokens
+        self.target = max_question_tokens + cfg.max_new_tokens + tree_tokens
+
+    @classmethod
+    def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,
+             progress: Callable[[str], None] | None = None, **options: int | bool | None) -> LMEngine:
+        with load_progress(progress, "lm", cfg.model, device, dtype):
+            path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = Transformer.from_pretrained(path, device=device, dtype=torch_dtype(dtype))
+            eos: list[int] = []
+            if (path / "generation_config.json").is_file():
+                found = GenerationConfig.from_pretrained(path).eos_token_id
+                eos = [] if found is None else [found] if isinstance(found, int) else list(found)
+        return cls(model, tokenizer, cfg, name=cfg.model, seed=seed, eos_ids=eos, **options)
+
+    def open_session(self) -> EngineSession:
+        return EngineSession(self)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_parts(self, question: str) -> tuple[str, str]:
+        """(head, tail): head + transcript + tail is exactly the plain answerer's prompt text."""
+        user = f"Transcript so far:\n{_MARK}\n\nQuestion: {question}"
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": self.cfg.system_prompt}, {"role": "user", "content": user}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = f"{self.cfg.system_prompt}\n\n{user}\nAnswer:"
+        head, tail = text.split(_MARK, 1)
+        return head, tail
+
+    def cache_bytes(self) -> int:
+        """KV bytes one session holds, constant for its lifetime."""
+        a = self.model.args
+        slots = self.sink + self.window + self.reserve + self.target
+        return 2 * a.num_layers * a.num_kv_heads * slots * a.head_dim * self.model.dtype.itemsize + 8 * slots
+
+
+@dataclass
+class SessionStats:
+    prefilled: int = 0  # source tokens run through the model
+    truncated: int = 0  # source tokens whose KV update mode dropped (re-prefilled when still wanted)
+    answers: int = 0
+
+
+class EngineSession:
+    """One stream: an attention-sink cache, the source token history, and the open answer (a `Target`)."""
+
+    def __init__(self, engine: LMEngine) -> None:
+        a = engine.model.args
+        self.engine = engine
+        self.vocab_size = a.vocab_size
+        self.cache = SinkKVCache(layers=a.num_layers, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                                 sink=engine.sink, window=engine.window, reserve=engine.reserve,
+                                 target=engine.target, device=engine.model.device, dtype=engine.model.dtype)
+        self.stats = SessionStats()
+        self.source_logits: torch.Tensor | None = None  # after the last prefilled source token
+        self._wanted = ""  # the newest transcript, set from any thread
+        self._tokens = SourceTokens(engine.tokenizer)  # the current source text's ids, kept incrementally
+        self._hist: list[int] = []  # source ids whose KV was computed, from the start (evicted ones included)
+        self._answer_prefix: list[int] = []  # the live source ids the open answer sees
+        self._target: list[int] = []  # the open answer's committed target ids: prompt tail, then answer
+        self._next: torch.Tensor | None = None
+        self._tree: tuple[list[int], torch.Tensor] | None = None
+
+    # -- source group ---------------------------------------------------------------------------------------
+
+    def set_context(self, text: str) -> None:
+        """Record the transcript so far (its unstable tail included); cheap and safe from the event loop."""
+        self._wanted = text
+
+    def _sync(self) -> None:
+        """Re-tokenise a changed transcript and cut the KV back to the longest common prefix of token ids."""
+        same = self._tokens.update(self.engine.head + (self._wanted or EMPTY_CONTEXT))
+        if same is None:
+            return
+        new, hist = self._tokens.ids, self._hist
+        keep = min(same, len(hist))
+        while keep < len(hist) and keep < len(new) and hist[keep] == new[keep]:
+            keep += 1
+        if self.cache.evicted:  # evicted tokens are committed history: never revised, never re-prefilled
+            keep = max(keep, self.engine.sink + self.cache.evicted)
+        if keep < len(hist):
+            drop = len(hist) - keep
+            self.cache.truncate_source(self.cache.source_len - drop)
+            del hist[keep:]
+            self.stats.truncated += drop
+
+    def pending_tokens(self) -> int:
+        """Source tokens still to prefill (re-tokenises first if the context changed)."""
+        self._sync()
+        return max(0, len(self._tokens.ids) - len(self._hist))
+
+    @torch.inference_mode()
+    def prefill_step(self) -> int:
+        """Prefill at most `prefill_chunk_tokens` pending source tokens; returns how many (0: nothing to do, or
+        the reserve is full during an answer and the rest waits for `end_answer`)."""
+        n = min(self.pending_tokens(), self.engine.chunk, self.cache.source_room())
+        if n <= 0:
+            return 0
+        start = len(self._hist)
+        ids = self._tokens.ids[start : start + n]
+        attend = self.cache.append_source(n)
+        self.source_logits = self._forward(ids, attend, last_only=True)[0]
+        self._hist.extend(ids)
+        self.stats.prefilled += n
+        return n
+
+    def source_ids(self) -> list[int]:
+        """The source ids whose KV is live: the sinks, then the window, in order."""
+        s = min(self.engine.sink, len(self._hist))
+        return self._hist[:s] + self._hist[s + self.cache.evicted :]
+
+    def _forward(self, ids: Sequence[int], attend: Attend, *, last_only: bool) -> torch.Tensor:
+        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.cache.k.device)
+        return self.engine.model(tokens, attend.q_pos, attend.k_pos, attend.mask, cache=(self.cache.k, self.cache.v),
+                                 slot=attend.slot, last_only=last_only)
+
+    # -- target group (the open answer) -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def begin_answer(self, question: str) -> list[int]:
+        """Prefill what is pending of the source, then the prompt tail into a new target group; returns the
+        tail's ids. `next_logits()` then gives the first token's distribution."""
+        if self.cache.answering:
+            raise RuntimeError("an answer is already open; end_answer() first")
+        while self.prefill_step():
+            pass
+        ids = self.engine.encode(self.engine.prompt_parts(question)[1])
+        if len(ids) > self.engine.max_question_tokens:
+            raise UserError(f"the question needs {len(ids)} prompt tokens, more than the engine's "
+                            f"{self.engine.max_question_tokens}; ask a shorter question")
+        self.cache.begin_target()
+        self._answer_prefix = self.source_ids()
+        attend = self.cache.append_target(len(ids))
+        self._next = self._forward(ids, attend, last_only=True)[0]
+        self._target, self._tree = list(ids), None
+        self.stats.answers += 1
+        return list(ids)
+
+    def answer_ids(self) -> list[int]:
+        """The sequence the open answer conditions on: the live source at question time, tail, answer so far."""
+        return self._answer_prefix + self._target
+
+    def next_logits(self) -> torch.Tensor:
+        """Logits [vocab] for the token after the committed sequence (after the prompt, then after commits)."""
+        if self._next is None:
+            raise RuntimeError("no open answer: begin_answer() first")
+        return self._next
+
+    @torch.inference_mode()
+    def score(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Target protocol: logits [n, vocab] for a tree of tokens after the committed answer (tree attention)."""
+        if not self.cache.answering:
+            raise RuntimeError("no open answer: begin_answer() first")
+        if len(tokens) != len(parents):
+            raise ValueError("tokens and parents differ in length")
+        attend = self.cache.score_tree(parents)
+        logits = self._forward(tokens, attend, last_only=False)
+        self._tree = (list(tokens), logits)
+        return logits
+
+    @torch.inference_mode()
+    def commit(self, nodes: Sequence[int]) -> None:
+        """Target protocol: keep one root-to-node path of the last scored tree, drop the other nodes."""
+        if self._tree is None:
+            if nodes:
+                raise RuntimeError("commit() without a scored tree")
+            return
+        tokens, logits = self._tree
+        self.cache.commit(nodes)
+        self._target.extend(tokens[i] for i in nodes)
+        if nodes:
+            self._next = logits[nodes[-1]]
+        self._tree = None
+
+    def committed_tokens(self) -> int:
+        """Target protocol: length of the committed sequence the answer conditions on (`answer_ids()`)."""
+        return len(self._answer_prefix) + len(self._target)
+
+    @torch.inference_mode()
+    def end_answer(self) -> None:
+        """Drop the target group; source tokens that arrived meanwhile become visible to the next answer."""
+        self.cache.end_target()
+        self._answer_prefix, self._target, self._next, self._tree = [], [], None, None

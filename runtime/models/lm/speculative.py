@@ -1,0 +1,349 @@
+"""Lossless speculative decoding against a `Target` (design §3: token recycling, prompt lookup, draft models).
+
+One `step()` is one target forward: the tree [pending token, draft nodes below it] is scored in a single
+`Target.score` call, walked from the root, and exactly the accepted root-to-node path is committed, so rejected
+branches never reach the target's committed sequence. Every step returns at least one token (the target's own
+choice after the last accepted node), so decoding never slows below plain decoding by more than the draft's
+overhead, and a caller that streams each step's tokens can stop (cancel, EOS, length) between steps.
+
+Token bookkeeping: `start()` chooses the first token from the prompt's logits and returns it at once (TTFT does
+not wait for a forward). The last returned token is always *pending*: chosen, emitted, not yet fed to the
+target; it is the root of the next step's tree. Hence, at any time,
+`target.committed_tokens() == prompt tokens + emitted tokens - 1`, and stopping costs no wasted forward.
+
+Lossless:
+- temperature 0: the walk follows the target's argmax, so the output is token-identical to plain greedy decoding
+  (`torch.argmax` picks the first maximum, as `generate` does).
+- temperature > 0: recursive rejection sampling over the children of each visited node. Child j with token x,
+  drawn from q_j (its drafter's distribution given its ancestors and earlier siblings; one-hot for
+  deterministic drafters), is accepted with probability min(1, r(x)/q_j(x)); on rejection the residual becomes
+  r <- norm(max(0, r - q_j)) (for a one-hot q: r with x zeroed). r starts as p, the target's distribution after
+  temperature and top-p exactly as plain sampling computes it (`sampling_probs`). If no child is accepted the
+  token is drawn from r. Each node's output is therefore distributed exactly as p (Leviathan/Chen for chains,
+  SpecTr-style recursive rejection for siblings), and the walk descends into the accepted child.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.models.lm.target import Target
+
+if TYPE_CHECKING:
+    from runtime.models.lm.drafters import Drafter
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """float64 probabilities [..., vocab] as plain sampling uses them (the generate answerer's rule): softmax of
+    logits / temperature in float32, then keep the smallest most-likely head whose mass reaches top_p. The
+    residual arithmetic of rejection sampling runs in float64 so that tiny probabilities are not lost."""
+    probs = torch.softmax(logits.detach().float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    probs = probs.double()
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class SpecStats:
+    """Counters for metrics (Spec-Bench conventions: tokens per target forward, acceptance)."""
+
+    steps: int = 0  # target forwards made by step()
+    drafted: int = 0  # draft nodes sent to the target
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens returned by step() (accepted drafts + one target token per step)
+    k: int = 0  # draft depth chosen for the last step
+    verify_s: float = 0.0  # wall seconds in Target.score (to the first host sync)
+    draft_s: float = 0.0  # wall seconds in Drafter.propose
+    depth_acceptance: list[float] = field(default_factory=list)  # current estimate per depth 1..max
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Mean tokens per target forward (>= 1 by construction)."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, float | int | list[float]]:
+        return {**asdict(self), "accepted_per_step": self.accepted_per_step}
+
+
+class DraftController:
+    """Chooses the draft depth k that maximizes expected tokens per second of a step.
+
+    Expected tokens with depth k: E(k) = 1 + sum_{j<=k} prod_{d<=j} a_d, where a_d estimates P(accept at depth d |
+    depth d-1 accepted and the tree offered a node there), from exponentially decayed counts (`decay` per step
+    for depths with evidence, the slower `stale_decay` for the others) with one pseudo-count pulling a_d toward
+    a_{d-1}: unexplored depths borrow the shallower estimate, and stale ones drift back, so a depth judged bad
+    is re-probed now and then. Cost of a step: `cost_model(nodes)` when given (nodes = tree size incl. the root),
+    else the measured score time for that many nodes (piecewise-linear over measured sizes, flat beyond: optimistic, so
+    larger trees get tried) plus the measured propose time for that depth. When k = 0 wins, depth 1 is probed
+    every `probe_every` steps so that a drafter that starts matching is noticed.
+    """
+
+    def __init__(
+        self,
+        max_depth: int,
+        cost_model: Callable[[int], float] | None = None,
+        *,
+        decay: float = 0.95,
+        stale_decay: float = 0.99,
+        prior: float = 0.5,
+        probe_every: int = 8,
+    ) -> None:
+        self.max_depth = max_depth
+        self.cost_model = cost_model
+        self.decay, self.stale_decay, self.prior, self.probe_every = decay, stale_decay, prior, probe_every
+        self.acc = [0.0] * (max_depth + 1)
+        self.tries = [0.0] * (max_depth + 1)
+        self.verify_cost: dict[int, float] = {}  # tree nodes -> EMA seconds
+        self.draft_cost: dict[int, float] = {}  # requested depth -> EMA seconds
+        self.nodes: dict[int, float] = {}  # requested depth -> EMA of draft nodes actually proposed
+        self._since_probe = 0
+
+    def alphas(self) -> list[float]:
+        out, prev = [], self.prior
+        for d in range(1, self.max_depth + 1):
+            prev = (self.acc[d] + prev) / (self.tries[d] + 1.0)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.alphas()[:k]:
+            run *= a
+            total += run
+        return total
+
+    def step_cost(self, k: int) -> float:
+        nodes = 1 + round(self.nodes.get(k, float(k)))
+        if self.cost_model is not None:
+            return self.cost_model(nodes)
+        return self._interp(self.verify_cost, nodes, 1.0) + (self._interp(self.draft_cost, k, 0.0) if k else 0.0)
+
+    @staticmethod
+    def _interp(table: dict[int, float], x: int, empty: float) -> float:
+        if not table:
+            return empty
+        if x in table:
+            return table[x]
+        keys = sorted(table)
+        if x <= keys[0]:
+            return table[keys[0]]
+        if x >= keys[-1]:
+            return table[keys[-1]]
+        hi = next(i for i, key in enumerate(keys) if key > x)
+        x0, x1 = keys[hi - 1], keys[hi]
+        return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
+
+    def choose(self, limit: int) -> int:
+        limit = min(limit, self.max_depth)
+        if limit <= 0:
+            return 0
+        best = max(range(limit + 1), key=lambda k: self.expected_tokens(k) / max(self.step_cost(k), 1e-12))
+        self._since_probe = 0 if best > 0 else self._since_probe + 1
+        if best == 0 and self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            return 1
+        return best
+
+    def record_cost(self, k: int, nodes: int, verify_s: float, draft_s: float) -> None:
+        """One step's measured cost: depth k requested, `nodes` draft nodes scored (plus the root)."""
+        self.nodes[k] = nodes if k not in self.nodes else 0.7 * self.nodes[k] + 0.3 * nodes
+        for table, key, value in ((self.verify_cost, nodes + 1, verify_s), (self.draft_cost, k, draft_s)):
+            table[key] = value if key not in table else 0.7 * table[key] + 0.3 * value
+
+    def record_acceptance(self, accepted: int, offered_next: bool) -> None:
+        """One drafted step: `accepted` drafts taken, and whether the last accepted node had children (a rejection
+        at depth accepted+1) or the tree simply ended there (no evidence about that depth)."""
+        seen = min(accepted + (1 if offered_next else 0), self.max_depth)
+        for d in range(1, self.max_depth + 1):
+            keep = self.decay if d <= seen else self.stale_decay
+            self.acc[d] *= keep
+            self.tries[d] *= keep
+            if d <= seen:
+                self.tries[d] += 1.0
+                self.acc[d] += 1.0 if d <= accepted else 0.0
+
+
+class SpeculativeDecoder:
+    """Decodes from `target` with drafts from `drafter` (None = plain decoding, one token per step).
+
+    `stop_ids`: tokens that end the answer; an accepted draft token in it ends the step there and is not
+    committed (it stays pending, like any last token). `cost_model(nodes) -> seconds` replaces measured costs in
+    the depth choice (tests, or a per-device table).
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_draft_tokens: int = 8,
+        generator: torch.Generator | None = None,
+        adapt: bool = True,
+        stop_ids: Collection[int] = (),
+        cost_model: Callable[[int], float] | None = None,
+    ) -> None:
+        self.target, self.drafter = target, drafter
+        self.temperature, self.top_p = temperature, top_p
+        self.max_draft_tokens = max(0, max_draft_tokens) if drafter is not None else 0
+        self.generator, self.adapt = generator, adapt
+        self.stop_ids = frozenset(stop_ids)
+        self.controller = DraftController(max(1, self.max_draft_tokens), cost_model)
+        self.stats = SpecStats()
+        self.context: list[int] = []  # prompt/context ids + emitted tokens, without the pending one
+        self.pending: int | None = None
+        self.done = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        if self.greedy:
+            return int(logits.argmax())
+        return _sample(sampling_probs(logits, self.temperature, self.top_p), self.generator)
+
+    @torch.inference_mode()
+    def start(self, first_logits: torch.Tensor, context: Sequence[int] = ()) -> int:
+        """Choose the first token from the logits after the prompt and return it (stream it now). `context` is
+        what drafters may look things up in: the prompt ids (transcript, question); the target must have exactly
+        these committed if a draft-model drafter mirrors it."""
+        first_logits = first_logits.reshape(-1)
+        self.context = list(context)
+        self.pending = self._choose(first_logits)
+        self.done = self.pending in self.stop_ids
+        if self.drafter is not None and self.context:
+            self.drafter.observe([self.context[-1]], [-1], first_logits[None])
+        return self.pending
+
+    def _depth(self, max_tokens: int | None) -> int:
+        limit = self.max_draft_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - 1)
+        if limit <= 0:
+            return 0
+        return self.controller.choose(limit) if self.adapt else limit
+
+    def _draft(self, k: int) -> tuple[list[int], list[int], list[torch.Tensor | None]]:
+        """The tree to score: node 0 = pending (parent -1), draft node i -> node i+1 with parent p+1. Nodes deeper
+        than k, or under a dropped node, are dropped (drafters should honour the budget; this enforces it)."""
+        assert self.pending is not None
+        tokens, parents, qs = [self.pending], [-1], [None]
+        if k == 0 or self.drafter is None:
+            return tokens, parents, qs
+        draft = self.drafter.propose(self.context, self.pending, k)
+        dq = draft.q if draft.q is not None else [None] * len(draft.tokens)
+        if not (len(draft.tokens) == len(draft.parents) == len(dq)):
+            raise ValueError("draft tokens, parents and q differ in length")
+        where, depth = {-1: 0}, [0]
+        for i, (tok, par) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
+            if not -1 <= par < i:
+                raise ValueError(f"draft node {i} has parent {par}; parents must come first (-1 = pending)")
+            if par not in where or depth[where[par]] >= k:
+                continue
+            where[i] = len(tokens)
+            depth.append(depth[where[par]] + 1)
+            tokens.append(int(tok))
+            parents.append(where[par])
+            qs.append(dq[i])
+        return tokens, parents, qs
+
+    def _accept(self, p: torch.Tensor, tokens: list[int], kids: list[int], qs: list) -> int | None:
+        """Recursive rejection sampling over one node's children; returns the accepted child or None (then the
+        residual, left in `p`, is what the next token is drawn from)."""
+        for c in kids:
+            x, q = tokens[c], qs[c]
+            u = float(torch.rand((), dtype=torch.float64, generator=self.generator))
+            if q is None:
+                if u < float(p[x]):
+                    return c
+                p[x] = 0.0
+            else:
+                q = q.detach().double().cpu().reshape(-1)
+                if q.numel() < p.numel():
+                    q = torch.cat([q, q.new_zeros(p.numel() - q.numel())])
+                q = q[: p.numel()]
+                if float(q[x]) > 0 and u < min(1.0, float(p[x]) / float(q[x])):
+                    return c
+                p.sub_(q).clamp_(min=0.0)
+            total = float(p.sum())
+            if total <= 1e-300:  # float residue only (the last mass was rejected with u ~ 1): nothing else is left
+                return c
+            p.div_(total)
+        return None
+
+    @torch.inference_mode()
+    def step(self, max_tokens: int | None = None) -> list[int]:
+        """One target forward; returns the newly decided tokens (>= 1, at most `max_tokens`). The last returned
+        token becomes pending. Raises once a stop token has been emitted."""
+        if self.pending is None:
+            raise RuntimeError("SpeculativeDecoder.step() before start()")
+        if self.done:
+            raise RuntimeError("SpeculativeDecoder.step() after a stop token")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        k = self._depth(max_tokens)
+        t0 = time.perf_counter()
+        tokens, parents, qs = self._draft(k)
+        t1 = time.perf_counter()
+        logits = self.target.score(tokens, parents)
+        argmax = logits.argmax(-1).tolist()  # one host sync: the forward is done
+        t2 = time.perf_counter()
+        kids: list[list[int]] = [[] for _ in tokens]
+        for i, par in enumerate(parents[1:], start=1):
+            kids[par].append(i)
+
+        path, out, node, stopped = [0], [], 0, False
+        while True:
+            if self.greedy:
+                want = argmax[node]
+                nxt = next((c for c in kids[node] if tokens[c] == want), None)
+                residual = None
+            else:
+                residual = sampling_probs(logits[node], self.temperature, self.top_p)
+                nxt = self._accept(residual, tokens, kids[node], qs)
+            if nxt is None:
+                out.append(argmax[node] if residual is None else _sample(residual, self.generator))
+                break
+            out.append(tokens[nxt])
+            if tokens[nxt] in self.stop_ids:  # stop inside the draft: emit it as pending, commit what precedes
+                stopped = True
+                break
+            path.append(nxt)
+            node = nxt
+        self.target.commit(path)
+        if self.drafter is not None:
+            self.drafter.observe(tokens, parents, logits)
+
+        self.context.extend(tokens[n] for n in path)
+        self.pending = out[-1]
+        self.done = self.pending in self.stop_ids
+        accepted = len(out) if stopped else len(out) - 1
+        s = self.stats
+        s.steps += 1
+        s.drafted += len(tokens) - 1
+        s.accepted += accepted
+        s.emitted += len(out)
+        s.k = k
+        s.draft_s += t1 - t0
+        s.verify_s += t2 - t1
+        if self.adapt:
+            self.controller.record_cost(k, len(tokens) - 1, t2 - t1, t1 - t0)
+            if k > 0:
+                self.controller.record_acceptance(accepted, bool(kids[node]) and not stopped)
+                s.depth_acceptance = self.controller.alphas()
+        return out

@@ -1,0 +1,183 @@
+"""Drafters propose what their method says: n-gram copies, the recycling adjacency walk, a draft model's chain
+(kept in sync with what the target accepted), and `make_drafter` maps the config to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from runtime.config import LMConfig
+from runtime.errors import ConfigError
+from runtime.models.lm.drafters import (
+    AutoDrafter,
+    DraftModelDrafter,
+    NgramDrafter,
+    TokenRecyclingDrafter,
+    make_drafter,
+    static_tree,
+)
+from runtime.models.lm.reference_target import RecomputeTarget
+from runtime.models.lm.speculative import SpeculativeDecoder
+
+
+def tiny_lm(vocab: int = 32, seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+# -- n-gram lookup -----------------------------------------------------------------------------------------------
+
+
+def test_ngram_copies_after_the_longest_most_recent_match():
+    d = NgramDrafter(n_max=3, max_copy=4)
+    ctx = [9, 1, 2, 3, 50, 51, 7, 2, 3, 60, 61, 62, 63, 64, 1, 2]
+    # with pending 3 the tail is (1, 2, 3): the trigram (-> 50) beats the more recent bigram (2, 3) (-> 60)
+    draft = d.propose(ctx, 3, budget=8)
+    assert draft.tokens == [50, 51, 7, 2] and draft.parents == [-1, 0, 1, 2] and draft.q is None  # max_copy 4
+    assert d.propose(ctx, 3, budget=2).tokens == [50, 51]  # the depth budget caps the copy
+    assert d.propose([*ctx, 7, 2], 3, budget=3).tokens == [60, 61, 62]  # grown context: (7, 2, 3) -> 60
+    # unigram 5: of its two earlier occurrences the most recent one (followed by 9) is copied
+    assert d.propose([5, 8, 5, 9], 5, budget=3).tokens == [9, 5]  # ...and the pending token after it
+
+
+def test_ngram_without_a_match_proposes_nothing_and_rebuilds_on_a_new_context():
+    d = NgramDrafter(n_max=3, max_copy=10, n_min=2)
+    assert d.propose([1, 2, 3, 4], 5, 4).tokens == []
+    assert d.propose([1, 2, 3, 4, 5, 6, 4], 5, 4).tokens == [6, 4, 5]  # (4, 5) matched; grown incrementally
+    assert d.propose([7, 7, 7, 1], 2, 4).tokens == []  # not an extension: the old index is gone
+    assert d.propose([7, 7, 7], 7, 2).tokens == [7, 7]
+
+
+# -- token recycling ----------------------------------------------------------------------------------------------
+
+
+def test_static_tree_shape():
+    parent, rank, depth = static_tree((8, 6, 4, 3, 2, 2))
+    assert len(parent) == 77 and max(depth) == 6 and depth == sorted(depth)  # BFS order
+    assert [depth.count(d) for d in range(1, 7)] == [8, 21, 20, 15, 6, 7]
+    assert all(-1 <= p < i for i, p in enumerate(parent))
+    siblings = {}
+    for i, p in enumerate(parent):
+        siblings.setdefault(p, []).append(rank[i])
+    assert all(r == list(range(len(r))) for r in siblings.values())  # ranks 0..b-1 under each parent
+
+
+def test_recycling_adjacency_is_refreshed_from_observed_logits():
+    vocab = 50
+    d = TokenRecyclingDrafter(vocab)
+    assert d.nbytes == vocab * 8 * 4 and d.adjacency.dtype == torch.int32
+    assert d.propose([], 3, 6).tokens == []  # cold: nothing seen yet
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=gen)
+    d.observe([3, 10, 3], [-1, 0, 1], logits)
+    # token 3 appears twice: the later row wins; 10 gets its own top-8
+    assert d.adjacency[3].tolist() == logits[2].topk(8).indices.tolist()
+    assert d.adjacency[10].tolist() == logits[1].topk(8).indices.tolist()
+    assert bool(d.seen[3]) and bool(d.seen[10]) and int(d.seen.sum()) == 2
+    fresh = torch.randn(1, vocab, generator=gen)
+    d.observe([10], [-1], fresh)
+    assert d.adjacency[10].tolist() == fresh[0].topk(8).indices.tolist()
+
+
+def test_recycling_walks_the_adjacency_along_the_static_tree():
+    vocab = 40
+    d = TokenRecyclingDrafter(vocab)
+    gen = torch.Generator().manual_seed(1)
+    d.observe(list(range(vocab)), [-1] * vocab, torch.randn(vocab, vocab, generator=gen))  # every row warm
+    adj = d.adjacency
+    draft = d.propose([], 7, budget=6)
+    assert len(draft.tokens) == 77 and draft.q is None
+    parent, rank, _ = static_tree((8, 6, 4, 3, 2, 2))
+    for i, (tok, par) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
+        src = 7 if par < 0 else draft.tokens[par]
+        assert par == parent[i] and tok == int(adj[src, rank[i]])
+    assert len(d.propose([], 7, budget=2).tokens) == 8 + 21  # the budget is a depth
+    # a row never observed prunes its subtree
+    d.seen[int(adj[7, 0])] = False
+    assert len(d.propose([], 7, budget=6).tokens) < 77
+
+
+def test_recycling_stays_warm_across_answers_and_learns_from_decoding():
+    model = tiny_lm()
+    drafter = TokenRecyclingDrafter(32)
+    for prompt in ([1, 2, 3, 4], [5, 6, 7, 8]):  # two "answers" with one drafter (no reset between)
+        target = RecomputeTarget(model, prompt)
+        dec = SpeculativeDecoder(target, drafter, max_draft_tokens=6)
+        dec.start(target.next_logits(), prompt)
+        for _ in range(6):
+            dec.step()
+    assert int(drafter.seen.sum()) > 4
+    seen_before = drafter.seen.clone()
+    target = RecomputeTarget(model, [9, 10])
+    dec = SpeculativeDecoder(target, drafter, max_draft_tokens=6)
+    dec.start(target.next_logits(), [9, 10])
+    assert bool((drafter.seen & seen_before).eq(seen_before).all())  # nothing forgotten
+
+
+# -- draft model ------------------------------------------------------------------------------------------------
+
+
+def test_draft_model_follows_what_the_target_accepted():
+    target_lm, draft_lm = tiny_lm(seed=0), tiny_lm(seed=0)  # a perfect drafter: every draft is accepted
+    prompt = [3, 1, 4, 1, 5]
+    draft_target = RecomputeTarget(draft_lm, prompt)
+    drafter = DraftModelDrafter(draft_target, fed=prompt)
+    target = RecomputeTarget(target_lm, prompt)
+    dec = SpeculativeDecoder(target, drafter, max_draft_tokens=4, adapt=False)
+    dec.start(target.next_logits(), prompt)
+    for _ in range(4):
+        before = dec.stats.accepted
+        dec.step()
+        # the draft session committed the context and the root, never a tentative draft; the drafts the target
+        # just accepted are fed at the next propose
+        assert target.ids[: len(draft_target.ids)] == draft_target.ids
+        assert len(target.ids) - len(draft_target.ids) == dec.stats.accepted - before == 4
+    with pytest.raises(RuntimeError, match="out of sync"):
+        drafter.propose([9, 9, 9, 9, 9, 9], 1, 3)
+    with pytest.raises(ValueError):
+        DraftModelDrafter(RecomputeTarget(draft_lm, prompt), fed=prompt[:2])
+
+
+def test_draft_model_reports_q_only_when_sampling():
+    model = tiny_lm()
+    greedy = DraftModelDrafter(RecomputeTarget(model, [1, 2]), fed=[1, 2]).propose([1, 2], 3, 3)
+    assert greedy.q is None and greedy.parents == [-1, 0, 1]
+    want = RecomputeTarget(model, [1, 2, 3]).next_logits().argmax()
+    assert greedy.tokens[0] == int(want)
+    gen = torch.Generator().manual_seed(0)
+    sampled = DraftModelDrafter(RecomputeTarget(model, [1, 2]), fed=[1, 2], temperature=0.9, top_p=0.7,
+                                generator=gen).propose([1, 2], 3, 3)
+    assert sampled.q is not None and len(sampled.q) == 3
+    for tok, q in zip(sampled.tokens, sampled.q, strict=True):
+        assert q.sum().item() == pytest.approx(1.0) and q[tok] > 0
+        assert (q == 0).any()  # top_p 0.7 cut the tail off
+
+
+# -- auto and the factory --------------------------------------------------------------------------------------
+
+
+def test_auto_prefers_an_ngram_match_else_recycling():
+    d = AutoDrafter(20)
+    d.observe([4], [-1], torch.arange(20, dtype=torch.float32)[None])  # row 4: 19, 18, ...
+    assert d.propose([1, 4, 6, 7, 2], 4, 3).tokens == [6, 7, 2]  # n-gram copy
+    tree = d.propose([1, 2, 3], 4, 1)
+    assert tree.tokens == [19, 18, 17, 16, 15, 14, 13, 12]  # recycling candidates after 4
+
+
+def test_make_drafter_follows_the_config():
+    assert make_drafter(LMConfig(drafter="none"), vocab_size=10) is None
+    assert isinstance(make_drafter(LMConfig(drafter="ngram"), vocab_size=10), NgramDrafter)
+    assert isinstance(make_drafter(LMConfig(drafter="recycling"), vocab_size=10), TokenRecyclingDrafter)
+    assert isinstance(make_drafter(LMConfig(drafter="auto"), vocab_size=10), AutoDrafter)
+    target = RecomputeTarget(tiny_lm(), [1])
+    made = make_drafter(LMConfig(drafter="draft-model", temperature=0.5), vocab_size=32, draft_target=target,
+                        draft_fed=[1])
+    assert isinstance(made, DraftModelDrafter) and made.temperature == 0.5
+    with pytest.raises(ConfigError):
+        make_drafter(LMConfig(drafter="draft-model"), vocab_size=10)
+    with pytest.raises(ConfigError):
+        make_drafter(LMConfig(drafter="eagle"), vocab_size=10)

@@ -1,0 +1,127 @@
+"""The engine as the pipeline's answerer: greedy output token-identical to transformers' generate() for every
+drafter (speculative decoding is lossless), several tokens per target forward when drafts are right, the
+stream's prefilled transcript reused across questions, and reproducible sampling."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from runtime.config import LMConfig
+from runtime.models.lm.answerer import AnswerStep, load_answerer
+from runtime.models.lm.engine import LMEngine
+from runtime.models.lm.engine_answerer import EngineAnswerer
+from runtime.models.loading import resolve_checkpoint
+
+N = 20
+PROMPTS = [
+    ("", "What was said?"),
+    ("The meeting starts at nine, and the budget will grow by ten percent.", "Who manages the budget?"),
+    ("Elle a dit: « café, s'il vous plaît » — 日本語も少し。", "¿Qué pidió? 🙂"),
+    ("one two three " * 40, "Count the words."),
+]
+DRAFTERS = ["none", "ngram", "recycling", "auto", "draft-model"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path() -> Path:
+    return resolve_checkpoint("tiny:qwen2", role="lm")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_path: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()
+
+
+def make(drafter: str, **cfg) -> EngineAnswerer:
+    """The draft model is the tiny model itself: drafts are then always right, so acceptance is exercised."""
+    lm = LMConfig(backend="engine", max_new_tokens=N, prefill_chunk_tokens=16, drafter=drafter,
+                  draft_model="tiny:qwen2" if drafter == "draft-model" else "", **cfg)
+    answerer = load_answerer(lm, device="cpu", dtype="float32")
+    assert isinstance(answerer, EngineAnswerer)
+    return answerer
+
+
+def run(answerer: EngineAnswerer, state) -> list[AnswerStep]:
+    steps = []
+    while not (steps and steps[-1].done):
+        steps.append(answerer.step(state))
+        assert len(steps) <= answerer.cfg.max_new_tokens + 1
+    return steps
+
+
+def generate_ids(model: PreTrainedModel, prompt: list[int], **kwargs) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N,
+                         pad_token_id=0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_equals_generate_for_every_drafter(drafter: str, hf: PreTrainedModel) -> None:
+    answerer = make(drafter)
+    steps_total = tokens_total = 0
+    for context, question in PROMPTS:
+        state = answerer.start(context, question)
+        steps = run(answerer, state)
+        expected = generate_ids(hf, state.prompt_ids)
+        assert state.generated == expected
+        assert "".join(s.delta for s in steps) == answerer.tokenizer.decode(expected, skip_special_tokens=True)
+        assert steps[-1].done and steps[-1].finish_reason == "length"
+        assert answerer.step(state) == AnswerStep("", True, "length")
+        steps_total, tokens_total = steps_total + len(steps), tokens_total + len(expected)
+    if drafter == "draft-model":  # always-right drafts: far fewer target forwards than tokens
+        assert steps_total < tokens_total * 0.6
+    elif drafter == "none":
+        assert steps_total == tokens_total
+
+
+def test_stops_at_eos_and_reuses_the_streams_prefill(hf: PreTrainedModel) -> None:
+    answerer = make("auto")
+    stream = answerer.open_session()
+    context, question = PROMPTS[1]
+    first = answerer.start(context, question, session=stream)
+    run(answerer, first)
+    answerer.eos_ids = {first.generated[3]}
+    state = answerer.start(context, question, session=stream)
+    steps = run(answerer, state)
+    expected = generate_ids(hf, state.prompt_ids, eos_token_id=first.generated[3])
+    assert expected[-1] == first.generated[3] and state.generated == expected[:-1]
+    assert steps[-1].finish_reason == "stop"
+    answerer.eos_ids = set(answerer.engine.eos_ids)
+    before = stream.session.stats.prefilled
+    state = answerer.start(context + " Then they left.", question, session=stream)
+    assert stream.session.stats.prefilled - before < 10  # only the new words were prefilled
+    run(answerer, state)
+    assert state.generated == generate_ids(hf, state.prompt_ids)
+
+
+def test_window_cut_is_reported(tiny_path: Path) -> None:
+    answerer = make("none", window_tokens=48)
+    text = " ".join(f"word{i}" for i in range(400))
+    state = answerer.start(text, "Again?")
+    assert state.context_cut and state.context_tokens == 48
+    answerer.release(state)
+    answerer.release(state)  # idempotent: the pipeline releases in `finally`
+
+
+def test_sampling_is_reproducible() -> None:
+    """Same seed and same drafter state (a fresh stream: a warm drafter proposes other drafts, which changes
+    which random numbers are drawn, though never the distribution) -> the same answer."""
+    answerer = make("auto", temperature=0.8, top_p=0.9)
+    outs = []
+    for _ in range(2):
+        state = answerer.start("hello there", "Say something.", seed=3, session=answerer.open_session())
+        run(answerer, state)
+        outs.append(state.generated)
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+
+
+def test_engine_loads_only_when_asked() -> None:
+    engine = LMEngine.load(LMConfig(max_new_tokens=N), device="cpu", dtype="float32")
+    answerer = EngineAnswerer(engine)
+    assert answerer.draft_engine is None and replace(answerer.cfg).drafter == "auto"

@@ -1,0 +1,287 @@
+"""The language engine: streaming prefill (append and update mode), source/target position groups, tree scoring
+through the session (the Target protocol), the attention-sink window, and the answerer adapter, each checked
+against transformers' own forward or generate() on the same token ids."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from runtime.config import LMConfig
+from runtime.errors import ConfigError
+from runtime.models.lm.answerer import Answerer
+from runtime.models.lm.engine import EngineSession, LMEngine, SourceTokens
+from runtime.models.loading import resolve_checkpoint
+
+TOL = 1e-4
+N = 20
+PROMPTS = [
+    ("", "What was said?"),
+    ("The meeting starts at nine, and the budget will grow by ten percent.", "Who manages the budget?"),
+    ("Elle a dit: « café, s'il vous plaît » — 日本語も少し。", "¿Qué pidió? 🙂"),
+    ("one two three " * 40, "Count the words."),
+]
+WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "while", "cat", "watches", "from", "window",
+    "good", "morning", "everyone", "today", "we", "talk", "about", "speech", "text", "real", "time", "budget",
+    "grow", "ten", "percent", "finance", "team",
+]
+
+
+def transcript(n_words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    lines, words = [], []
+    for i in range(n_words):
+        words.append(rng.choice(WORDS))
+        if len(words) == 9 or i == n_words - 1:
+            lines.append(f"[{len(lines) // 6:02d}:{(len(lines) * 7) % 60:04.1f}] " + " ".join(words) + ".")
+            words = []
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def tiny_path() -> Path:
+    return resolve_checkpoint("tiny:qwen2", role="lm")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_path: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def engine() -> LMEngine:
+    return LMEngine.load(LMConfig(max_new_tokens=N, prefill_chunk_tokens=16), device="cpu", dtype="float32")
+
+
+@torch.no_grad()
+def forward(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0]
+
+
+def drain(session: EngineSession) -> int:
+    total = 0
+    while n := session.prefill_step():
+        total += n
+    return total
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return float((a - b).abs().max()) <= TOL
+
+
+def test_load_reports_progress_and_checks_config() -> None:
+    lines: list[str] = []
+    LMEngine.load(LMConfig(), device="cpu", dtype="float32", progress=lines.append)
+    assert lines[0] == "loading lm tiny:qwen2 on cpu/float32 ..." and lines[-1].startswith("lm loaded in ")
+    with pytest.raises(ConfigError, match="window_tokens"):
+        LMEngine.load(LMConfig(window_tokens=0), device="cpu", dtype="float32")
+
+
+def test_prompt_layout_is_the_answerers_prompt(engine: LMEngine, hf: PreTrainedModel) -> None:
+    answerer = Answerer(hf, engine.tokenizer, engine.cfg, name="plain")
+    for context, question in PROMPTS:
+        head, tail = engine.prompt_parts(question)
+        assert head == engine.head and head + (context or "(nothing yet)") + tail == answerer.prompt_text(context,
+                                                                                                          question)
+    session = engine.open_session()
+    session.set_context("she said hello")
+    session.begin_answer("What did she say?")
+    text = engine.tokenizer.decode(session.answer_ids())
+    assert text == answerer.prompt_text("she said hello", "What did she say?")
+    assert session.source_ids()[: engine.sink] == engine.encode(engine.head)[: engine.sink]
+
+
+def test_streaming_prefill_equals_a_fresh_forward(engine: LMEngine, hf: PreTrainedModel) -> None:
+    """Words arrive one by one with an unstable tail the ASR revises; prefill runs between some of them."""
+    final = transcript(60, seed=1)
+    words = final.split(" ")
+    session, rng = engine.open_session(), random.Random(2)
+    for i in range(1, len(words) + 1):
+        session.set_context(" ".join(words[:i]) + (" (unsure" if i < len(words) else ""))
+        if rng.random() < 0.6:
+            session.prefill_step()
+    session.set_context(final)
+    session.begin_answer("What was said?")
+    ids = session.answer_ids()
+    assert ids[: session.cache.source_len] == engine.encode(engine.head + final)
+    assert close(session.next_logits(), forward(hf, ids)[-1])
+    assert session.stats.truncated > 0  # the unstable tails were cut back and re-prefilled
+
+
+def test_update_mode_recomputes_only_the_changed_suffix(engine: LMEngine, hf: PreTrainedModel) -> None:
+    before = transcript(40, seed=3) + " and the budget will grow by ten"
+    after = transcript(40, seed=3) + " and the finance team will manage it"
+    old, new = engine.encode(engine.head + before), engine.encode(engine.head + after)
+    common = next(i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b)
+    session = engine.open_session()
+    session.set_context(before)
+    assert drain(session) == len(old)
+    session.set_context(after)
+    assert session.pending_tokens() == len(new) - common and session.stats.truncated == len(old) - common
+    assert drain(session) == len(new) - common  # only the changed suffix is recomputed
+    session.begin_answer("Who manages it?")
+    fresh = engine.open_session()
+    fresh.set_context(after)
+    fresh.begin_answer("Who manages it?")
+    assert session.answer_ids() == fresh.answer_ids()
+    assert close(session.next_logits(), fresh.next_logits())
+    assert close(session.next_logits(), forward(hf, session.answer_ids())[-1])
+
+
+def greedy(session: EngineSession, steps: int) -> list[torch.Tensor]:
+    """Decode through the Target protocol: the one-node tree, then commit it."""
+    rows = [session.next_logits()]
+    for _ in range(steps):
+        session.score([int(rows[-1].argmax())], [-1])
+        session.commit([0])
+        rows.append(session.next_logits())
+    return rows
+
+
+def test_source_during_an_answer_is_invisible_to_it_and_visible_to_the_next(engine: LMEngine,
+                                                                             hf: PreTrainedModel) -> None:
+    first = transcript(30, seed=4) + " the budget will grow"
+    later = transcript(30, seed=4) + " the budget will shrink, said the finance team, by ten percent"
+    session = engine.open_session()
+    session.set_context(first)
+    drain(session)
+    session.begin_answer("What about the budget?")
+    prompt = session.answer_ids()
+    rows = greedy(session, 2)
+    session.set_context(later)  # the ASR revised the tail the answer sees, and more words came
+    assert drain(session) > 0 and session.stats.truncated > 0
+    rows += greedy(session, 3)[1:]
+    answer = session.answer_ids()
+    assert answer[: len(prompt)] == prompt and session.committed_tokens() == len(answer)
+    reference = forward(hf, answer)[len(prompt) - 1 :]
+    assert all(close(row, ref) for row, ref in zip(rows, reference, strict=True))
+    session.end_answer()
+    session.begin_answer("And now?")
+    fresh = engine.encode(engine.head + later) + engine.encode(engine.prompt_parts("And now?")[1])
+    assert session.answer_ids() == fresh and close(session.next_logits(), forward(hf, fresh)[-1])
+
+
+def test_source_waits_when_the_reserve_is_full(tiny_path: Path) -> None:
+    cfg = LMConfig(prefill_chunk_tokens=4, max_new_tokens=4)
+    engine = LMEngine.load(cfg, device="cpu", dtype="float32", reserve_tokens=6)
+    session = engine.open_session()
+    session.set_context("one two")
+    session.begin_answer("Why?")
+    session.set_context("one two three four five six seven eight nine ten")
+    assert session.prefill_step() == 4 and session.prefill_step() == 2 and session.prefill_step() == 0
+    assert session.pending_tokens() > 0
+    session.end_answer()
+    assert drain(session) > 0 and session.pending_tokens() == 0
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_tree_scoring_through_the_session(engine: LMEngine, hf: PreTrainedModel) -> None:
+    session = engine.open_session()
+    session.set_context(transcript(20, seed=5))
+    session.begin_answer("Summarise.")
+    parents = [-1, 0, 0, 1, 1, 2, 3, -1, 7, 8]
+    nodes = [5, 17, 99, 3, 250, 42, 7, 11, 12, 13]
+    committed = session.answer_ids()
+    logits = session.score(nodes, parents)
+    for i in range(len(nodes)):
+        assert close(logits[i], forward(hf, committed + [nodes[j] for j in path_to(parents, i)])[-1])
+    session.commit([0, 1, 3, 6])
+    assert session.answer_ids() == committed + [5, 17, 3, 7] and session.committed_tokens() == len(committed) + 4
+    assert close(session.next_logits(), forward(hf, session.answer_ids())[-1])
+    session.score([1, 2], [-1, 0])
+    session.commit([])  # drop the whole tree: nothing changes
+    assert session.committed_tokens() == len(committed) + 4
+    assert close(session.score([9], [-1])[0], forward(hf, session.answer_ids() + [9])[-1])
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory, tiny_path: Path) -> tuple[Path, PreTrainedModel]:
+    """The tiny tokenizer beside a one-layer Qwen2: after overflow it must equal a fresh forward over
+    [sinks + window] (a deeper model's window keeps what its tokens saw when computed: see test_kv_cache)."""
+    path = tmp_path_factory.mktemp("qwen2-1")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, initializer_range=0.3,
+                      eos_token_id=tokenizer.eos_token_id)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model
+
+
+def test_window_overflow_keeps_sinks_and_bounded_memory(one_layer) -> None:
+    path, hf1 = one_layer
+    cfg = LMConfig(model=str(path), window_tokens=48, prefill_chunk_tokens=16, max_new_tokens=N)
+    engine = LMEngine.load(cfg, device="cpu", dtype="float32")
+    session = engine.open_session()
+    nbytes = session.cache.nbytes()
+    assert nbytes == engine.cache_bytes()
+    text = transcript(400, seed=6)
+    lines = text.split("\n")
+    for i in range(1, len(lines) + 1):
+        session.set_context("\n".join(lines[:i]))
+        drain(session)
+    assert session.cache.evicted > 500 and session.cache.source_len == engine.sink + 48
+    assert int(session.cache.pos.max()) < engine.sink + engine.window + engine.reserve + engine.target
+    session.set_context(text + " and one more")  # update mode still works inside the window
+    session.begin_answer("What came last?")
+    ids = session.answer_ids()
+    assert ids[: engine.sink] == engine.encode(engine.head)  # the whole head is pinned as sinks
+    assert close(session.next_logits(), forward(hf1, ids)[-1])
+    assert session.cache.nbytes() == nbytes
+
+
+def test_llama_checkpoint_streams_like_qwen2(tmp_path: Path, tiny_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = LMEngine.load(LMConfig(model=str(tmp_path), prefill_chunk_tokens=5), device="cpu", dtype="float32")
+    session = engine.open_session()
+    for n in (10, 25, 40):
+        session.set_context(transcript(n, seed=7))
+        session.prefill_step()
+    session.begin_answer("Which words?")
+    assert close(session.next_logits(), forward(model, session.answer_ids())[-1])
+
+
+def test_incremental_tokens_equal_a_full_tokenisation(engine: LMEngine) -> None:
+    """Random ASR-like edits (append words, revise the tail, multi-byte text): the spliced ids always equal a
+    fresh tokenisation, and the whole text is rarely re-tokenised."""
+    tokens, rng = SourceTokens(engine.tokenizer), random.Random(8)
+    text = engine.head
+    extras = ["café", "日本語", "—", "🙂", "\n[00:01.5]", "  ", "percent.", "s'il"]
+    for step in range(400):
+        if rng.random() < 0.3 and len(text) > len(engine.head) + 10:
+            text = text[: len(text) - rng.randint(1, 10)]
+        text += " " + rng.choice(WORDS + extras) if rng.random() < 0.8 else rng.choice(extras)
+        tokens.update(text)
+        if step % 10 == 0 or step == 399:
+            assert tokens.ids == engine.encode(text)
+    assert tokens.ids == engine.encode(text) and tokens.full_encodes < 40

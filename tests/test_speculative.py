@@ -1,0 +1,375 @@
+"""Speculative decoding is lossless: greedy output equals `generate(do_sample=False)` token for token, sampled
+output has exactly the target's distribution (chi-square against the exact joint of two tokens), rejected
+branches never reach the target, and the draft depth follows acceptance and cost."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from runtime.models.lm.drafters import (
+    AutoDrafter,
+    Draft,
+    DraftModelDrafter,
+    NgramDrafter,
+    TokenRecyclingDrafter,
+    chain,
+)
+from runtime.models.lm.reference_target import CachedHFTarget, RecomputeTarget
+from runtime.models.lm.speculative import SpeculativeDecoder
+
+VOCAB = 64
+PROMPTS = [
+    [5, 17, 33, 2, 41, 8, 60, 12, 9, 27],
+    [7, 3, 11, 7, 3, 11, 7, 3, 11, 7, 3],  # repetitive: n-gram lookup has something to copy
+    [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1],
+]
+
+
+def tiny_lm(vocab: int, seed: int, scale: float = 8.0, noise: float = 0.0) -> Qwen2ForCausalLM:
+    """A random Qwen2; a scaled-up head makes its distributions peaked (random inits are near uniform), and
+    `noise` perturbs a copy of the same seed into a draft model whose q differs from p."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+        gen = torch.Generator().manual_seed(seed + 1000)
+        for p in model.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def lm() -> Qwen2ForCausalLM:
+    return tiny_lm(VOCAB, 0)
+
+
+@pytest.fixture(scope="module")
+def draft_lm() -> Qwen2ForCausalLM:
+    return tiny_lm(VOCAB, 0, noise=0.05)
+
+
+def plain_greedy(model: Qwen2ForCausalLM, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def decode(dec: SpeculativeDecoder, target, prompt: list[int], n: int, first_logits=None) -> list[int]:
+    """Decode n tokens, checking after every step that exactly prompt + emitted[:-1] is committed."""
+    out = [dec.start(target.next_logits() if first_logits is None else first_logits, prompt)]
+    while len(out) < n and not dec.done:
+        new = dec.step(n - len(out))
+        assert 1 <= len(new) <= n - len(out)
+        out += new
+        assert target.committed_tokens() == len(prompt) + len(out) - 1
+        assert target.ids == prompt + out[:-1]
+    return out
+
+
+DRAFTERS = {
+    "none": lambda lm, dlm, p: None,
+    "ngram": lambda lm, dlm, p: NgramDrafter(),
+    "recycling": lambda lm, dlm, p: TokenRecyclingDrafter(VOCAB),
+    "auto": lambda lm, dlm, p: AutoDrafter(VOCAB),
+    "draft-same": lambda lm, dlm, p: DraftModelDrafter(RecomputeTarget(lm, p), fed=p),
+    "draft-perturbed": lambda lm, dlm, p: DraftModelDrafter(RecomputeTarget(dlm, p), fed=p),
+}
+
+
+@pytest.mark.parametrize("target_kind", ["recompute", "cached"])
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_is_token_identical_to_generate(lm, draft_lm, name, target_kind):
+    make_target = RecomputeTarget if target_kind == "recompute" else CachedHFTarget
+    n, accepted, steps = 24, 0, 0
+    for prompt in PROMPTS:
+        want = plain_greedy(lm, prompt, n)
+        for adapt in (False, True):
+            target = make_target(lm, prompt)
+            dec = SpeculativeDecoder(target, DRAFTERS[name](lm, draft_lm, prompt), max_draft_tokens=6, adapt=adapt)
+            assert decode(dec, target, prompt, n) == want
+            accepted, steps = accepted + dec.stats.accepted, steps + dec.stats.steps
+            assert dec.stats.accepted_per_step >= 1.0
+            assert dec.stats.emitted == n - 1
+    if name == "none":
+        assert accepted == 0 and steps == len(PROMPTS) * 2 * (n - 1)
+    else:  # the comparison is only meaningful if drafts were accepted (and rejected) along the way
+        assert accepted > 0 and steps < len(PROMPTS) * 2 * (n - 1)
+    if name == "draft-same":
+        assert accepted >= len(PROMPTS) * 2 * (n - 1) * 0.5
+
+
+def test_stop_token_inside_an_accepted_draft_is_not_committed(lm):
+    prompt = PROMPTS[0]
+    want = plain_greedy(lm, prompt, 12)
+    j = next(i for i in range(3, 12) if want[i] not in want[:i])
+    target = RecomputeTarget(lm, prompt)
+    drafter = DraftModelDrafter(RecomputeTarget(lm, prompt), fed=prompt)
+    dec = SpeculativeDecoder(target, drafter, max_draft_tokens=8, adapt=False, stop_ids={want[j]})
+    out = [dec.start(target.next_logits(), prompt)]
+    out += dec.step()  # one forward accepts all 8 drafts; the stop token is among them
+    assert out == want[: j + 1] and dec.done and dec.stats.steps == 1
+    assert target.ids == prompt + want[:j]
+    with pytest.raises(RuntimeError):
+        dec.step()
+
+
+def test_cached_target_scores_trees_like_recompute(lm):
+    prompt = PROMPTS[0]
+    slow, fast = RecomputeTarget(lm, prompt), CachedHFTarget(lm, prompt)
+    assert torch.allclose(slow.next_logits(), fast.next_logits(), atol=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        n = int(torch.randint(1, 12, (), generator=gen))
+        tokens = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        parents = [-1] + [int(torch.randint(-1, i, (), generator=gen)) for i in range(1, n)]
+        assert torch.allclose(slow.score(tokens, parents), fast.score(tokens, parents), atol=1e-4)
+        leaf = int(torch.randint(0, n, (), generator=gen))
+        path = [leaf]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        for t in (slow, fast):
+            t.commit(path)
+        assert slow.ids == fast.ids and fast.cache.get_seq_length() == len(fast.ids)
+    fast.score([1, 2], [-1, 0])
+    fast.commit([])  # drops the whole tree
+    assert fast.cache.get_seq_length() == len(slow.ids)
+    for t in (slow, fast):
+        t.score([1, 2], [-1, -1])  # two roots
+        with pytest.raises(ValueError):
+            t.commit([0, 1])  # 1 is not a child of 0
+
+
+# -- sampling: exact distribution ----------------------------------------------------------------------------
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(chi2_df >= x): the regularized upper incomplete gamma Q(df/2, x/2) (series / Lentz continued fraction)."""
+    s, z = df / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    log_front = s * math.log(z) - z - math.lgamma(s)
+    if z < s + 1:
+        term = total = 1.0 / s
+        a = s
+        while term > total * 1e-15:
+            a += 1
+            term *= z / a
+            total += term
+        return max(0.0, 1.0 - math.exp(log_front) * total)
+    b, c, d = z + 1 - s, 1e300, 1.0 / (z + 1 - s)
+    h = d
+    for i in range(1, 1000):
+        an = -i * (i - s)
+        b += 2
+        d = an * d + b
+        d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+        c = b + an / c
+        c = c if abs(c) > 1e-300 else 1e-300
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(log_front) * h
+
+
+def test_chi2_sf_is_exact_where_closed_forms_exist():
+    for x in (0.1, 1.0, 3.84, 10.0, 30.0):
+        assert chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-9)
+        assert chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-9)
+    assert chi2_sf(18.307038, 10) == pytest.approx(0.05, abs=1e-6)  # the textbook 5% point
+
+
+def chi2_pvalue(counts: Counter, probs: dict, n: int) -> float:
+    """Pearson chi-square of observed counts against exact cell probabilities; cells expected < 5 are pooled."""
+    stat, df, pool_obs, pool_exp = 0.0, -1, 0, 0.0
+    for cell, p in probs.items():
+        exp = n * p
+        if exp < 5:
+            pool_obs, pool_exp = pool_obs + counts.get(cell, 0), pool_exp + exp
+            continue
+        stat, df = stat + (counts.get(cell, 0) - exp) ** 2 / exp, df + 1
+    if pool_exp > 0:
+        stat, df = stat + (pool_obs - pool_exp) ** 2 / max(pool_exp, 1e-9), df + 1
+    assert sum(counts.values()) == n and set(counts) <= set(probs)
+    return chi2_sf(stat, df)
+
+
+SV = 8  # small vocabulary: the joint of two tokens has 64 cells
+SPROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+FIRST = 3  # the first token is forced, so the joint of the next two tokens is exact and fully speculative
+
+
+def warped(model, seq: list[int], temperature: float, top_p: float) -> torch.Tensor:
+    """The target's next-token distribution as transformers' own warpers define it (independent reference)."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([seq])).logits[:, -1].float()
+    ids = torch.tensor([seq])
+    logits = TopPLogitsWarper(top_p)(ids, TemperatureLogitsWarper(temperature)(ids, logits))
+    return logits.softmax(-1)[0].double()
+
+
+def exact_joint(model, temperature: float, top_p: float) -> dict:
+    p2 = warped(model, SPROMPT + [FIRST], temperature, top_p)
+    joint = {}
+    for a in range(SV):
+        if p2[a] > 0:
+            p3 = warped(model, SPROMPT + [FIRST, a], temperature, top_p)
+            joint.update({(a, b): float(p2[a] * p3[b]) for b in range(SV) if p3[b] > 0})
+    return joint
+
+
+@pytest.fixture(scope="module")
+def small_models():
+    return tiny_lm(SV, 1, scale=3.0), tiny_lm(SV, 1, scale=3.0, noise=0.25)
+
+
+def sample_pairs(small_models, kind: str, n: int, temperature: float, top_p: float, seed: int = 0) -> Counter:
+    target_lm, draft_lm = small_models
+    memo, dmemo = {}, {}
+    gen = torch.Generator().manual_seed(seed)
+    recycling = TokenRecyclingDrafter(SV)  # shared: it learns across samples, as it does across answers
+    first = torch.full((SV,), -1e9)
+    first[FIRST] = 0.0
+    counts: Counter = Counter()
+    for _ in range(n):
+        target = RecomputeTarget(target_lm, SPROMPT, memo=memo)
+        if kind == "draft-model":
+            drafter = DraftModelDrafter(RecomputeTarget(draft_lm, SPROMPT, memo=dmemo), fed=SPROMPT,
+                                        temperature=temperature, top_p=top_p, generator=gen)
+        else:
+            drafter = recycling if kind == "recycling" else NgramDrafter()
+        dec = SpeculativeDecoder(target, drafter, temperature=temperature, top_p=top_p, max_draft_tokens=3,
+                                 generator=gen, adapt=False)
+        out = [dec.start(first, SPROMPT)]
+        while len(out) < 3:
+            out += dec.step()
+            assert target.ids == SPROMPT + out[:-1]
+        counts[tuple(out[1:3])] += 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("kind", "temperature", "top_p", "n"),
+    [("draft-model", 1.0, 1.0, 4000), ("draft-model", 0.7, 0.8, 3000), ("recycling", 1.0, 1.0, 4000),
+     ("ngram", 1.0, 1.0, 3000)],
+)
+def test_sampled_tokens_follow_the_target_distribution(small_models, kind, temperature, top_p, n):
+    counts = sample_pairs(small_models, kind, n, temperature, top_p)
+    joint = exact_joint(small_models[0], temperature, top_p)
+    assert chi2_pvalue(counts, joint, n) > 1e-3
+
+
+def accept_first_child(self, p, tokens, kids, qs):
+    return kids[0] if kids else None
+
+
+def forget_the_residual(self, p, tokens, kids, qs):
+    before = p.clone()
+    child = GOOD_ACCEPT(self, p, tokens, kids, qs)
+    if child is None:
+        p.copy_(before)  # resample from p instead of norm(max(0, p - q)): the classic bias
+    return child
+
+
+GOOD_ACCEPT = SpeculativeDecoder._accept
+
+
+@pytest.mark.parametrize(("kind", "bug"), [("recycling", accept_first_child), ("draft-model", forget_the_residual)])
+def test_the_chi_square_check_catches_a_biased_verifier(small_models, monkeypatch, kind, bug):
+    """The same harness with a broken verifier must fail, so the test above has power."""
+    monkeypatch.setattr(SpeculativeDecoder, "_accept", bug)
+    counts = sample_pairs(small_models, kind, 1000, 1.0, 1.0)
+    assert chi2_pvalue(counts, exact_joint(small_models[0], 1.0, 1.0), 1000) < 1e-6
+
+
+# -- adaptive draft depth --------------------------------------------------------------------------------------
+
+
+class CountingTarget:
+    """A model-free target whose next token is always (last + 1) mod V: drafts are right or wrong at will."""
+
+    vocab_size = 16
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.ids, self._tree = list(prompt), None
+
+    def score(self, tokens, parents):
+        self._tree = (list(tokens), list(parents))
+        logits = torch.full((len(tokens), self.vocab_size), -10.0)
+        logits[torch.arange(len(tokens)), (torch.tensor(tokens) + 1) % self.vocab_size] = 10.0
+        return logits
+
+    def commit(self, nodes):
+        self.ids += [self._tree[0][n] for n in nodes]
+
+    def committed_tokens(self):
+        return len(self.ids)
+
+
+class PrefixDrafter:
+    """Proposes a chain whose first `right` tokens are correct and the rest wrong."""
+
+    def __init__(self, right: int) -> None:
+        self.right = right
+
+    def propose(self, context, pending, budget):
+        toks = [(pending + i + 1 + (0 if i < self.right else 7)) % 16 for i in range(budget)]
+        return Draft(toks, chain(toks))
+
+    def observe(self, tokens, parents, logits):
+        pass
+
+    def reset(self):
+        pass
+
+
+def run_counting(right: int, steps: int = 60) -> tuple[SpeculativeDecoder, list[int]]:
+    target = CountingTarget([0])
+    dec = SpeculativeDecoder(target, PrefixDrafter(right), max_draft_tokens=8, cost_model=lambda nodes: 1 + 0.1 * nodes)
+    dec.start(torch.nn.functional.one_hot(torch.tensor(1), 16).float(), [0])
+    ks = []
+    for _ in range(steps):
+        out = dec.step()
+        ks.append(dec.stats.k)
+        assert len(out) == min(dec.stats.k, right) + 1  # the bonus token follows every accepted prefix
+    assert target.ids == [i % 16 for i in range(len(target.ids))]  # counting, with nothing rejected leaking in
+    return dec, ks
+
+
+def test_draft_depth_grows_with_full_acceptance():
+    dec, ks = run_counting(right=100)
+    assert ks[-20:] == [8] * 20
+    assert dec.stats.accepted_per_step > 7
+
+
+def test_draft_depth_shrinks_without_acceptance():
+    dec, ks = run_counting(right=0)
+    assert ks[0] >= 1  # the prior (0.5 per depth) makes drafting worth a try
+    assert max(ks[-30:]) <= 1 and ks[-30:].count(0) >= 20  # mostly off, probing depth 1 now and then
+    assert dec.stats.depth_acceptance[0] < 0.1
+
+
+def test_draft_depth_settles_where_acceptance_ends():
+    _, ks = run_counting(right=3)
+    tail = ks[-30:]
+    assert set(tail) <= {3, 4} and tail.count(3) >= 26  # depth 4 is re-probed now and then, rarely
+
+
+def test_fixed_depth_without_adaptation():
+    target = CountingTarget([0])
+    dec = SpeculativeDecoder(target, PrefixDrafter(0), max_draft_tokens=5, adapt=False)
+    dec.start(torch.zeros(16), [0])
+    for _ in range(5):
+        dec.step()
+        assert dec.stats.k == 5
+    assert dec.step(max_tokens=2) and dec.stats.k == 1  # a length limit caps the depth
