@@ -213,7 +213,8 @@ class QuestionProcessor:
         await self.emit(ResponseCreated(response=response, media_time=q.media_time))
         await self.audio.caught_up(q.hear_until)
         parts: list[str] = []
-        status, reason, state, first_token_s, tokens = "completed", None, None, None, 0
+        status, reason, state, first_token_s, tokens, steps = "completed", None, None, None, 0, 0
+        decoding: dict[str, Any] | None = None
         try:
             if self.prefiller is not None:
                 await self.prefiller.catch_up()  # usually nothing left: the transcript was prefilled as it came
@@ -224,7 +225,8 @@ class QuestionProcessor:
                     status, reason = "cancelled", "client_cancelled"
                     break
                 step = await self.worker.run(Priority.DECODE, self.answerer.step, state)
-                tokens += 1
+                tokens += step.tokens
+                steps += 1
                 if first_token_s is None:
                     first_token_s = time.perf_counter() - q.asked_wall
                 if step.delta:
@@ -242,6 +244,8 @@ class QuestionProcessor:
                                         client_event_id=q.client_event_id, media_time=q.media_time))
         finally:
             if state is not None:
+                stats = getattr(self.answerer, "stats", None)
+                decoding = stats(state) if callable(stats) else None
                 await self.worker.run(Priority.CONTROL, self.answerer.release, state)
         text = "".join(parts)
         await self.emit(ResponseTextDone(response_id=q.response_id, item_id=item_id, text=text,
@@ -252,8 +256,10 @@ class QuestionProcessor:
             status_details={"reason": reason} if reason else None,
             output=[{"id": item_id, "type": "message", "role": "assistant",
                      "content": [{"type": "output_text", "text": text}]}],
-            usage={"output_tokens": tokens},
+            usage={"output_tokens": tokens, "decode_steps": steps},
             timing={"first_token_s": None if first_token_s is None else round(first_token_s, 4),
                     "total_s": round(total_s, 4)},
         )
+        if decoding is not None:  # speculative decoding: target forwards, drafted and accepted tokens
+            response["decoding"] = decoding
         await self.emit(ResponseDone(response=response, media_time=q.media_time))

@@ -86,7 +86,7 @@ def test_greedy_steps_equal_generate(answerer: Answerer) -> None:
             emitted += step.delta
             assert not emitted.endswith("\ufffd")  # incomplete characters are held back
         held_back += sum(not s.delta for s in steps)
-        assert answerer.step(state) == AnswerStep("", True, "length")  # after done: nothing more
+        assert answerer.step(state) == AnswerStep("", True, "length", 0)  # after done: nothing more
         assert state.cache is None  # released when done
     assert held_back > 0, "no step ever held back an incomplete character: the UTF-8 path went untested"
 
@@ -150,5 +150,5 @@ def test_release_mid_answer_stops_it(answerer: Answerer) -> None:
     answerer.step(state)
     answerer.release(state)
     assert state.cache is None and state.done
-    assert answerer.step(state) == AnswerStep("", True, None)
+    assert answerer.step(state) == AnswerStep("", True, None, 0)
     assert len(state.generated) == 1

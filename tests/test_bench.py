@@ -22,6 +22,20 @@ def test_bench_asr_quick_json(capsys):
     assert result["cost_growth_ratio"] > 0 and result["buffered_baseline_compute_ratio"] > 0
 
 
+def test_bench_llm_quick_json(capsys):
+    assert main(["bench", "llm", "--quick", "--json", "-q"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("kv_window_exact_max_abs_diff", "ttft_ms", "ttft_speedup_vs_naive", "decode_tok_s",
+                "decode_speedup_vs_hf", "verify_cost_ratio", "spec_identical", "kv_bytes"):
+        assert key in result, key
+    assert result["kv_window_exact_max_abs_diff"] <= 1e-4
+    assert result["spec_identical"] is True
+    assert result["kv_bytes"]["constant"] is True and result["kv_bytes"]["evicted_tokens"] > 0
+    assert set(result["verify_cost_ratio"]) == {"4", "16", "64"}
+    for ttft in result["ttft_ms"].values():
+        assert ttft["ours_window_tokens"] <= ttft["context_tokens"]
+
+
 def test_unbuilt_benchmarks_say_so(capsys):
     assert main(["bench", "video"]) != 0
     assert "not built yet" in capsys.readouterr().err

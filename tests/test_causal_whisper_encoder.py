@@ -297,4 +297,33 @@ def test_lora_trains_through_forward_full_and_streams(speech: np.ndarray) -> Non
     model.eval()
     after = full(encoder, mel)
     assert (after - before).abs().max() > 1e-2  # the adapters are in the computation
+    assert encoder.open()._packed is None  # unmerged LoRA: the stream calls the peft modules
     assert (run_stream(encoder, mel, ragged(mel.shape[1], 17)) - after).abs().max().item() <= TOL
+    merged = CausalWhisperEncoder(model.merge_and_unload(), block_frames=5)
+    assert merged.open()._packed is not None  # merged into plain nn.Linear: the packed fast path
+    assert (run_stream(merged, mel, ragged(mel.shape[1], 17)) - after).abs().max().item() <= TOL
+
+
+def test_packed_weights_follow_the_model(wider: WhisperForConditionalGeneration, speech: np.ndarray) -> None:
+    """The stream's packed weights equal the modules' path, are shared, and are rebuilt when weights change."""
+    model = copy.deepcopy(wider)
+    encoder, other = CausalWhisperEncoder(model, block_frames=5), CausalWhisperEncoder(model, block_frames=15)
+    mel = log_mel(speech[:16_000], 128)
+    packed = encoder.open()._packed
+    assert packed is not None and other.open()._packed is packed and encoder.open()._packed is packed
+    fast, modules = encoder.open(), encoder.open()
+    modules._packed = None  # force the modules' path
+    outs = [torch.cat([s.accept(mel[:, i : i + 13]) for i in range(0, mel.shape[1], 13)] + [s.flush()])
+            for s in (fast, modules)]  # fmt: skip
+    assert outs[0].shape == outs[1].shape == (50, 96) and (outs[0] - outs[1]).abs().max().item() <= TOL
+    assert fast._caches[0].k.shape[1] == 1500  # preallocated for a full stream
+    model.train()  # dropout: the modules' path
+    assert encoder.open()._packed is None
+    model.eval()
+    with torch.no_grad():
+        model.model.encoder.layers[1].fc1.weight.mul_(1.5)
+        model.model.encoder.layers[2].self_attn.k_proj.weight.add_(0.01)
+    assert encoder.open()._packed is not packed
+    ref = full(encoder, mel)
+    assert (ref - full(CausalWhisperEncoder(wider, block_frames=5), mel)).abs().max() > 1e-2
+    assert (run_stream(encoder, mel, ragged(mel.shape[1], 23, seed=4)) - ref).abs().max().item() <= TOL

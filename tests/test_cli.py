@@ -35,7 +35,7 @@ def test_help_lists_every_command(capsys):
 
 
 def test_unbuilt_benchmark_says_so_and_fails(capsys):
-    code, _, err = run_cli(capsys, "bench", "llm")
+    code, _, err = run_cli(capsys, "bench", "video")
     assert code != 0 and "not built yet" in err
 
 

@@ -51,16 +51,19 @@ async def test_session_equals_direct_model_calls(tiny, demo_file):
     (context,) = spy.contexts
     assert context.startswith("[00:00.0] ")  # what was heard before the question, stamped
     state = models.answerer.start(context, "what moved?")
-    expected = []
+    expected, tokens, steps = [], 0, 0
     while True:
         step = models.answerer.step(state)
         expected.append(step.delta)
+        tokens, steps = tokens + step.tokens, steps + 1
         if step.done:
             break
     answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert answer == "".join(expected)
     done = next(e for e in events if e.type == "response.done")
-    assert done.response["usage"]["output_tokens"] == len(expected)
+    assert done.response["usage"]["output_tokens"] == tokens == len(state.generated)
+    assert done.response["usage"]["decode_steps"] == steps
+    assert done.response["decoding"]["steps"] >= 1  # speculative decoding stats of the engine
     assert done.response["timing"]["first_token_s"] > 0
 
 
@@ -82,6 +85,9 @@ class ContextSpy:
 
     def release(self, state):
         return self.answerer.release(state)
+
+    def stats(self, state):
+        return self.answerer.stats(state)
 
 
 async def _drain(session, sink):

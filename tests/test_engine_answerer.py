@@ -72,7 +72,7 @@ def test_greedy_equals_generate_for_every_drafter(drafter: str, hf: PreTrainedMo
         assert state.generated == expected
         assert "".join(s.delta for s in steps) == answerer.tokenizer.decode(expected, skip_special_tokens=True)
         assert steps[-1].done and steps[-1].finish_reason == "length"
-        assert answerer.step(state) == AnswerStep("", True, "length")
+        assert answerer.step(state) == AnswerStep("", True, "length", 0)
         steps_total, tokens_total = steps_total + len(steps), tokens_total + len(expected)
     if drafter == "draft-model":  # always-right drafts: far fewer target forwards than tokens
         assert steps_total < tokens_total * 0.6

@@ -17,9 +17,9 @@ from typing import Any
 # name -> (module, one-line description); each module has `run(args) -> dict`.
 BENCHES: dict[str, tuple[str, str]] = {
     "asr": ("runtime.bench.asr", "streaming ASR: exactness, per-chunk cost, RTF, cost growth, buffered peer"),
+    "llm": ("runtime.bench.llm", "language engine: KV window exactness, TTFT, decode speed, verify cost, KV bytes"),
 }
 NOT_BUILT = {
-    "llm": "the language-engine issue (KV window, streaming prefill, speculative decoding)",
     "video": "the video-memory issue",
 }
 

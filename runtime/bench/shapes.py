@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import WhisperConfig
+from transformers import Qwen2Config, WhisperConfig
 
 WHISPER_SHAPES: dict[str, dict[str, Any]] = {
     "whisper-base": dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
@@ -28,3 +28,19 @@ def whisper_config(name: str) -> WhisperConfig:
     shape = WHISPER_SHAPES[name]
     return WhisperConfig(max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258,
                          pad_token_id=50257, bos_token_id=50257, eos_token_id=50257, **shape)
+
+
+QWEN2_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    # --quick: the Qwen2 family shrunk (same layer types and GQA ratio class).
+    "qwen2-quick": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=1024, vocab_size=32000, tie_word_embeddings=True),
+}
+
+
+def qwen2_config(name: str) -> Qwen2Config:
+    return Qwen2Config(rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                       bos_token_id=1, eos_token_id=2, **QWEN2_SHAPES[name])

@@ -65,6 +65,7 @@ class AnswerStep:
     delta: str  # new text (may be "" while a multi-byte character is incomplete)
     done: bool
     finish_reason: str | None  # "stop" (eos) | "length" (max_new_tokens) | None
+    tokens: int = 1  # output tokens this step produced (speculative steps may accept several)
 
 
 class Answerer:
@@ -188,7 +189,8 @@ class Answerer:
     def step(self, state: AnswerState) -> AnswerStep:
         """Choose one token, stream its text, and run the forward that prepares the next one."""
         if state.done or state.next_logits is None:
-            return AnswerStep("", True, state.finish_reason)
+            return AnswerStep("", True, state.finish_reason, 0)
+        before = len(state.generated)
         token = self._choose(state.next_logits, state.generator)
         if token in self.eos_ids:
             state.done, state.finish_reason = True, "stop"
@@ -210,7 +212,7 @@ class Answerer:
                 use_cache=True,
             )
             state.next_logits = out.logits[0, -1]
-        return AnswerStep(delta, state.done, state.finish_reason)
+        return AnswerStep(delta, state.done, state.finish_reason, len(state.generated) - before)
 
     def release(self, state: AnswerState) -> None:
         """Drop the KV cache now (a cancelled answer must not hold device memory until collected)."""

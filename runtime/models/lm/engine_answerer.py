@@ -111,11 +111,12 @@ class EngineAnswerer:
     def step(self, state: EngineAnswerState) -> AnswerStep:
         """One target forward (the first call only streams the token the prompt's forward chose)."""
         if state.done:
-            return AnswerStep("", True, state.finish_reason)
+            return AnswerStep("", True, state.finish_reason, 0)
         if state.first is not None:
             tokens, state.first = [state.first], None
         else:
             tokens = state.decoder.step(self.cfg.max_new_tokens - len(state.generated))
+        before = len(state.generated)
         for token in tokens:
             if token in self.eos_ids:
                 state.done, state.finish_reason = True, "stop"
@@ -131,7 +132,7 @@ class EngineAnswerer:
         state.emitted += delta
         if state.done:
             self.release(state)
-        return AnswerStep(delta, state.done, state.finish_reason)
+        return AnswerStep(delta, state.done, state.finish_reason, len(state.generated) - before)
 
     def release(self, state: EngineAnswerState) -> None:
         """End the answer (its target group is dropped); the stream's prefilled source stays."""
