@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
-from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.transformer import Transformer, apply_rope
 
 TOL = 1e-4
 VOCAB = 211
@@ -54,8 +54,7 @@ def new_cache(model: Transformer, sink: int = 4, window: int = 512, reserve: int
 
 
 def run(model: Transformer, cache: SinkKVCache, ids: list[int], attend: Attend) -> torch.Tensor:
-    return model(torch.tensor(ids), attend.q_pos, attend.k_pos, attend.mask, cache=(cache.k, cache.v),
-                 slot=attend.slot)
+    return model(torch.tensor(ids), attend.q_pos, attend.k_pos, attend.mask, cache=cache.buffers, slot=attend.slot)
 
 
 @torch.no_grad()
@@ -105,7 +104,7 @@ def test_after_overflow_logits_equal_sinks_plus_window(one_layer) -> None:
     sink, window = 4, 32
     cache = new_cache(model, sink=sink, window=window)
     ids = tokens(10_050, seed=3)
-    nbytes, k_ptr, v_ptr = cache.nbytes(), cache.k.data_ptr(), cache.v.data_ptr()
+    before = (cache.nbytes(), cache.k.data_ptr(), cache.v.data_ptr(), cache.kr.data_ptr())
     done, checked, worst = 0, 0, 0.0
     for i, size in enumerate(pieces(len(ids), 4, 24)):
         got = run(model, cache, ids[done : done + size], cache.append_source(size))
@@ -117,7 +116,7 @@ def test_after_overflow_logits_equal_sinks_plus_window(one_layer) -> None:
             worst = max(worst, float((got - reference(ref, visible)[-size:]).abs().max()))
             checked += 1
     assert worst <= TOL and checked > 100 and cache.evicted > 10_000
-    assert (cache.nbytes(), cache.k.data_ptr(), cache.v.data_ptr()) == (nbytes, k_ptr, v_ptr)
+    assert (cache.nbytes(), cache.k.data_ptr(), cache.v.data_ptr(), cache.kr.data_ptr()) == before
 
 
 def rerotate(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -264,4 +263,46 @@ def test_target_group_is_bounded() -> None:
     assert cache.source_room() == 0
     with pytest.raises(ValueError, match="cannot append"):
         cache.append_source(1)
-    assert cache.nbytes() == 2 * (2 + 8 + 4 + 6) * 2 * 4 + (2 + 8 + 4 + 6) * 8
+    assert cache.nbytes() == 3 * (2 + 8 + 4 + 6) * 2 * 4 + 2 * (2 + 8 + 4 + 6) * 8  # K, V, rotated K; pos, rot_pos
+
+
+def rotated_right(model: Transformer, cache: SinkKVCache, size: int) -> bool:
+    """The rotated-key buffer holds slots [0, size) rotated at their current positions, exactly as rotating
+    every stored key again would."""
+    cos, sin = model.rope(cache.pos[:size])
+    k = cache.k[:, :, :, :size]
+    return bool((cache.rot_pos[:size] == cache.pos[:size]).all()) and torch.equal(
+        cache.kr[:, :, :, :size], apply_rope(k, cos, sin))
+
+
+def test_rotated_keys_are_reused_and_follow_every_move(pair) -> None:
+    """Each forward rotates only new keys and keys whose position changed: a tree step finds nothing stale
+    below its own slots, and after every forward and every move (eviction, truncation, commit with
+    compaction, end_target) the rotated keys equal a full re-rotation (the logits are checked above)."""
+    _, model = pair
+    cache = new_cache(model, sink=4, window=24, reserve=16)
+    ids, done = tokens(70, seed=30), 0
+    for size in pieces(len(ids), 31, 7):  # evicts as it goes
+        attend = cache.append_source(size)
+        run(model, cache, ids[done : done + size], attend)
+        done += size
+        assert rotated_right(model, cache, attend.mask.shape[1])
+    assert cache.evicted > 0
+    cache.truncate_source(cache.source_len - 3)
+    run(model, cache, [1, 2], cache.append_source(2))
+    cache.begin_target()
+    run(model, cache, [3, 4, 5], cache.append_target(3))
+    for step in range(4):
+        parents = random_tree(8, seed=40 + step)
+        attend = cache.score_tree(parents)
+        assert torch.equal(cache.rot_pos[: attend.slot], cache.pos[: attend.slot])  # nothing to re-rotate
+        run(model, cache, tokens(8, seed=50 + step), attend)
+        assert rotated_right(model, cache, attend.mask.shape[1])
+        cache.commit(path_to(parents, max(range(8), key=lambda i: len(path_to(parents, i)))))
+        assert rotated_right(model, cache, cache.t0 + cache.tc)
+        run(model, cache, [6 + step], cache.append_source(1))  # source arriving during the answer
+    cache.end_target()  # moves those 4 back after the window, then evicts the overflow
+    assert cache.evicted > 0 and bool((cache.rot_pos[cache.sink : cache.a] == -1).all())  # stale until used
+    attend = cache.append_source(3)
+    run(model, cache, [7, 8, 9], attend)
+    assert rotated_right(model, cache, attend.mask.shape[1])

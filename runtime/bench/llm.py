@@ -51,7 +51,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         return {"shape": "qwen2.5-7b", "lengths": [1024, 8192, 32768], "window": 4096, "long": 100_000,
                 "decode_tokens": 128, "prompts": 4}
     # 2 CPU cores: the naive peer's prefill is quadratic; 32k tokens would take most of an hour.
-    return {"shape": "qwen2.5-0.5b", "lengths": [1024, 4096, 8192], "window": 2048, "long": 16384,
+    return {"shape": "qwen2.5-0.5b", "lengths": [1024, 4096, 8192], "window": 2048, "long": 8192,
             "decode_tokens": 64, "prompts": 3}
 
 

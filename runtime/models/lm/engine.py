@@ -145,10 +145,10 @@ class LMEngine:
         return head, tail
 
     def cache_bytes(self) -> int:
-        """KV bytes one session holds, constant for its lifetime."""
+        """KV bytes one session holds, constant for its lifetime: K, V and rotated K, two int64 position vectors."""
         a = self.model.args
         slots = self.sink + self.window + self.reserve + self.target
-        return 2 * a.num_layers * a.num_kv_heads * slots * a.head_dim * self.model.dtype.itemsize + 8 * slots
+        return 3 * a.num_layers * a.num_kv_heads * slots * a.head_dim * self.model.dtype.itemsize + 16 * slots
 
 
 @dataclass
@@ -228,7 +228,7 @@ class EngineSession:
 
     def _forward(self, ids: Sequence[int], attend: Attend, *, last_only: bool) -> torch.Tensor:
         tokens = torch.tensor(list(ids), dtype=torch.long, device=self.cache.k.device)
-        return self.engine.model(tokens, attend.q_pos, attend.k_pos, attend.mask, cache=(self.cache.k, self.cache.v),
+        return self.engine.model(tokens, attend.q_pos, attend.k_pos, attend.mask, cache=self.cache.buffers,
                                  slot=attend.slot, last_only=last_only)
 
     # -- target group (the open answer) -------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The attention-sink KV cache (StreamingLLM) with a source and a target position group; ours, because
 transformers 5 removed SinkCache.
 
-Layout: K and V are preallocated once per session as [layers, 1, kv_heads, capacity, head_dim] with
-capacity = sink + window + reserve + target, and never reallocated, so memory is constant (`nbytes()`).
+Layout: K, V and the rotated keys are preallocated once per session as [layers, 1, kv_heads, capacity,
+head_dim] with capacity = sink + window + reserve + target, and never reallocated, so memory is constant
+(`nbytes()`: three K-sized buffers, plus two int64 position vectors).
 
     slots [0, sink)                 sinks: the first source tokens, kept forever (the system-prompt framing)
     slots [sink, sink + window)     the recent source window, contiguous and in order
@@ -11,15 +12,20 @@ capacity = sink + window + reserve + target, and never reallocated, so memory is
                                     question); no eviction meanwhile, so the answer's view stays intact
     slots [F + reserve, ... )       the target group: prompt tail, committed answer, then tentative tree nodes
 
-Keys are stored BEFORE RoPE; `pos` holds each slot's position and attention rotates keys by it. Source
-positions equal slot indices (sinks 0..s-1, then the window in order), so they stay below sink + window
-however long the stream. Target positions continue from F (group position encoding): target and source
-tokens prefilled during the answer share positions but never see each other (the masks below).
+Keys are stored BEFORE RoPE (`k`); `pos` holds each slot's position and attention uses keys rotated by it.
+The rotated keys are kept too (`kr`, one more K-sized buffer: +50 % KV memory), with the position each slot
+was rotated at (`rot_pos`): a forward rotates only its new keys and those whose `pos` no longer equals
+`rot_pos`, so a decode step rotates one key per layer instead of the whole cache. Moves that keep positions
+(commit's compaction, `end_target`) carry `kr`/`rot_pos` along; eviction changes the moved keys' positions,
+so it marks their rotations out of date (`rot_pos` = -1) and the next forward re-rotates the window once.
+Source positions equal slot indices (sinks 0..s-1, then the window in order), so they stay below
+sink + window however long the stream. Target positions continue from F (group position encoding): target
+and source tokens prefilled during the answer share positions but never see each other (the masks below).
 
 Eviction shifts rather than rings: when an append would overflow sink + window, the window is moved left by
-the overflow (one copy of the window per layer). Measured on CPU with Qwen2.5-0.5B's shapes (window 2048,
-float32): the shift costs 13-21 ms against 0.6 s for the 1-16-token forward that triggers it and 4.4 s for a
-256-token chunk (0.3-3.4 %); it moves the same bytes that every forward's key rotation reads anyway. In return
+the overflow (one copy of K and V per layer, and one re-rotation of the window's keys in the next forward).
+Measured on CPU with Qwen2.5-0.5B's shapes (window 2048, float32): the shift costs 13-21 ms against 0.6 s
+for the 1-16-token forward that triggers it and 4.4 s for a 256-token chunk (0.3-3.4 %). In return
 every group is contiguous with slot == position: masks are ranges, truncation (update mode) is a length change,
 tree compaction is a copy into the next slots, and attention runs over one contiguous prefix of the buffers.
 A ring saves the copy but needs wrapping per-slot positions and still a copy whenever a revision must land
@@ -62,7 +68,9 @@ class SinkKVCache:
             # zeros, not empty: masked slots still enter the attention product, and garbage could be NaN
             self.k = torch.zeros(shape, device=device, dtype=dtype)
             self.v = torch.zeros(shape, device=device, dtype=dtype)
+            self.kr = torch.zeros(shape, device=device, dtype=dtype)  # keys rotated at rot_pos (zeros: at 0)
             self.pos = torch.zeros(self.capacity, dtype=torch.long, device=device)
+            self.rot_pos = torch.zeros(self.capacity, dtype=torch.long, device=device)
             self._slots = torch.arange(self.capacity, device=device)
         self.a = 0  # source segment A: slots [0, a), position = slot
         self.b = 0  # source segment B (answers only): slots [F, F + b), positions a, a + 1, ...
@@ -83,8 +91,13 @@ class SinkKVCache:
     def answering(self) -> bool:
         return self.frozen is not None
 
+    @property
+    def buffers(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What `Transformer.forward(cache=...)` reads and writes: K, V, rotated K and `rot_pos`."""
+        return self.k, self.v, self.kr, self.rot_pos
+
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.pos.nbytes
+        return self.k.nbytes + self.v.nbytes + self.kr.nbytes + self.pos.nbytes + self.rot_pos.nbytes
 
     def source_room(self) -> int:
         """How many source tokens one append may take now: a window outside answers (older ones are evicted),
@@ -94,17 +107,23 @@ class SinkKVCache:
         return self.t0 - (self.frozen + self.b)
 
     @torch.inference_mode()
-    def _move(self, src: int, dst: int, n: int) -> None:
-        """Copy slots [src, src+n) to [dst, dst+n), overlapping allowed; per layer to bound the temporary."""
+    def _move(self, src: int, dst: int, n: int, *, keep_pos: bool) -> None:
+        """Copy slots [src, src+n) to [dst, dst+n), overlapping allowed; per layer to bound the temporary.
+        With `keep_pos` the keys keep their positions and their rotated keys move along; otherwise the
+        destination's rotations are marked out of date (`rot_pos` = -1: the next forward re-rotates them)."""
         if n <= 0 or src == dst:
             return
-        for buf in (self.k, self.v):
+        for buf in (self.k, self.v, self.kr) if keep_pos else (self.k, self.v):
             for layer in buf:
                 layer[:, :, dst : dst + n] = layer[:, :, src : src + n].clone()
+        if keep_pos:
+            self.rot_pos[dst : dst + n] = self.rot_pos[src : src + n].clone()
+        else:
+            self.rot_pos[dst : dst + n] = -1
 
     def _evict(self, count: int) -> None:
         """Drop the `count` oldest non-sink source tokens by shifting the window left (positions = slots)."""
-        self._move(self.sink + count, self.sink, self.a - self.sink - count)
+        self._move(self.sink + count, self.sink, self.a - self.sink - count, keep_pos=False)
         self.a -= count
         self.evicted += count
 
@@ -214,15 +233,14 @@ class SinkKVCache:
                 raise ValueError(f"nodes {nodes} are not a root-to-node path of the scored tree")
         base = self.t0 + self.tc
         moved = [(base + node, base + i) for i, node in enumerate(nodes) if node != i]
-        if moved:
+        if moved:  # node i of the path sits at depth i, so a moved key keeps its position (and rotation)
             src = torch.tensor([s for s, _ in moved], device=self.k.device)
             dst = torch.tensor([d for _, d in moved], device=self.k.device)
-            for buf in (self.k, self.v):
+            for buf in (self.k, self.v, self.kr):
                 buf[:, :, :, dst] = buf[:, :, :, src]  # the gather copies first: overlap is safe
-        n = len(nodes)
-        self.pos[base : base + n] = torch.arange(self.frozen + self.tc, self.frozen + self.tc + n,
-                                                 device=self.pos.device)
-        self.tc += n
+            for vec in (self.pos, self.rot_pos):
+                vec[dst] = vec[src]
+        self.tc += len(nodes)
         self.parents = []
 
     @torch.inference_mode()
@@ -231,7 +249,7 @@ class SinkKVCache:
         (over any stale tail) and evict the oldest ones if the window overflowed meanwhile."""
         if self.frozen is None:
             return
-        self._move(self.frozen, self.a, self.b)
+        self._move(self.frozen, self.a, self.b, keep_pos=True)  # their positions already continue from a
         self.pos[self.a : self.a + self.b] = self._slots[self.a : self.a + self.b]
         self.a, self.b = self.a + self.b, 0
         self.frozen, self.tc, self.parents = None, 0, []

@@ -1,12 +1,15 @@
 """Our decoder-only Transformer for the Llama and Qwen2 families, in one plain file (gpt-fast style).
 
 Why our own: the engine needs an attention call that transformers' models do not expose. Keys are cached
-before RoPE and rotated at attention time by positions the caller chooses (StreamingLLM positions inside the
-cache), and attention takes an arbitrary boolean mask over cache slots (tree attention for speculative
-decoding, separate source/target position groups). So `forward` takes the new tokens, their query positions,
-the positions of every key slot it attends to, and the mask; the KV cache is two preallocated buffers the
-caller owns (`kv_cache.SinkKVCache`). Module names equal the checkpoints' (`model.layers.N.self_attn.q_proj`,
-...), so loading is a `load_state_dict` of the safetensors as they are.
+before RoPE and rotated by positions the caller chooses (StreamingLLM positions inside the cache), and
+attention takes an arbitrary boolean mask over cache slots (tree attention for speculative decoding, separate
+source/target position groups). So `forward` takes the new tokens, their query positions, the positions of
+every key slot it attends to, and the mask; the KV cache is preallocated buffers the caller owns
+(`kv_cache.SinkKVCache`): un-rotated K, V, and rotated K with the position each slot was rotated at, so a
+forward rotates only its new keys and those whose position changed (a decode step: one key per layer).
+
+Module names equal the checkpoints' (`model.layers.N.self_attn.o_proj`, ...) except two fusions made once at
+load: q/k/v_proj -> `qkv_proj` and gate/up_proj -> `gate_up_proj` (one matmul each instead of three and two).
 
 The numerics follow transformers' Llama/Qwen2 (RMSNorm in float32, RoPE cos/sin computed in float32 and cast,
 SwiGLU MLP), so in float32 our logits equal the reference model's to ~1e-6.
@@ -24,7 +27,10 @@ from torch import Tensor, nn
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm.weights import ModelArgs, load_state, read_config
 
-KV = tuple[Tensor, Tensor]  # per-layer cache buffers, each [layers, 1, kv_heads, slots, head_dim]
+CacheBuffers = tuple[Tensor, Tensor, Tensor, Tensor]  # K, V, rotated K [layers, 1, kv_heads, slots, d]; positions
+KV = tuple[Tensor, Tensor, Tensor]  # one layer's K, V, rotated K [1, kv_heads, slots, head_dim]
+Rope = tuple[Tensor, Tensor]  # cos, sin [n, head_dim]
+Rotate = tuple[slice | Tensor, Tensor, Tensor] | None  # slots to (re)rotate from K, their cos/sin [m, d]
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -48,13 +54,18 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
     return inv
 
 
+def linear(x: Tensor, layer: nn.Linear) -> Tensor:
+    """`layer(x)` without nn.Module's call machinery (hooks are never used here; it costs ~5 us a call)."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [1, heads, n, d]; cos/sin [n, d]."""
+    """x [1, heads, n, d] with cos/sin [n, d], or x [1, n, heads, d] with cos/sin [n, 1, d]."""
     return x * cos + rotate_half(x) * sin
 
 
@@ -65,6 +76,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:  # the same computation, fused
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,54 +85,56 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """q/k/v as one fused projection (`qkv_proj`, built from the checkpoint's q/k/v_proj at load)."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv * self.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv * self.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.o_bias)
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        x: Tensor,
-        rope_q: tuple[Tensor, Tensor],
-        rope_k: tuple[Tensor, Tensor],
-        mask: Tensor,
-        cache: KV | None,
-        slot: int,
-    ) -> Tensor:
+    def forward(self, x: Tensor, rope_q: Rope, mask: Tensor, cache: KV | None, slot: int, rotate: Rotate) -> Tensor:
         """New tokens' queries attend over the cache's slots [0, S) after writing their own K/V at `slot`.
 
-        K/V are written un-rotated; all S keys are rotated here by `rope_k` (their positions now), so a slot's
-        position can change (eviction, position groups) without touching the stored key. Without a cache the
-        new tokens attend to themselves only (the reference forward)."""
-        n = x.shape[1]
-        q = self.q_proj(x).view(1, n, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
+        New queries and keys are rotated together at the query positions (`rope_q`: cos/sin [n, 1, d]); K/V go
+        to the cache un-rotated and the rotated keys to the rotated-key buffer. `rotate` (None: nothing else)
+        names other slots to (re)rotate from K at their positions; every other slot's rotated key is reused.
+        Without a cache the new tokens attend to themselves only (the reference forward). Query heads sharing a
+        K/V head are folded into the query length (one SDPA over [kv_heads, group * n] queries), with `mask`
+        already repeated per group."""
+        n, h = x.shape[1], self.n_heads
+        qkv = linear(x, self.qkv_proj).view(1, n, h + 2 * self.n_kv, self.head_dim)
+        qk = apply_rope(qkv[:, :, : h + self.n_kv], *rope_q).transpose(1, 2)
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, :, h + self.n_kv :].transpose(1, 2)
         if cache is not None:
-            ck, cv = cache
-            ck[:, :, slot : slot + n] = k
+            ck, cv, kr = cache
+            ck[:, :, slot : slot + n] = qkv[:, :, h : h + self.n_kv].transpose(1, 2)
             cv[:, :, slot : slot + n] = v
-            size = rope_k[0].shape[0]
-            k, v = ck[:, :, :size], cv[:, :, :size]
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_k)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim))
+            kr[:, :, slot : slot + n] = k
+            if rotate is not None:
+                where, cos, sin = rotate
+                kr[:, :, where] = apply_rope(ck[:, :, where], cos, sin)
+            size = mask.shape[-1]
+            k, v = kr[:, :, :size], cv[:, :, :size]
+        q = q.reshape(1, self.n_kv, -1, self.head_dim)  # [1, kv_heads, group * n, d]: a view when n == 1
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        out = out.reshape(1, self.n_heads, n, self.head_dim).transpose(1, 2)
+        return linear(out.reshape(1, n, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up as one fused projection (`gate_up_proj`, built from gate_proj/up_proj at load)."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -130,10 +145,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope_q: tuple[Tensor, Tensor], rope_k: tuple[Tensor, Tensor], mask: Tensor,
-                cache: KV | None, slot: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope_q, rope_k, mask, cache, slot)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, rope_q: Rope, mask: Tensor, cache: KV | None, slot: int, rotate: Rotate) -> Tensor:
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope_q, mask, cache, slot, rotate)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class Backbone(nn.Module):
@@ -146,6 +160,23 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Checkpoint names to ours, in place: each layer's q/k/v_proj become `qkv_proj` and gate/up_proj
+    `gate_up_proj` (weights and biases concatenated along the output dimension, in that order)."""
+    layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
+    for i in sorted(layers):
+        for fused, parts in FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                if all(name in state for name in names):
+                    state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(name) for name in names])
+    return state
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -153,6 +184,7 @@ class Transformer(nn.Module):
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self._rope_table: Rope | None = None  # cos/sin for positions [0, len), grown on demand
 
     @property
     def device(self) -> torch.device:
@@ -162,11 +194,36 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin [n, head_dim] for integer positions, computed in float32 then cast (as transformers does)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def rope(self, positions: Tensor) -> Rope:
+        """cos/sin [n, head_dim] for integer positions, computed in float32 then cast (as transformers does).
+
+        Rows come from a table over positions [0, P) (the same float32 computation per row, so the same values),
+        grown to a power of two above the largest position asked for."""
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._rope_table
+        if table is None or table[0].shape[0] < top or (table[0].device, table[0].dtype) != (self.device, self.dtype):
+            size = max(256, 1 << (top - 1).bit_length())
+            freqs = torch.arange(size, device=self.device)[:, None].float() * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = self._rope_table = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+        return table[0][positions], table[1][positions]
+
+    def _rotation(self, rot_pos: Tensor, q_pos: Tensor, k_pos: Tensor, slot: int) -> Rotate:
+        """Which slots of [0, len(k_pos)) need their rotated key made from K this forward: those whose position
+        differs from the one their rotated key was made with (moved by eviction, say) and the new slots
+        [slot, slot + n) if they do not sit at `q_pos`; None when there are none (the usual case: the new keys
+        are rotated with the queries). `rot_pos` is updated to `k_pos`."""
+        n, size = q_pos.shape[0], k_pos.shape[0]
+        stale = rot_pos[:size] != k_pos
+        stale[slot : slot + n] = k_pos[slot : slot + n] != q_pos
+        rot_pos[:size] = k_pos
+        if not bool(stale.any()):
+            return None
+        stale[slot : slot + n] = True
+        idx = stale.nonzero().squeeze(1)
+        lo, hi = int(idx[0]), int(idx[-1]) + 1
+        where: slice | Tensor = slice(lo, hi) if hi - lo == idx.shape[0] else idx
+        return (where, *self.rope(k_pos[where]))
 
     @torch.inference_mode()
     def forward(
@@ -175,38 +232,46 @@ class Transformer(nn.Module):
         q_pos: Tensor,
         k_pos: Tensor | None = None,
         mask: Tensor | None = None,
-        cache: KV | None = None,
+        cache: CacheBuffers | None = None,
         slot: int = 0,
         last_only: bool = False,
     ) -> Tensor:
         """Logits (float32) [n, vocab] for `tokens` [n] (or [1, n]), or [1, vocab] with `last_only`.
 
-        `q_pos` [n]: the new tokens' RoPE positions. With a cache (K, V buffers [layers, 1, kv_heads, slots, d]),
-        the new tokens' K/V go to slots [slot, slot+n) and they attend over slots [0, len(k_pos)) whose keys sit
-        at positions `k_pos` under `mask` [n, len(k_pos)] (True = attend). Without a cache this is the plain
-        causal forward over `tokens` at positions `q_pos` (the reference the engine is tested against)."""
+        `q_pos` [n]: the new tokens' RoPE positions. With a cache (`kv_cache.SinkKVCache.buffers`: K, V and
+        rotated-K buffers [layers, 1, kv_heads, slots, d] and the positions [slots] the rotated keys were made
+        with), the new tokens' K/V go to slots [slot, slot+n) and they attend over slots [0, len(k_pos)) whose
+        keys sit at positions `k_pos` under `mask` [n, len(k_pos)] (True = attend). Without a cache this is the
+        plain forward over `tokens` at positions `q_pos` (keys at `q_pos` too), causal unless `mask` is given:
+        the reference the engine is tested against."""
         tokens = tokens.reshape(-1)
+        n = tokens.shape[0]
+        cos, sin = self.rope(q_pos)
+        rope_q = cos[:, None], sin[:, None]  # [n, 1, d]: queries and keys are rotated as [1, n, heads, d]
+        rotate: Rotate = None
         if cache is None:
-            k_pos = q_pos if k_pos is None else k_pos
             if mask is None:
-                n = tokens.shape[0]
                 mask = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
         elif k_pos is None or mask is None:
             raise ValueError("a cached forward needs k_pos and mask")
+        else:
+            rotate = self._rotation(cache[3], q_pos, k_pos, slot)
+        group = self.args.num_heads // self.args.num_kv_heads
+        if group > 1 and n > 1:
+            mask = mask.repeat(group, 1)  # query rows are [group, n] per K/V head (see Attention.forward)
         x = self.model.embed_tokens(tokens)[None]
-        rope_q = self.rope(q_pos)
-        rope_k = rope_q if k_pos is q_pos else self.rope(k_pos)
         for i, layer in enumerate(self.model.layers):
-            layer_cache = None if cache is None else (cache[0][i], cache[1][i])
-            x = layer(x, rope_q, rope_k, mask, layer_cache, slot)
+            layer_cache = None if cache is None else (cache[0][i], cache[1][i], cache[2][i])
+            x = layer.forward(x, rope_q, mask, layer_cache, slot, rotate)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))[0].float()
+        return linear(self.model.norm.forward(x), self.lm_head)[0].float()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32) -> Transformer:
-        """Build from `config.json` and the safetensors weights, without random init (meta device)."""
+        """Build from `config.json` and the safetensors weights, without random init (meta device); q/k/v and
+        gate/up are fused here, once (`fuse_projections`)."""
         path = Path(path)
         args = read_config(path)
         with torch.device("meta"):
@@ -216,6 +281,7 @@ class Transformer(nn.Module):
             state.pop("lm_head.weight", None)
             if "model.embed_tokens.weight" in state:
                 state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state = fuse_projections(state)
         expected = set(model.state_dict())
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:

@@ -1,8 +1,9 @@
 """Reading a transformers Llama/Qwen2 checkpoint without transformers' model classes.
 
 `config.json` becomes a `ModelArgs` and the safetensors weights (one file, or shards listed by
-`model.safetensors.index.json`) a state dict under the checkpoint's own names, which `transformer.py` uses as
-its module names, so loading is a plain `load_state_dict`. Anything the engine does not implement (other
+`model.safetensors.index.json`) a state dict under the checkpoint's own names. `transformer.py` uses those
+names for its modules except two fusions it builds at load time (q/k/v into `qkv_proj`, gate/up into
+`gate_up_proj`: one GEMM instead of three or two per layer). Anything the engine does not implement (other
 architectures, RoPE scalings beyond none/linear/llama3, sliding-window layers, other activations) is refused
 with a one-line `ConfigError` instead of silently computing something else.
 """
