@@ -29,6 +29,15 @@ BACKENDS = ("generate", "engine")
 CUT_MARK = "... "  # prefixed to a context that was cut from the front
 
 
+def new_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], emitted: str, *, final: bool) -> str:
+    """The text that `generated` adds after `emitted`. Byte-level tokens can end mid-character: until the
+    answer is final, a trailing U+FFFD is held back so a delta never carries half a character."""
+    text = tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    if not final:
+        text = text.rstrip("\ufffd")
+    return text[len(emitted):] if text.startswith(emitted) else ""
+
+
 class AnswerBackend(Protocol):
     """What the pipeline calls, on the device worker: a per-stream session (None when the backend keeps no
     stream state; else it has `set_context(text)` and `prefill_step() -> int`), then start/step/release."""
@@ -198,10 +207,7 @@ class Answerer:
             state.generated.append(token)
             if len(state.generated) >= self.cfg.max_new_tokens:
                 state.done, state.finish_reason = True, "length"
-        text = self._decode(state.generated)
-        if not state.done:
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its next byte
-        delta = text[len(state.emitted) :] if text.startswith(state.emitted) else ""
+        delta = new_text(self.tokenizer, state.generated, state.emitted, final=state.done)
         state.emitted += delta
         if state.done:
             self.release(state)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from runtime.config import LMConfig
-from runtime.models.lm.answerer import AnswerStep
+from runtime.models.lm.answerer import AnswerStep, new_text
 from runtime.models.lm.drafters import Drafter, make_drafter
 from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.speculative import SpeculativeDecoder
@@ -125,10 +125,7 @@ class EngineAnswerer:
             if len(state.generated) >= self.cfg.max_new_tokens:
                 state.done, state.finish_reason = True, "length"
                 break
-        text = self.tokenizer.decode(state.generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if not state.done:
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its next byte
-        delta = text[len(state.emitted):] if text.startswith(state.emitted) else ""
+        delta = new_text(self.tokenizer, state.generated, state.emitted, final=state.done)
         state.emitted += delta
         if state.done:
             self.release(state)
