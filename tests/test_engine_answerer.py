@@ -109,10 +109,10 @@ def test_window_cut_is_reported(tiny_path: Path) -> None:
     answerer.release(state)  # idempotent: the pipeline releases in `finally`
 
 
-def test_sampling_is_reproducible() -> None:
-    """Same seed and same drafter state (a fresh stream: a warm drafter proposes other drafts, which changes
-    which random numbers are drawn, though never the distribution) -> the same answer."""
-    answerer = make("auto", temperature=0.8, top_p=0.9)
+def test_sampling_is_reproducible_without_a_drafter() -> None:
+    """Same seed -> same answer. With a drafter, which random numbers are drawn depends on the drafts, and the
+    draft depth adapts to measured time, so only the distribution is fixed (test_speculative checks it)."""
+    answerer = make("none", temperature=0.8, top_p=0.9)
     outs = []
     for _ in range(2):
         state = answerer.start("hello there", "Say something.", seed=3, session=answerer.open_session())

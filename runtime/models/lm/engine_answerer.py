@@ -5,6 +5,8 @@ model's session when one is configured). The pipeline feeds it the transcript as
 (`set_context` + `prefill_step` jobs), so a question only prefills itself. Each `step()` is one target
 forward that may accept several draft tokens; they are streamed out at once, and a cancel lands between
 steps. Greedy output is token-identical to plain greedy decoding of the same model (tests check it).
+Sampled output has exactly the model's distribution; a fixed seed reproduces it only without a drafter, since
+the draft depth adapts to measured time and drafts decide which random numbers are drawn.
 """
 
 from __future__ import annotations
