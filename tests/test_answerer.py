@@ -5,19 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
+from lm_common import PROMPTS, N, greedy_ids, run_answer
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
-from runtime.models.lm import Answerer, AnswerState, AnswerStep, load_answerer
-
-N = 20
-PROMPTS = [
-    ("", "What was said?"),
-    ("The meeting starts at nine, and the budget will grow by ten percent.", "Who manages the budget?"),
-    ("Elle a dit: « café, s'il vous plaît » — 日本語も少し。", "¿Qué pidió? 🙂"),
-    ("one two three " * 40, "Count the words."),
-]
+from runtime.models.lm import Answerer, AnswerStep, load_answerer
 
 
 @pytest.fixture(scope="module")
@@ -28,27 +20,6 @@ def answerer() -> Answerer:
 def with_cfg(answerer: Answerer, **changes) -> Answerer:
     cfg = replace(answerer.cfg, **changes)
     return Answerer(answerer.model, answerer.tokenizer, cfg, name=answerer.name, seed=answerer.seed)
-
-
-def run(answerer: Answerer, state: AnswerState) -> list[AnswerStep]:
-    steps = []
-    while not (steps and steps[-1].done):
-        steps.append(answerer.step(state))
-        assert len(steps) <= answerer.cfg.max_new_tokens + 1
-    return steps
-
-
-def generate_ids(answerer: Answerer, prompt: list[int], **kwargs) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = answerer.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=N,
-        pad_token_id=answerer.tokenizer.pad_token_id,
-        **kwargs,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_load_reports_progress() -> None:
@@ -74,8 +45,8 @@ def test_greedy_steps_equal_generate(answerer: Answerer) -> None:
     held_back = 0
     for context, question in PROMPTS:
         state = answerer.start(context, question)
-        steps = run(answerer, state)
-        expected = generate_ids(answerer, state.prompt_ids)
+        steps = run_answer(answerer, state)
+        expected = greedy_ids(answerer.model, state.prompt_ids, pad_token_id=answerer.tokenizer.pad_token_id)
         assert state.generated == expected
         text = "".join(s.delta for s in steps)
         assert text == answerer.tokenizer.decode(expected, skip_special_tokens=True)
@@ -94,13 +65,14 @@ def test_greedy_steps_equal_generate(answerer: Answerer) -> None:
 def test_eos_stops_with_reason_stop(answerer: Answerer) -> None:
     context, question = PROMPTS[1]
     greedy = answerer.start(context, question)
-    run(answerer, greedy)
+    run_answer(answerer, greedy)
     stopper = with_cfg(answerer)
     eos = greedy.generated[3]
     stopper.eos_ids = {eos}
     state = stopper.start(context, question)
-    steps = run(stopper, state)
-    expected = generate_ids(answerer, state.prompt_ids, eos_token_id=eos)
+    steps = run_answer(stopper, state)
+    expected = greedy_ids(answerer.model, state.prompt_ids, pad_token_id=answerer.tokenizer.pad_token_id,
+                          eos_token_id=eos)
     assert expected[-1] == eos and state.generated == expected[:-1]
     assert steps[-1].finish_reason == "stop" and len(steps) == len(expected)
     assert "".join(s.delta for s in steps) == answerer.tokenizer.decode(expected[:-1], skip_special_tokens=True)
@@ -116,7 +88,7 @@ def test_context_is_cut_from_the_front_to_fit(answerer: Answerer) -> None:
         prompt = small.tokenizer.decode(state.prompt_ids)
         assert "sentence number 199 is here." in prompt and "number 0 " not in prompt
         assert question in prompt and "... " in prompt
-        assert len(run(small, state)) == N  # the cut prompt decodes normally
+        assert len(run_answer(small, state)) == N  # the cut prompt decodes normally
     full = with_cfg(answerer, max_context_tokens=4096).start(context, question)
     assert not full.context_cut and "number 0 is here" in answerer.tokenizer.decode(full.prompt_ids)
     with pytest.raises(UserError, match="max_context_tokens=30"):
@@ -129,19 +101,19 @@ def test_sampling_is_reproducible_per_seed(answerer: Answerer) -> None:
 
     def sample(**kwargs) -> list[int]:
         state = sampler.start(context, question, **kwargs)
-        run(sampler, state)
+        run_answer(sampler, state)
         return state.generated
 
     first = sample()
     assert sample() == first  # the answer's generator is seeded the same way each time
     assert sample(seed=1) != first
     greedy = answerer.start(context, question)
-    run(answerer, greedy)
+    run_answer(answerer, greedy)
     assert first != greedy.generated
     # top_p that keeps only the most likely token is greedy
     nucleus = with_cfg(answerer, temperature=1.0, top_p=1e-6)
     state = nucleus.start(context, question, seed=5)
-    run(nucleus, state)
+    run_answer(nucleus, state)
     assert state.generated == greedy.generated
 
 

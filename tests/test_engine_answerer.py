@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
+from lm_common import PROMPTS, N, greedy_ids, run_answer
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from runtime.config import LMConfig
@@ -16,15 +16,6 @@ from runtime.models.lm.answerer import AnswerStep, load_answerer
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
 from runtime.models.loading import resolve_checkpoint
-
-N = 20
-PROMPTS = [
-    ("", "What was said?"),
-    ("The meeting starts at nine, and the budget will grow by ten percent.", "Who manages the budget?"),
-    ("Elle a dit: « café, s'il vous plaît » — 日本語も少し。", "¿Qué pidió? 🙂"),
-    ("one two three " * 40, "Count the words."),
-]
-DRAFTERS = ["none", "ngram", "recycling", "auto", "draft-model"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +28,9 @@ def hf(tiny_path: Path) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()
 
 
+DRAFTERS = ["none", "ngram", "recycling", "auto", "draft-model"]
+
+
 def make(drafter: str, **cfg) -> EngineAnswerer:
     """The draft model is the tiny model itself: drafts are then always right, so acceptance is exercised."""
     lm = LMConfig(backend="engine", max_new_tokens=N, prefill_chunk_tokens=16, drafter=drafter,
@@ -46,29 +40,14 @@ def make(drafter: str, **cfg) -> EngineAnswerer:
     return answerer
 
 
-def run(answerer: EngineAnswerer, state) -> list[AnswerStep]:
-    steps = []
-    while not (steps and steps[-1].done):
-        steps.append(answerer.step(state))
-        assert len(steps) <= answerer.cfg.max_new_tokens + 1
-    return steps
-
-
-def generate_ids(model: PreTrainedModel, prompt: list[int], **kwargs) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N,
-                         pad_token_id=0, **kwargs)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_greedy_equals_generate_for_every_drafter(drafter: str, hf: PreTrainedModel) -> None:
     answerer = make(drafter)
     steps_total = tokens_total = 0
     for context, question in PROMPTS:
         state = answerer.start(context, question)
-        steps = run(answerer, state)
-        expected = generate_ids(hf, state.prompt_ids)
+        steps = run_answer(answerer, state)
+        expected = greedy_ids(hf, state.prompt_ids)
         assert state.generated == expected
         assert "".join(s.delta for s in steps) == answerer.tokenizer.decode(expected, skip_special_tokens=True)
         assert steps[-1].done and steps[-1].finish_reason == "length"
@@ -85,19 +64,19 @@ def test_stops_at_eos_and_reuses_the_streams_prefill(hf: PreTrainedModel) -> Non
     stream = answerer.open_session()
     context, question = PROMPTS[1]
     first = answerer.start(context, question, session=stream)
-    run(answerer, first)
+    run_answer(answerer, first)
     answerer.eos_ids = {first.generated[3]}
     state = answerer.start(context, question, session=stream)
-    steps = run(answerer, state)
-    expected = generate_ids(hf, state.prompt_ids, eos_token_id=first.generated[3])
+    steps = run_answer(answerer, state)
+    expected = greedy_ids(hf, state.prompt_ids, eos_token_id=first.generated[3])
     assert expected[-1] == first.generated[3] and state.generated == expected[:-1]
     assert steps[-1].finish_reason == "stop"
     answerer.eos_ids = set(answerer.engine.eos_ids)
     before = stream.session.stats.prefilled
     state = answerer.start(context + " Then they left.", question, session=stream)
     assert stream.session.stats.prefilled - before < 10  # only the new words were prefilled
-    run(answerer, state)
-    assert state.generated == generate_ids(hf, state.prompt_ids)
+    run_answer(answerer, state)
+    assert state.generated == greedy_ids(hf, state.prompt_ids)
 
 
 def test_window_cut_is_reported(tiny_path: Path) -> None:
@@ -116,7 +95,7 @@ def test_sampling_is_reproducible_without_a_drafter() -> None:
     outs = []
     for _ in range(2):
         state = answerer.start("hello there", "Say something.", seed=3, session=answerer.open_session())
-        run(answerer, state)
+        run_answer(answerer, state)
         outs.append(state.generated)
     assert outs[0] == outs[1] and len(outs[0]) > 0
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm_common import PROMPTS, N
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -26,13 +27,6 @@ from runtime.models.lm.engine import EngineSession, LMEngine, SourceTokens
 from runtime.models.loading import resolve_checkpoint
 
 TOL = 1e-4
-N = 20
-PROMPTS = [
-    ("", "What was said?"),
-    ("The meeting starts at nine, and the budget will grow by ten percent.", "Who manages the budget?"),
-    ("Elle a dit: « café, s'il vous plaît » — 日本語も少し。", "¿Qué pidió? 🙂"),
-    ("one two three " * 40, "Count the words."),
-]
 WORDS = [
     "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "while", "cat", "watches", "from", "window",
     "good", "morning", "everyone", "today", "we", "talk", "about", "speech", "text", "real", "time", "budget",

@@ -1,0 +1,34 @@
+"""Shared by the language-model tests: prompts that exercise byte-level text, a loop that runs an answer to its
+end, and plain greedy decoding with transformers, the reference every answerer must equal token for token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+N = 20  # tokens per answer in these tests
+PROMPTS = [
+    ("", "What was said?"),
+    ("The meeting starts at nine, and the budget will grow by ten percent.", "Who manages the budget?"),
+    ("Elle a dit: « café, s'il vous plaît » — 日本語も少し。", "¿Qué pidió? 🙂"),
+    ("one two three " * 40, "Count the words."),
+]
+
+
+def run_answer(answerer: Any, state: Any) -> list[Any]:
+    """Step an answer until done; never more steps than tokens allowed (+1 for the final empty step)."""
+    steps = []
+    while not (steps and steps[-1].done):
+        steps.append(answerer.step(state))
+        assert len(steps) <= answerer.cfg.max_new_tokens + 1
+    return steps
+
+
+def greedy_ids(model: PreTrainedModel, prompt: list[int], *, pad_token_id: int = 0, **kwargs: Any) -> list[int]:
+    """transformers' own greedy decoding of N new tokens (an explicit mask: pad id 0 may occur in prompts)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N,
+                         pad_token_id=pad_token_id, **kwargs)
+    return out[0, len(prompt):].tolist()
