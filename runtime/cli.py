@@ -97,13 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"runtime {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="live captioning and questions on a camera and microphone (or a file)",
-                       description="Caption a live camera and microphone and answer questions typed on stdin "
-                       "(a line is a question; /cancel stops the current answer; Ctrl-D or Ctrl-C ends).")
-    p.add_argument("--camera", default="0", metavar="N|PATH", help="camera index or device path (default: 0, "
-                   "i.e. /dev/video0)")
+    p = sub.add_parser("serve", help="the realtime websocket server; with --camera or --source, also live local "
+                       "captioning", description="Serve the realtime websocket protocol (ws://HOST:PORT/v1/realtime, "
+                       "GET /healthz; docs/protocol.md). With --camera N (and the default microphone), --mic or "
+                       "--source FILE it also captions that input locally and answers questions typed on stdin (a "
+                       "line is a question; /cancel stops the current answer; Ctrl-D or Ctrl-C ends).")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; only loopback for now)")
+    p.add_argument("--port", type=int, default=8765, help="port (default: 8765; 0 = any free port)")
+    p.add_argument("--max-sessions", type=int, default=8, metavar="N",
+                   help="websocket sessions admitted at once; the next is refused with server_busy (default: 8)")
+    p.add_argument("--camera", default=None, metavar="N|PATH", help="caption a local camera: index or device "
+                   "path (0 = /dev/video0), with the default microphone unless --no-mic")
     p.add_argument("--no-camera", action="store_true", help="audio only")
-    p.add_argument("--mic", default="default", metavar="NAME", help="microphone device (default: default)")
+    p.add_argument("--mic", default=None, metavar="NAME", help="microphone device (default with --camera: default)")
     p.add_argument("--mic-backend", default="alsa", choices=["alsa", "pulse"], help="audio input backend")
     p.add_argument("--no-mic", action="store_true", help="video only")
     p.add_argument("--source", type=Path, metavar="FILE", help="play FILE as the live source instead of devices")
@@ -268,15 +274,52 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         if args.command == "ask":
             questions = [ScheduledQuestion(args.question, args.at)]
     else:  # serve
-        interactive = True
-        if args.source is not None:
-            source = _file_source(args.source, args.speed, profile)
-        else:
-            source = _live_source(args, profile)
+        return _serve(args, profile, console)
     worker, models = _setup(profile, console)
     console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else " unpaced"))
     try:
         asyncio.run(_run_session(profile, models, worker, source, args, console, questions, interactive))
+    finally:
+        worker.stop()
+    return 0
+
+
+def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
+    """The websocket server, plus a local live session when a camera, microphone or file is named."""
+    from runtime.web.server import RealtimeServer
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        raise UserError(f"refusing to bind {args.host}: only loopback is supported until token and Origin checks "
+                        "are built; use --host 127.0.0.1")
+    source: Source | None = None
+    if args.source is not None:
+        source = _file_source(args.source, args.speed, profile)
+    elif args.camera is not None or args.mic is not None or args.no_camera:
+        source = _live_source(args, profile)
+    worker, models = _setup(profile, console)
+
+    async def main() -> None:
+        try:
+            server = await RealtimeServer(profile, models, worker, host=args.host, port=args.port,
+                                          max_sessions=args.max_sessions).start()
+        except OSError as err:
+            raise UserError(f"cannot serve on {args.host}:{args.port}: {err.strerror or err}") from None
+        console.status(f"serving ws://{args.host}:{server.port}/v1/realtime (health: http://{args.host}:"
+                       f"{server.port}/healthz)")
+        try:
+            if source is not None:
+                console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else ""))
+                await _run_session(profile, models, worker, source, args, console, (), True)
+            else:
+                stop = asyncio.Event()
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+                await stop.wait()
+        finally:
+            await server.stop()
+
+    try:
+        asyncio.run(main())
     finally:
         worker.stop()
     return 0
@@ -287,9 +330,11 @@ def _live_source(args: argparse.Namespace, profile: Profile) -> Source:
 
     if args.no_camera and args.no_mic:
         raise UserError("--no-camera and --no-mic leave nothing to listen to or watch")
-    camera = None if args.no_camera else CameraSource(camera_path(args.camera), fps=max(profile.video.fps, 1.0),
-                                                      max_side=profile.video.max_side)
-    mic = None if args.no_mic else MicrophoneSource(args.mic, backend=args.mic_backend,
+    camera = None
+    if not args.no_camera and args.camera is not None:
+        camera = CameraSource(camera_path(args.camera), fps=max(profile.video.fps, 1.0),
+                              max_side=profile.video.max_side)
+    mic = None if args.no_mic else MicrophoneSource(args.mic or "default", backend=args.mic_backend,
                                                    chunk_ms=profile.pipeline.audio_chunk_ms)
     return LiveSource(camera, mic)
 

@@ -50,6 +50,15 @@ class SessionCreated(Event):
 
 @_register
 @dataclass(kw_only=True)
+class SessionUpdated(Event):
+    """Reply to a client's `session.update`: the session as it now is."""
+
+    type: ClassVar[str] = "session.updated"
+    session: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
 class TranscriptionDelta(Event):
     """New stable text of one transcript item; `unstable` is the tail that may still change."""
 

@@ -121,13 +121,18 @@ def test_ask_at_a_media_time_answers_then_finishes(demo_file):
 
 
 def test_serve_with_a_file_source_takes_questions_on_stdin(demo_file):
-    result = _subprocess("serve", "--source", str(demo_file), "--speed", "8", "--json",
+    result = _subprocess("serve", "--source", str(demo_file), "--speed", "8", "--json", "--port", "0",
                          stdin="\nwhat is the red ball doing?\n")
     assert result.returncode == 0, result.stderr
     events = _events(result.stdout)
     created = [e for e in events if e.type == "response.created"]
     assert [e.response["question"] for e in created] == ["what is the red ball doing?"]
     assert any(e.type == "response.done" for e in events)
+
+
+def test_serve_refuses_non_loopback_until_tokens_exist(capsys):
+    code, _, err = run_cli(capsys, "serve", "--host", "0.0.0.0")
+    assert code == 1 and "0.0.0.0" in one_error_line(err)
 
 
 def test_transcribe_text_output(demo_file):

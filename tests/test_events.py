@@ -11,6 +11,7 @@ from runtime.events import (
     ResponseTextDelta,
     ResponseTextDone,
     SessionCreated,
+    SessionUpdated,
     TranscriptionCompleted,
     TranscriptionDelta,
     error_event,
@@ -20,6 +21,7 @@ from runtime.events import (
 
 SAMPLES = [
     SessionCreated(session={"id": "sess_1"}),
+    SessionUpdated(session={"id": "sess_1", "modalities": ["text"]}),
     TranscriptionDelta(item_id="item_1", delta="hello ", unstable="wor", start=0.0, end=1.2, media_time=1.2),
     TranscriptionCompleted(item_id="item_1", transcript="hello world", start=0.0, end=2.0, media_time=2.0),
     ResponseCreated(response={"id": "resp_1", "status": "in_progress"}),

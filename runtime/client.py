@@ -1,0 +1,124 @@
+"""A small async SDK for the websocket protocol (docs/protocol.md): send media and questions, read events.
+
+    async with AsyncRealtimeClient("ws://127.0.0.1:8765/v1/realtime") as client:
+        await client.append_audio(samples)          # float32 or int16, mono 16 kHz
+        await client.ask("what moved?")
+        await client.commit()
+        async for event in client.events():         # runtime.events objects, in order
+            ...
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from runtime.chunks import AudioChunk
+from runtime.events import Event, new_id, parse_event
+
+
+def encode_jpeg(image: np.ndarray, quality: int = 5) -> bytes:
+    """RGB uint8 [H, W, 3] -> JPEG bytes with PyAV's mjpeg encoder (`quality` is its qscale: 2 best)."""
+    height, width = image.shape[:2]
+    codec = av.CodecContext.create("mjpeg", "w")
+    codec.width, codec.height, codec.pix_fmt = width, height, "yuvj420p"
+    codec.time_base = Fraction(1, 25)
+    codec.options = {"qscale": str(quality)}
+    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24").reformat(format="yuvj420p")
+    packets = list(codec.encode(frame)) + list(codec.encode(None))
+    return b"".join(bytes(p) for p in packets)
+
+
+def pcm16_bytes(samples: np.ndarray) -> bytes:
+    """float32 in [-1, 1] (clipped) or int16 -> PCM16 little-endian bytes."""
+    array = np.asarray(samples)
+    if array.dtype != np.int16:
+        array = np.round(np.clip(array.astype(np.float32), -1.0, 32767 / 32768) * 32768).astype(np.int16)
+    return array.astype("<i2").tobytes()
+
+
+class AsyncRealtimeClient:
+    def __init__(self, url: str, *, max_size: int = 16 * 1024 * 1024) -> None:
+        self.url, self.max_size = url, max_size
+        self.ws: ClientConnection | None = None
+
+    async def connect(self) -> AsyncRealtimeClient:
+        self.ws = await connect(self.url, max_size=self.max_size)
+        return self
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+
+    async def __aenter__(self) -> AsyncRealtimeClient:
+        return await self.connect()
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    @property
+    def close_code(self) -> int | None:
+        return None if self.ws is None else self.ws.close_code
+
+    async def send(self, type: str, **fields: Any) -> str:
+        """Send one client event; returns its event_id (what `error.event_id` names if it is refused)."""
+        assert self.ws is not None, "connect() first"
+        event_id = fields.pop("event_id", None) or new_id("cevt")
+        await self.ws.send(json.dumps({"type": type, "event_id": event_id, **fields}))
+        return event_id
+
+    async def update_session(self, **session: Any) -> str:
+        return await self.send("session.update", session=session)
+
+    async def append_audio(self, samples: np.ndarray) -> str:
+        return await self.send("input_audio_buffer.append", audio=base64.b64encode(pcm16_bytes(samples)).decode())
+
+    async def append_frame(self, image: np.ndarray | bytes, timestamp: float) -> str:
+        data = image if isinstance(image, bytes) else encode_jpeg(image)
+        return await self.send("input_video_frame.append", image=base64.b64encode(data).decode(),
+                               timestamp=timestamp)
+
+    async def ask(self, text: str) -> str:
+        """conversation.item.create then response.create; returns the response.create event_id."""
+        await self.send("conversation.item.create",
+                        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+        return await self.send("response.create")
+
+    async def cancel(self, response_id: str | None = None) -> str:
+        return await self.send("response.cancel", **({"response_id": response_id} if response_id else {}))
+
+    async def commit(self) -> str:
+        return await self.send("input_audio_buffer.commit")
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Server events until the connection closes: 1000 after commit once drained, 1013 when the server is
+        busy (after a `server_busy` error). The iterator ends either way; `close_code` tells which."""
+        assert self.ws is not None, "connect() first"
+        try:
+            async for message in self.ws:
+                yield parse_event(message if isinstance(message, str) else message.decode())
+        except ConnectionClosed:
+            return
+
+    async def stream_file(self, path: str | Path, speed: float = 0.0, *, fps: float = 1.0) -> float:
+        """Send a media file's audio (and frames as JPEG, `fps` per second); returns the media seconds sent."""
+        from runtime.io.file_source import FileSource
+
+        reached = 0.0
+        async for item in FileSource(path, speed=speed, fps=fps):
+            if isinstance(item, AudioChunk):
+                await self.append_audio(item.samples)
+                reached = max(reached, item.end)
+            else:
+                await self.append_frame(item.image, item.time)
+                reached = max(reached, item.time)
+        return reached

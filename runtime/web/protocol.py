@@ -1,0 +1,220 @@
+"""Client events of the websocket protocol, parsed and validated into typed commands.
+
+Pure functions, no I/O: the server calls `parse_client_event` (in a thread, since base64 and image decoding
+cost CPU) and either gets a command to act on or a `ProtocolError` that it turns into an `error` event naming
+the client event at fault. Names follow the OpenAI Realtime API so its clients need no translation table;
+see docs/protocol.md for a worked example of each message.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import av
+import numpy as np
+
+from runtime.chunks import VideoFrame
+from runtime.events import Error, error_event
+from runtime.io.file_source import scaled_size
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a client message larger than this is answered with an error
+MAX_IMAGE_PIXELS = 4096 * 4096  # a decoded frame larger than this is refused before conversion to RGB
+_EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,128})"')
+ALLOWED_SESSION_FIELDS = {"input_audio_format", "modalities"}
+
+
+class ProtocolError(ValueError):
+    """A client event the server cannot act on; recoverable: the session keeps its state."""
+
+    def __init__(self, message: str, *, code: str, param: str | None = None, event_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param, self.event_id = message, code, param, event_id
+
+    def to_event(self, media_time: float | None = None) -> Error:
+        return error_event(self.message, code=self.code, param=self.param, client_event_id=self.event_id,
+                           media_time=media_time)
+
+
+@dataclass(frozen=True)
+class Command:
+    event_id: str | None
+
+
+@dataclass(frozen=True)
+class UpdateSession(Command):
+    session: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AppendAudio(Command):
+    samples: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 mono 16 kHz
+
+
+@dataclass(frozen=True)
+class AppendFrame(Command):
+    frame: VideoFrame | None = None
+
+
+@dataclass(frozen=True)
+class CreateItem(Command):
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class CreateResponse(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class CancelResponse(Command):
+    response_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CommitInput(Command):
+    """End of the input: flush the audio, finish the session, close once its events are out."""
+
+
+def parse_client_event(message: str | bytes, *, max_side: int = 640) -> Command:
+    """One websocket message -> a command, or `ProtocolError` with a code a client can branch on."""
+    if isinstance(message, bytes):
+        raise ProtocolError("client events are JSON text frames, not binary", code="invalid_frame_type")
+    if len(message) > MAX_MESSAGE_BYTES:
+        # Not parsed (that is the cost being refused); its event_id is found when it comes early, as the SDK sends it.
+        found = _EVENT_ID.search(message[:1024])
+        raise ProtocolError(f"message of {len(message)} characters exceeds {MAX_MESSAGE_BYTES}",
+                            code="message_too_large", event_id=found.group(1) if found else None)
+    try:
+        data = json.loads(message)
+    except json.JSONDecodeError as e:
+        raise ProtocolError(f"invalid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("a client event is a JSON object", code="invalid_event")
+    event_id = data.get("event_id")
+    if event_id is not None and not isinstance(event_id, str):
+        raise ProtocolError("event_id must be a string", code="invalid_value", param="event_id")
+    kind = data.get("type")
+    parser = _PARSERS.get(kind) if isinstance(kind, str) else None
+    if parser is None:
+        raise ProtocolError(f"unknown client event type {kind!r}; expected one of {sorted(_PARSERS)}",
+                            code="unknown_event_type", param="type", event_id=event_id)
+    try:
+        return parser(data, event_id, max_side)
+    except ProtocolError as e:
+        e.event_id = event_id
+        raise
+
+
+def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if name not in data:
+        raise ProtocolError(f"{data['type']}: missing '{name}' ({what})", code="missing_field", param=name)
+    value = data[name]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ProtocolError(f"{data['type']}: '{name}' must be {what}", code="invalid_value", param=name)
+    return value
+
+
+def _b64(data: dict[str, Any], name: str, what: str) -> bytes:
+    text = _field(data, name, str, f"base64 {what}")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(f"{data['type']}: '{name}' is not valid base64", code="invalid_base64",
+                            param=name) from None
+
+
+def _session_update(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
+    session = _field(data, "session", dict, "an object")
+    for key, value in session.items():
+        if key not in ALLOWED_SESSION_FIELDS:
+            raise ProtocolError(f"session.{key} cannot be changed on this server (the profile fixes it)",
+                                code="unsupported_field", param=f"session.{key}")
+        if key == "input_audio_format" and value != "pcm16":
+            raise ProtocolError("input_audio_format must be 'pcm16' (16 kHz mono little-endian)",
+                                code="invalid_value", param="session.input_audio_format")
+    return UpdateSession(event_id, dict(session))
+
+
+def decode_pcm16(raw: bytes) -> np.ndarray:
+    """PCM16 little-endian mono bytes -> float32 in [-1, 1]."""
+    if len(raw) % 2:
+        raise ProtocolError(f"PCM16 audio has an odd number of bytes ({len(raw)})", code="invalid_audio",
+                            param="audio")
+    return (np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0).astype(np.float32)
+
+
+def _audio_append(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
+    return AppendAudio(event_id, decode_pcm16(_b64(data, "audio", "PCM16 LE mono 16 kHz")))
+
+
+def decode_image(raw: bytes, max_side: int = 640) -> np.ndarray:
+    """JPEG or PNG bytes -> RGB uint8 [H, W, 3], shrunk so its longer side is at most `max_side`."""
+    try:
+        with av.open(io.BytesIO(raw)) as container:
+            frame = next(container.decode(video=0))
+            if frame.width * frame.height > MAX_IMAGE_PIXELS:
+                raise ProtocolError(f"image of {frame.width}x{frame.height} is too large", code="image_too_large",
+                                    param="image")
+            width, height = scaled_size(frame.width, frame.height, max_side)
+            return frame.reformat(width=width, height=height, format="rgb24").to_ndarray()
+    except ProtocolError:
+        raise
+    except (av.FFmpegError, StopIteration, ValueError, IndexError) as e:
+        raise ProtocolError(f"image could not be decoded as JPEG or PNG: {e}", code="invalid_image",
+                            param="image") from None
+
+
+def _frame_append(data: dict[str, Any], event_id: str | None, max_side: int) -> Command:
+    raw = _b64(data, "image", "JPEG or PNG")
+    timestamp = float(_field(data, "timestamp", (int, float), "media seconds >= 0"))
+    if not timestamp >= 0 or timestamp == float("inf"):
+        raise ProtocolError("timestamp must be finite media seconds >= 0", code="invalid_value", param="timestamp")
+    return AppendFrame(event_id, VideoFrame(decode_image(raw, max_side), timestamp))
+
+
+def _item_create(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
+    item = _field(data, "item", dict, "an object")
+    if item.get("type", "message") != "message" or item.get("role", "user") != "user":
+        raise ProtocolError("only user message items are supported", code="unsupported_item", param="item.type")
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise ProtocolError("item.content must be a non-empty list", code="missing_field", param="item.content")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "input_text" or not isinstance(part.get("text"), str):
+            raise ProtocolError(f"item.content[{i}] must be {{'type': 'input_text', 'text': str}}",
+                                code="invalid_value", param=f"item.content[{i}]")
+        texts.append(part["text"])
+    return CreateItem(event_id, " ".join(texts))
+
+
+def _response_create(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
+    return CreateResponse(event_id)
+
+
+def _response_cancel(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
+    response_id = data.get("response_id")
+    if response_id is not None and not isinstance(response_id, str):
+        raise ProtocolError("response_id must be a string", code="invalid_value", param="response_id")
+    return CancelResponse(event_id, response_id)
+
+
+def _commit(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
+    return CommitInput(event_id)
+
+
+_PARSERS = {
+    "session.update": _session_update,
+    "input_audio_buffer.append": _audio_append,
+    "input_video_frame.append": _frame_append,
+    "conversation.item.create": _item_create,
+    "response.create": _response_create,
+    "response.cancel": _response_cancel,
+    "input_audio_buffer.commit": _commit,
+}
