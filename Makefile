@@ -23,7 +23,7 @@ test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check runtime tests
+	$(VENV)/bin/ruff check runtime tests examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info

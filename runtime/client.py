@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,80 @@ class AsyncRealtimeClient:
                 await self.append_frame(item.image, item.time)
                 reached = max(reached, item.time)
         return reached
+
+
+class RealtimeClient:
+    """The same SDK for code without an event loop: a private loop runs in a daemon thread and each call
+    waits for its coroutine there.
+
+        with RealtimeClient("ws://127.0.0.1:8765/v1/realtime") as client:
+            client.stream_file("talk.mp4")
+            client.ask("what was the plan?")
+            client.commit()
+            for event in client.events():
+                print(event.to_json())
+    """
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="realtime-client", daemon=True)
+        self._thread.start()
+        self._async = AsyncRealtimeClient(url, **kwargs)
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def connect(self) -> RealtimeClient:
+        self._call(self._async.connect())
+        return self
+
+    def close(self) -> None:
+        """Close the connection and stop the private loop."""
+        if self._loop.is_running():
+            self._call(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.close()
+
+    def __enter__(self) -> RealtimeClient:
+        return self.connect()
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    @property
+    def close_code(self) -> int | None:
+        return self._async.close_code
+
+    def update_session(self, **session: Any) -> str:
+        return self._call(self._async.update_session(**session))
+
+    def append_audio(self, samples: np.ndarray) -> str:
+        return self._call(self._async.append_audio(samples))
+
+    def append_frame(self, image: np.ndarray | bytes, timestamp: float) -> str:
+        return self._call(self._async.append_frame(image, timestamp))
+
+    def ask(self, text: str) -> str:
+        return self._call(self._async.ask(text))
+
+    def cancel(self, response_id: str | None = None) -> str:
+        return self._call(self._async.cancel(response_id))
+
+    def commit(self) -> str:
+        return self._call(self._async.commit())
+
+    def stream_file(self, path: str | Path, speed: float = 0.0, *, fps: float = 1.0) -> float:
+        return self._call(self._async.stream_file(path, speed, fps=fps))
+
+    def events(self) -> Iterator[Event]:
+        """Server events until the connection closes, one blocking wait per event."""
+        stream = self._async.events()
+        while True:
+            try:
+                yield self._call(stream.__anext__())
+            except StopAsyncIteration:
+                return
