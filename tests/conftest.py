@@ -29,3 +29,19 @@ def demo_file():
     from runtime.io.sample import ensure_demo_file
 
     return ensure_demo_file()
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    """The tiny random Qwen2 checkpoint (built once into the test cache)."""
+    from runtime.models.loading import resolve_checkpoint
+
+    return resolve_checkpoint("tiny:qwen2", role="lm")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_path):
+    """transformers' own model over the tiny checkpoint: the reference the engine must equal."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()

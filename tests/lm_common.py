@@ -3,10 +3,11 @@ end, and plain greedy decoding with transformers, the reference every answerer m
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 N = 20  # tokens per answer in these tests
 PROMPTS = [
@@ -32,3 +33,16 @@ def greedy_ids(model: PreTrainedModel, prompt: list[int], *, pad_token_id: int =
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N,
                          pad_token_id=pad_token_id, **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+def save_random_model(cls: type[PreTrainedModel], cfg: PretrainedConfig, path: Path) -> PreTrainedModel:
+    """A seeded random model saved with save_pretrained (safetensors); biases made non-zero so they count."""
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return model

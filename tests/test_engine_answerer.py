@@ -9,24 +9,12 @@ from pathlib import Path
 
 import pytest
 from lm_common import PROMPTS, N, greedy_ids, run_answer
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from runtime.config import LMConfig
 from runtime.models.lm.answerer import AnswerStep, load_answerer
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
-from runtime.models.loading import resolve_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_path() -> Path:
-    return resolve_checkpoint("tiny:qwen2", role="lm")
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_path: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()
-
 
 DRAFTERS = ["none", "ngram", "recycling", "auto", "draft-model"]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm_common import save_random_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
@@ -29,15 +30,7 @@ def build(kind: str, path: Path, layers: int = 2) -> PreTrainedModel:
         cfg, cls = LlamaConfig(**common, attention_bias=True, rope_theta=300.0), LlamaForCausalLM
     else:
         cfg, cls = Qwen2Config(**common, rope_theta=300.0), Qwen2ForCausalLM
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    return model
+    return save_random_model(cls, cfg, path)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -11,7 +11,6 @@ import pytest
 import torch
 from lm_common import PROMPTS, N
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
@@ -24,7 +23,6 @@ from runtime.config import LMConfig
 from runtime.errors import ConfigError
 from runtime.models.lm.answerer import Answerer
 from runtime.models.lm.engine import EngineSession, LMEngine, SourceTokens
-from runtime.models.loading import resolve_checkpoint
 
 TOL = 1e-4
 WORDS = [
@@ -43,16 +41,6 @@ def transcript(n_words: int, seed: int = 0) -> str:
             lines.append(f"[{len(lines) // 6:02d}:{(len(lines) * 7) % 60:04.1f}] " + " ".join(words) + ".")
             words = []
     return "\n".join(lines)
-
-
-@pytest.fixture(scope="module")
-def tiny_path() -> Path:
-    return resolve_checkpoint("tiny:qwen2", role="lm")
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_path: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm_common import save_random_model
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from runtime.errors import CheckpointNotFound, ConfigError
@@ -36,15 +37,7 @@ def build(kind: str, path: Path, rope: dict | None = None, **extra) -> PreTraine
     else:
         cfg = Qwen2Config(**common, tie_word_embeddings=True, **extra)
         cls = Qwen2ForCausalLM
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    return model
+    return save_random_model(cls, cfg, path)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
