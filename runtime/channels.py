@@ -98,6 +98,15 @@ class _Channel(Generic[T]):
         self._writable.set()
         return item
 
+    def drain_nowait(self) -> list[T]:
+        """Everything queued now, without waiting (a consumer batching what piled up)."""
+        items = list(self._items)
+        self._items.clear()
+        self.stats.got += len(items)
+        self.stats.depth = 0
+        self._writable.set()
+        return items
+
     def __aiter__(self) -> _Channel[T]:
         return self
 

@@ -62,6 +62,22 @@ class LMConfig:
 class VideoConfig:
     fps: float = 1.0  # frames per second of media time kept for the vision path
     max_side: int = 640  # frames are downscaled so their longer side is at most this
+    # Video memory: on when lm.model is a vision-language model run by the engine backend (else frames are only
+    # counted). Sizes follow Flash-VStream's STAR memory (defaults: 64 + 400 + 25 + 192 = 681 tokens).
+    memory: bool = True
+    spatial_frames: int = 1  # latest frames at grid x grid tokens
+    grid: int = 8
+    temporal_slots: int = 25  # older frames consolidated by weighted k-means into slots of temporal_grid^2
+    temporal_grid: int = 4
+    abstract_tokens: int = 25  # updated by semantic attention at abstract_ratio
+    abstract_ratio: float = 0.2
+    retrieved_frames: int = 3  # full-resolution frames: near the largest clusters, or chosen by the question
+    buffer_frames: int = 300  # recent frames kept as retrieval candidates
+    segment_s: float = 10.0  # memory segments (time spans) for notes and question-aware selection
+    max_segments: int = 64
+    kmeans_iters: int = 10
+    notes: bool = True  # when idle, write a one-line note per closed segment (a `video.note` event)
+    note_tokens: int = 24
 
 
 @dataclass(frozen=True)
@@ -199,11 +215,35 @@ def validate(profile: Profile) -> Profile:
         raise ConfigError("threads must be >= 0 (0 = one per core but one)")
     if profile.video.fps <= 0:
         raise ConfigError("video.fps must be > 0")
+    if profile.video.memory:
+        sizes = memory_sizes(profile)
+        try:
+            sizes.validate()
+        except ValueError as err:
+            raise ConfigError(f"video: {err}") from None
+
     if profile.pipeline.audio_chunk_ms <= 0 or profile.pipeline.audio_queue_chunks <= 0:
         raise ConfigError("pipeline.audio_chunk_ms and pipeline.audio_queue_chunks must be > 0")
     if profile.lm.max_new_tokens <= 0 or profile.asr.max_new_tokens <= 0:
         raise ConfigError("max_new_tokens must be > 0")
     return profile
+
+
+def check_memory_fits(profile: Profile) -> None:
+    """The video memory and its labels must fit in the engine's window (checked once the model can see)."""
+    budget = memory_sizes(profile).budget()
+    if budget + 160 > profile.lm.window_tokens:
+        raise ConfigError(f"video memory needs {budget} tokens (+ ~160 for its labels) inside lm.window_tokens = "
+                          f"{profile.lm.window_tokens}; raise the window or shrink the video memory")
+
+
+def memory_sizes(profile: Profile) -> Any:
+    """The profile's `runtime.memory.video.MemorySizes` (its fields are VideoConfig's of the same names)."""
+    from runtime.memory.video import MemorySizes  # lazy: it imports torch
+
+    names = {f.name for f in fields(MemorySizes)}
+    return MemorySizes(**{n: getattr(profile.video, n) for n in names if hasattr(profile.video, n)},
+                       seed=profile.seed)
 
 
 def with_overrides(profile: Profile, **sections: dict[str, Any]) -> Profile:

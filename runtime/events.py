@@ -84,6 +84,19 @@ class TranscriptionCompleted(Event):
 
 @_register
 @dataclass(kw_only=True)
+class VideoNote(Event):
+    """A one-line note the model wrote about one memory segment (media seconds `start`-`end`); ours, no Realtime
+    equivalent. A later note for a merged segment has a new `segment_id`."""
+
+    type: ClassVar[str] = "video.note"
+    segment_id: int
+    text: str
+    start: float
+    end: float
+
+
+@_register
+@dataclass(kw_only=True)
 class ResponseCreated(Event):
     type: ClassVar[str] = "response.created"
     response: dict[str, Any]

@@ -4,7 +4,7 @@ Each processor is one asyncio task reading one bounded channel. Model compute go
 (`worker.run`), so the loop only moves data and events:
 
     audio channel --> AudioProcessor --(worker: ASR)--> transcript events + TranscriptMemory
-    video channel --> VideoProcessor (keeps the latest frame; the video-memory issue encodes it)
+    video channel --> VideoProcessor (video_processor.py) --(worker: vision tower)--> video memory
     question channel --> QuestionProcessor --(worker: prefill, then one decode step per job)--> answer events
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.channels import BlockingChannel, LatestChannel
-from runtime.chunks import AudioChunk, VideoFrame
+from runtime.channels import BlockingChannel
+from runtime.chunks import AudioChunk
 from runtime.events import (
     Event,
     ResponseCreated,
@@ -114,19 +114,24 @@ class AudioProcessor:
 
 
 class ContextPrefiller:
-    """Streaming prefill (Stream2LLM): whenever the transcript changes, hand the answerer's stream session the
-    new context and prefill it in small worker jobs, so a question later costs only its own prefill.
+    """Streaming prefill (Stream2LLM): whenever the transcript or the video memory changes, hand the answerer's
+    stream session the new context and prefill it in small worker jobs, so a question later costs only its own
+    prefill (and, with video, the change of its memory selection).
 
-    Changes coalesce: while a prefill runs, further transcript updates only mark the context dirty, and the
-    next round prefills the latest text (update mode keeps the KV up to the longest common prefix)."""
+    Changes coalesce: while a prefill runs, further updates only mark the context dirty, and the next round
+    prefills the latest state (update mode keeps the KV up to the longest common prefix)."""
 
-    def __init__(self, lm_stream: Any, worker: DeviceWorker, memory: TranscriptMemory) -> None:
+    def __init__(self, lm_stream: Any, worker: DeviceWorker, memory: TranscriptMemory,
+                 video: Any = None, engine: Any = None) -> None:
         self.lm_stream = lm_stream
         self.worker = worker
         self.memory = memory
+        self.video = video  # runtime.memory.video.VideoMemory, when the model sees
+        self.engine = engine  # its LMEngine: embeds questions for memory selection
         self.dirty = asyncio.Event()
         self.prefilled_tokens = 0
         self.closed = False
+        self.selected: list[tuple[float, float]] = []  # segments the last question selected (media spans)
 
     def mark_dirty(self) -> None:
         self.dirty.set()
@@ -137,26 +142,29 @@ class ContextPrefiller:
             self.dirty.clear()
             await self.catch_up()
 
-    async def catch_up(self) -> None:
-        """Prefill the current transcript fully (also called right before answering)."""
-        self.lm_stream.set_context(self.memory.context())
+    def _suffix(self, question: str | None) -> list[Any] | None:
+        """On the worker: the memory suffix from a fresh snapshot; a question selects its segments."""
+        if self.video is None:
+            return None
+        from runtime.models.vlm.prompt import memory_pieces, text_embedding  # lazy: only with a VLM
+
+        snapshot = self.video.snapshot()
+        query = text_embedding(self.engine, question) if question else None
+        if question:
+            self.selected = []
+        if query is not None and snapshot.segments:
+            self.selected = [(s.start, s.end) for s in snapshot.select(query)]
+        return memory_pieces(snapshot.blocks(query))
+
+    async def catch_up(self, question: str | None = None) -> None:
+        """Prefill the current context fully (also called right before answering, with the question)."""
+        suffix = await self.worker.run(Priority.PREFILL, self._suffix, question) if self.video else None
+        if suffix is None:  # a stream without video takes the transcript alone (AnswerBackend's contract)
+            self.lm_stream.set_context(self.memory.context())
+        else:
+            self.lm_stream.set_context(self.memory.context(), suffix)
         while n := await self.worker.run(Priority.PREFILL, self.lm_stream.prefill_step):
             self.prefilled_tokens += n
-
-
-class VideoProcessor:
-    """The slice's video path: consumes frames so the channel's keep-latest policy is exercised end to end
-    and keeps the newest one. The video-memory issue replaces this with vision encoding into memory."""
-
-    def __init__(self, channel: LatestChannel[VideoFrame]) -> None:
-        self.channel = channel
-        self.latest: VideoFrame | None = None
-        self.frames = 0
-
-    async def run(self) -> None:
-        async for frame in self.channel:
-            self.latest = frame
-            self.frames += 1
 
 
 @dataclass
@@ -216,8 +224,8 @@ class QuestionProcessor:
         status, reason, state, first_token_s, tokens, steps = "completed", None, None, None, 0, 0
         decoding: dict[str, Any] | None = None
         try:
-            if self.prefiller is not None:
-                await self.prefiller.catch_up()  # usually nothing left: the transcript was prefilled as it came
+            if self.prefiller is not None:  # usually only the question's memory selection is left to prefill
+                await self.prefiller.catch_up(q.text)
             state = await self.worker.run(Priority.PREFILL, self.answerer.start, self.memory.context(), q.text,
                                           session=self.lm_stream)
             while True:
@@ -247,6 +255,8 @@ class QuestionProcessor:
                 stats = getattr(self.answerer, "stats", None)
                 decoding = stats(state) if callable(stats) else None
                 await self.worker.run(Priority.CONTROL, self.answerer.release, state)
+            if self.prefiller is not None and self.prefiller.video is not None:
+                self.prefiller.mark_dirty()  # back to the memory's own selection
         text = "".join(parts)
         await self.emit(ResponseTextDone(response_id=q.response_id, item_id=item_id, text=text,
                                          media_time=q.media_time))
@@ -262,4 +272,6 @@ class QuestionProcessor:
         )
         if decoding is not None:  # speculative decoding: target forwards, drafted and accepted tokens
             response["decoding"] = decoding
+        if self.prefiller is not None and self.prefiller.video is not None:
+            response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in self.prefiller.selected]}
         await self.emit(ResponseDone(response=response, media_time=q.media_time))

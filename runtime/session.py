@@ -19,14 +19,18 @@ from typing import Any
 
 from runtime.channels import BlockingChannel, ChannelClosed, LatestChannel
 from runtime.chunks import AudioChunk, VideoFrame
-from runtime.config import Profile
+from runtime.config import Profile, check_memory_fits, memory_sizes
 from runtime.events import Event, Metrics, SessionCreated, error_event, new_id
 from runtime.memory.transcript import TranscriptMemory
+from runtime.memory.video import VideoMemory
 from runtime.metrics import LoopLagMonitor
 from runtime.models.asr.base import StreamingASR, load_asr
 from runtime.models.lm.answerer import AnswerBackend, load_answerer
-from runtime.models.loading import configure_threads
-from runtime.pipeline import AudioProcessor, ContextPrefiller, Question, QuestionProcessor, VideoProcessor
+from runtime.models.lm.weights import is_vlm
+from runtime.models.loading import configure_threads, resolve_checkpoint
+from runtime.models.vlm.llava_onevision import VisionEncoder
+from runtime.pipeline import AudioProcessor, ContextPrefiller, Question, QuestionProcessor
+from runtime.video_processor import NoteWriter, VideoProcessor
 from runtime.worker import DeviceWorker, Priority
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 class Models:
     asr: StreamingASR
     answerer: AnswerBackend
+    vision: VisionEncoder | None = None  # the VLM's vision half, when the language model can see
 
 
 def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str], None] | None = None) -> Models:
@@ -44,7 +49,20 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
     worker.call(Priority.CONTROL, configure_threads, profile.threads)
     asr = worker.call(Priority.CONTROL, load_asr, profile.asr, **opts)
     answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, seed=profile.seed, **opts)
-    return Models(asr=asr, answerer=answerer)
+    vision = None
+    if profile.video.memory:
+        path = resolve_checkpoint(profile.lm.model, role="lm")
+        if not is_vlm(path):
+            if progress:
+                progress(f"lm {profile.lm.model} is text-only: video frames are counted, not remembered")
+        elif profile.lm.backend != "engine":
+            if progress:
+                progress("video memory needs lm.backend = engine: video frames are counted, not remembered")
+        else:
+            check_memory_fits(profile)
+            vision = worker.call(Priority.CONTROL, VisionEncoder.load, profile.lm.model, grid=profile.video.grid,
+                                 **opts)
+    return Models(asr=asr, answerer=answerer, vision=vision)
 
 
 class FrameSampler:
@@ -81,7 +99,13 @@ class Session:
         self.prefiller: ContextPrefiller | None = None
         self.audio = AudioProcessor(self.audio_in, self._asr_stream, worker, self.emit, self.memory,
                                     on_transcript=self._transcript_changed)
-        self.video = VideoProcessor(self.video_in)
+        self.video_memory: VideoMemory | None = None
+        self.notes: NoteWriter | None = None
+        if models.vision is not None:
+            self.video_memory = VideoMemory(memory_sizes(profile), models.vision.dim, device=profile.device,
+                                            dtype=models.vision.dtype)
+        self.video = VideoProcessor(self.video_in, worker, models.vision, self.video_memory, self.emit,
+                                    on_memory=self._transcript_changed, on_segments=self._segments_closed)
         self.answers = QuestionProcessor(self.questions, models.answerer, worker, self.emit, self.memory,
                                          self.audio)
         self.lag = LoopLagMonitor()
@@ -102,8 +126,13 @@ class Session:
         self.lag.start()
         lm_stream = await self.worker.run(Priority.CONTROL, self._models.answerer.open_session)
         if lm_stream is not None:  # the answerer keeps per-stream KV: prefill the transcript as it lands
-            self.prefiller = ContextPrefiller(lm_stream, self.worker, self.memory)
+            self.prefiller = ContextPrefiller(lm_stream, self.worker, self.memory, video=self.video_memory,
+                                              engine=getattr(self._models.answerer, "engine", None))
             self.answers.lm_stream, self.answers.prefiller = lm_stream, self.prefiller
+            if self.video_memory is not None and self.profile.video.notes:
+                self.notes = NoteWriter(self._models.answerer, self.worker, self.video_memory, self.emit,
+                                        busy=lambda: self.answers.current is not None or len(self.questions) > 0,
+                                        max_tokens=self.profile.video.note_tokens)
         self._tasks = [
             asyncio.create_task(self.audio.run(), name=f"{self.id}:audio"),
             asyncio.create_task(self.video.run(), name=f"{self.id}:video"),
@@ -111,6 +140,8 @@ class Session:
         ]
         if self.prefiller is not None:
             self._tasks.append(asyncio.create_task(self.prefiller.run(), name=f"{self.id}:prefill"))
+        if self.notes is not None:
+            self._tasks.append(asyncio.create_task(self.notes.run(), name=f"{self.id}:notes"))
         if self.profile.pipeline.metrics_interval_s > 0:
             self._metrics_task = asyncio.create_task(self._report_metrics(), name=f"{self.id}:metrics")
         await self.emit(SessionCreated(session=self.describe()))
@@ -134,7 +165,7 @@ class Session:
         await asyncio.gather(self._tasks[0], self._tasks[1], return_exceptions=True)
         self.questions.close()
         await asyncio.gather(self._tasks[2], return_exceptions=True)
-        for task in self._tasks[3:]:  # the prefiller waits for changes forever: nothing more will change
+        for task in self._tasks[3:]:  # prefiller and notes wait for changes forever: nothing more will change
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._close()
@@ -203,8 +234,13 @@ class Session:
         return question.response_id
 
     def _transcript_changed(self) -> None:
+        """The transcript or the video memory changed: the prefiller picks up the newest state."""
         if self.prefiller is not None:
             self.prefiller.mark_dirty()
+
+    def _segments_closed(self, segments: list[Any]) -> None:
+        if self.notes is not None:
+            self.notes.add(segments)
 
     def cancel_response(self, response_id: str | None = None) -> bool:
         return self.answers.cancel(response_id)
@@ -226,7 +262,8 @@ class Session:
             "random_weights": p.random_weights,
             "asr": {"backend": p.asr.backend, "model": p.asr.model, "language": p.asr.language},
             "lm": {"backend": p.lm.backend, "model": p.lm.model, "max_new_tokens": p.lm.max_new_tokens},
-            "video": {"fps": p.video.fps, "max_side": p.video.max_side},
+            "video": {"fps": p.video.fps, "max_side": p.video.max_side,
+                      "memory_tokens": self.video_memory.sizes.budget() if self.video_memory else 0},
         }
 
     def metrics(self) -> dict[str, Any]:
@@ -234,14 +271,24 @@ class Session:
             "loop_lag": self.lag.report(),
             "channels": {c.name: c.stats.to_dict() for c in (self.audio_in, self.video_in, self.questions,
                                                              self.events)},
-            "video": {"frames_in": self.sampler.kept + self.sampler.skipped, "fps_skipped": self.sampler.skipped,
-                      "dropped_full": self.video_in.stats.dropped, "processed": self.video.frames},
+            "video": self._video_metrics(),
             "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.audio.heard_until, 3),
                     "lag_s": round(self.pushed_until - self.audio.heard_until, 3)},
             "answers": {"answered": self.answers.answered,
                         "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0},
             "worker": self.worker.stats(),
         }
+
+    def _video_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"frames_in": self.sampler.kept + self.sampler.skipped,
+                               "fps_skipped": self.sampler.skipped, "dropped_full": self.video_in.stats.dropped,
+                               "processed": self.video.frames, "encoded": self.video.encoded,
+                               "batches": self.video.batches}
+        if self.video_memory is not None:
+            snap = self.video_memory.snapshot()
+            out.update(memory_tokens=snap.tokens, memory_budget=self.video_memory.sizes.budget(),
+                       segments=len(snap.segments), notes=self.notes.written if self.notes else 0)
+        return out
 
     async def _report_metrics(self) -> None:
         while True:

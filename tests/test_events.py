@@ -14,6 +14,7 @@ from runtime.events import (
     SessionUpdated,
     TranscriptionCompleted,
     TranscriptionDelta,
+    VideoNote,
     error_event,
     event_types,
     parse_event,
@@ -29,6 +30,7 @@ SAMPLES = [
     ResponseTextDone(response_id="resp_1", item_id="item_2", text="Hi"),
     ResponseDone(response={"id": "resp_1", "status": "completed"}),
     Metrics(metrics={"loop_lag": {"max_ms": 1.0}}),
+    VideoNote(segment_id=3, text="a red ball rolls", start=10.0, end=20.0, media_time=20.0),
     error_event("bad", code="empty_question", param="text", client_event_id="evt_c"),
 ]
 

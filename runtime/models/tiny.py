@@ -10,6 +10,7 @@ without its files is silently empty.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,9 +18,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    SiglipVisionConfig,
     WhisperConfig,
     WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
@@ -142,12 +146,17 @@ def build_whisper(out_dir: Path, seed: int) -> None:
     WhisperFeatureExtractor().save_pretrained(out_dir)
 
 
-def build_qwen2(out_dir: Path, seed: int) -> None:
-    tokenizer = _wrap(train_tokenizer(CHAT_SPECIAL), CHAT_SPECIAL, "<|im_end|>", 4096)
+def _chat_tokenizer(extra: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    special = [*CHAT_SPECIAL, *extra]
+    tokenizer = _wrap(train_tokenizer(special), special, "<|im_end|>", 4096)
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _qwen2_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
     ids = tokenizer.convert_tokens_to_ids
     eot, im_end = ids("<|endoftext|>"), ids("<|im_end|>")
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -161,13 +170,41 @@ def build_qwen2(out_dir: Path, seed: int) -> None:
         eos_token_id=im_end,
         pad_token_id=eot,
     )
+
+
+def _generation_config(config: Qwen2Config) -> GenerationConfig:
+    eot, im_end = config.bos_token_id, config.eos_token_id
+    return GenerationConfig(bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=False)
+
+
+def build_qwen2(out_dir: Path, seed: int) -> None:
+    tokenizer = _chat_tokenizer()
+    config = _qwen2_config(tokenizer)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=False
-    )
+    model.generation_config = _generation_config(config)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def build_llava_onevision(out_dir: Path, seed: int) -> None:
+    """LLaVA-OneVision at toy size: a SigLIP tower over 64x64 frames (8x8 patches) and the tiny Qwen2."""
+    tokenizer = _chat_tokenizer(("<image>", "<video>"))
+    text = _qwen2_config(tokenizer)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=64, patch_size=8, vision_use_head=False)
+    ids = tokenizer.convert_tokens_to_ids
+    config = LlavaOnevisionConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                                  image_token_index=ids("<image>"), video_token_index=ids("<video>"),
+                                  tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config)
+    model.generation_config = _generation_config(text)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    preprocessor = {"size": {"height": 64, "width": 64}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                    "rescale_factor": 1 / 255, "do_resize": True}
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
 
 
 def build_fastconformer(out_dir: Path, seed: int) -> None:
@@ -180,6 +217,7 @@ def build_fastconformer(out_dir: Path, seed: int) -> None:
 TINY_MODELS: dict[str, Callable[[Path, int], None]] = {
     "whisper": build_whisper,
     "qwen2": build_qwen2,
+    "llava-onevision": build_llava_onevision,
     "fastconformer": build_fastconformer,
 }
 # Code outside this file that shapes a tiny build; its source is part of the build's cache key.

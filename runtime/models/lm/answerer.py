@@ -40,7 +40,8 @@ def new_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], emitted: 
 
 class AnswerBackend(Protocol):
     """What the pipeline calls, on the device worker: a per-stream session (None when the backend keeps no
-    stream state; else it has `set_context(text)` and `prefill_step() -> int`), then start/step/release."""
+    stream state; else it has `set_context(text)` and `prefill_step() -> int`, and with a vision-language
+    model `set_context(text, suffix)` for the video memory), then start/step/release."""
 
     name: str
 

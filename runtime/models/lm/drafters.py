@@ -96,6 +96,9 @@ class NgramDrafter:
             start = self._index.get(tuple(tail[-n:]))
             if start is not None:
                 tokens = self._seq[start : start + limit]
+                if any(t < 0 for t in tokens):  # a VLM's visual stand-in ids: never drafted (not tokens)
+                    tokens = tokens[: next(i for i, t in enumerate(tokens) if t < 0)]
+                    return Draft(tokens, chain(tokens)) if tokens else EMPTY
                 if len(tokens) < limit and start + len(tokens) == len(self._seq):
                     tokens.append(pending)  # the copy ran into the present: the pending token comes next
                 return Draft(tokens, chain(tokens))

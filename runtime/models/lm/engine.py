@@ -8,6 +8,12 @@ Prompt layout (the same text as `answerer.Answerer.prompt_text`, cut in two wher
     source group:  <system prompt + user-turn framing "Transcript so far:\\n"> <transcript, growing and revised>
     target group:  <"\\n\\nQuestion: ..." + end of user turn + assistant header> <answer tokens>
 
+A vision-language model's memory joins the source as a suffix after the transcript (`set_context(text,
+suffix)`): text pieces and `Visual` pieces, input embeddings that stand in for tokens. Each visual row gets a
+negative id derived from its piece's content key, so the longest-common-prefix rule below treats a changed
+memory block exactly like changed text: the KV is kept up to the first difference. The transcript comes before
+the memory so a new frame re-prefills only the memory, and the window evicts old transcript, never the memory.
+
 The source head is pinned (it becomes the attention sinks when it is longer than `lm.sink_tokens`), so the
 instructions survive the window sliding; the transcript after it is the StreamingLLM window. The target group
 is separate (group position encoding): its positions continue from the source length at question time, it
@@ -22,8 +28,9 @@ the rest. Tokens already evicted from the window are committed history: an edit 
 from __future__ import annotations
 
 import bisect
+import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
@@ -36,6 +43,23 @@ from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtyp
 
 EMPTY_CONTEXT = "(nothing yet)"  # as answerer.py writes an empty transcript
 _MARK = "<<runtime:context>>"
+
+
+@dataclass(frozen=True)
+class Visual:
+    """Input embeddings [n, hidden] standing in for n tokens (a VLM's visual tokens). `key` names this exact
+    content: equal keys promise equal embeddings, so the engine keeps their KV instead of recomputing it."""
+
+    key: int
+    embeds: torch.Tensor = field(compare=False)
+
+
+Piece = str | Visual  # what a source suffix is made of
+
+
+def visual_id(key: int, row: int) -> int:
+    """The negative stand-in id of row `row` of the visual piece `key` (token ids are never negative)."""
+    return -((key << 16) + row) - 1
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -113,6 +137,7 @@ class LMEngine:
         self.reserve = reserve_tokens or 2 * self.chunk
         self.max_question_tokens = max_question_tokens
         self.target = max_question_tokens + cfg.max_new_tokens + tree_tokens
+        self._encoded: dict[str, list[int]] = {}
 
     @classmethod
     def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,
@@ -120,6 +145,9 @@ class LMEngine:
         with load_progress(progress, "lm", cfg.model, device, dtype):
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
             tokenizer = AutoTokenizer.from_pretrained(path)
+            template = path / "chat_template.json"  # VLM checkpoints keep the template beside the processor
+            if not getattr(tokenizer, "chat_template", None) and template.is_file():
+                tokenizer.chat_template = json.loads(template.read_text()).get("chat_template")
             model = Transformer.from_pretrained(path, device=device, dtype=torch_dtype(dtype))
             eos: list[int] = []
             if (path / "generation_config.json").is_file():
@@ -133,14 +161,28 @@ class LMEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_cached(self, text: str) -> list[int]:
+        """`encode` for the short, repeating texts of a memory suffix (timestamps, labels)."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) > 4096:
+                self._encoded.clear()
+            ids = self._encoded[text] = self.encode(text)
+        return ids
+
     def prompt_parts(self, question: str) -> tuple[str, str]:
         """(head, tail): head + transcript + tail is exactly the plain answerer's prompt text."""
         user = f"Transcript so far:\n{_MARK}\n\nQuestion: {question}"
+        text = f"{self.cfg.system_prompt}\n\n{user}\nAnswer:"
         if getattr(self.tokenizer, "chat_template", None):
-            messages = [{"role": "system", "content": self.cfg.system_prompt}, {"role": "user", "content": user}]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = f"{self.cfg.system_prompt}\n\n{user}\nAnswer:"
+            # plain string contents (text chat models), else typed parts (VLM templates such as LLaVA's)
+            for content in (lambda t: t, lambda t: [{"type": "text", "text": t}]):
+                messages = [{"role": "system", "content": content(self.cfg.system_prompt)},
+                            {"role": "user", "content": content(user)}]
+                chat = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                if _MARK in chat:
+                    text = chat
+                    break
         head, tail = text.split(_MARK, 1)
         return head, tail
 
@@ -171,7 +213,12 @@ class EngineSession:
         self.stats = SessionStats()
         self.source_logits: torch.Tensor | None = None  # after the last prefilled source token
         self._wanted = ""  # the newest transcript, set from any thread
+        self._wanted_suffix: tuple[Piece, ...] = ()  # the newest memory suffix, set from any thread
         self._tokens = SourceTokens(engine.tokenizer)  # the current source text's ids, kept incrementally
+        self._suffix: tuple[Piece, ...] = ()  # the suffix `_ids` was built from
+        self._suffix_ids: list[int] = []
+        self._visual: dict[int, torch.Tensor] = {}  # stand-in id -> its embedding row, for the current suffix
+        self._ids: list[int] = []  # the wanted source: transcript ids, then suffix ids
         self._hist: list[int] = []  # source ids whose KV was computed, from the start (evicted ones included)
         self._answer_prefix: list[int] = []  # the live source ids the open answer sees
         self._target: list[int] = []  # the open answer's committed target ids: prompt tail, then answer
@@ -180,16 +227,39 @@ class EngineSession:
 
     # -- source group ---------------------------------------------------------------------------------------
 
-    def set_context(self, text: str) -> None:
-        """Record the transcript so far (its unstable tail included); cheap and safe from the event loop."""
+    def set_context(self, text: str, suffix: Sequence[Piece] | None = None) -> None:
+        """Record the transcript so far (its unstable tail included) and, when given, the memory suffix that
+        follows it (None keeps the current one); cheap and safe from the event loop."""
         self._wanted = text
+        if suffix is not None:
+            self._wanted_suffix = tuple(suffix)
+
+    def _build_suffix(self, suffix: tuple[Piece, ...]) -> None:
+        ids: list[int] = []
+        visual: dict[int, torch.Tensor] = {}
+        for piece in suffix:
+            if isinstance(piece, str):
+                ids.extend(self.engine.encode_cached(piece))
+                continue
+            rows = piece.embeds.reshape(-1, piece.embeds.shape[-1])
+            for r in range(rows.shape[0]):
+                vid = visual_id(piece.key, r)
+                visual[vid] = rows[r]
+                ids.append(vid)
+        self._suffix, self._suffix_ids, self._visual = suffix, ids, visual
 
     def _sync(self) -> None:
-        """Re-tokenise a changed transcript and cut the KV back to the longest common prefix of token ids."""
+        """Re-tokenise a changed transcript or suffix and cut the KV back to the longest common prefix of ids."""
         same = self._tokens.update(self.engine.head + (self._wanted or EMPTY_CONTEXT))
-        if same is None:
+        suffix = self._wanted_suffix
+        if same is None and suffix == self._suffix:
             return
-        new, hist = self._tokens.ids, self._hist
+        if same is None:
+            same = len(self._tokens.ids)
+        if suffix != self._suffix:
+            self._build_suffix(suffix)
+        self._ids = new = self._tokens.ids + self._suffix_ids
+        hist = self._hist
         keep = min(same, len(hist))
         while keep < len(hist) and keep < len(new) and hist[keep] == new[keep]:
             keep += 1
@@ -204,7 +274,7 @@ class EngineSession:
     def pending_tokens(self) -> int:
         """Source tokens still to prefill (re-tokenises first if the context changed)."""
         self._sync()
-        return max(0, len(self._tokens.ids) - len(self._hist))
+        return max(0, len(self._ids) - len(self._hist))
 
     @torch.inference_mode()
     def prefill_step(self) -> int:
@@ -214,9 +284,9 @@ class EngineSession:
         if n <= 0:
             return 0
         start = len(self._hist)
-        ids = self._tokens.ids[start : start + n]
+        ids = self._ids[start : start + n]
         attend = self.cache.append_source(n)
-        self.source_logits = self._forward(ids, attend, last_only=True)[0]
+        self.source_logits = self._forward(ids, attend, last_only=True, embeds=self._embeds(ids))[0]
         self._hist.extend(ids)
         self.stats.prefilled += n
         return n
@@ -226,10 +296,22 @@ class EngineSession:
         s = min(self.engine.sink, len(self._hist))
         return self._hist[:s] + self._hist[s + self.cache.evicted :]
 
-    def _forward(self, ids: Sequence[int], attend: Attend, *, last_only: bool) -> torch.Tensor:
-        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.cache.k.device)
+    def _embeds(self, ids: Sequence[int]) -> torch.Tensor | None:
+        """Input embeddings for `ids` when some stand for visual rows; None when all are plain tokens."""
+        rows = [i for i, t in enumerate(ids) if t < 0]
+        if not rows:
+            return None
+        model = self.engine.model
+        plain = torch.tensor([max(t, 0) for t in ids], dtype=torch.long, device=model.device)
+        x = model.model.embed_tokens(plain)
+        x[rows] = torch.stack([self._visual[ids[i]] for i in rows]).to(device=x.device, dtype=x.dtype)
+        return x
+
+    def _forward(self, ids: Sequence[int], attend: Attend, *, last_only: bool,
+                 embeds: torch.Tensor | None = None) -> torch.Tensor:
+        tokens = torch.tensor([max(t, 0) for t in ids], dtype=torch.long, device=self.cache.k.device)
         return self.engine.model(tokens, attend.q_pos, attend.k_pos, attend.mask, cache=self.cache.buffers,
-                                 slot=attend.slot, last_only=last_only)
+                                 slot=attend.slot, last_only=last_only, embeds=embeds)
 
     # -- target group (the open answer) -------------------------------------------------------------------
 

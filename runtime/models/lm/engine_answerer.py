@@ -11,7 +11,7 @@ the draft depth adapts to measured time and drafts decide which random numbers a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 from runtime.config import LMConfig
 from runtime.models.lm.answerer import AnswerStep, new_text
 from runtime.models.lm.drafters import Drafter, make_drafter
-from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.engine import EngineSession, LMEngine, Piece
 from runtime.models.lm.speculative import SpeculativeDecoder
 
 
@@ -32,10 +32,13 @@ class StreamLM:
     drafter: Drafter | None
     draft_session: EngineSession | None = None
 
-    def set_context(self, text: str) -> None:
-        self.session.set_context(text)
+    def set_context(self, text: str, suffix: Sequence[Piece] | None = None) -> None:
+        """The transcript and (when given) the video-memory suffix; the draft model, whose embeddings are not
+        the VLM's, sees only the suffix's text."""
+        self.session.set_context(text, suffix)
         if self.draft_session is not None:
-            self.draft_session.set_context(text)
+            text_only = None if suffix is None else [p for p in suffix if isinstance(p, str)]
+            self.draft_session.set_context(text, text_only)
 
     def prefill_step(self) -> int:
         done = self.session.prefill_step()
@@ -86,11 +89,13 @@ class EngineAnswerer:
             self.cfg, vocab_size=self.engine.model.args.vocab_size)
         return StreamLM(self.engine.open_session(), drafter, draft_session)
 
-    def start(self, context: str, question: str, *, seed: int | None = None,
-              session: StreamLM | None = None) -> EngineAnswerState:
+    def start(self, context: str, question: str, *, seed: int | None = None, session: StreamLM | None = None,
+              suffix: Sequence[Piece] | None = None) -> EngineAnswerState:
+        """Open an answer. With `session` (the pipeline's stream) the suffix it was last given is kept unless
+        `suffix` replaces it; a pooled stream gets `suffix` or none."""
         pooled = session is None
         stream = session if session is not None else (self._idle.pop() if self._idle else self.open_session())
-        stream.set_context(context)
+        stream.set_context(context, () if pooled and suffix is None else suffix)
         stream.session.begin_answer(question)
         generator = None
         if self.cfg.temperature > 0:

@@ -235,6 +235,7 @@ class Transformer(nn.Module):
         cache: CacheBuffers | None = None,
         slot: int = 0,
         last_only: bool = False,
+        embeds: Tensor | None = None,
     ) -> Tensor:
         """Logits (float32) [n, vocab] for `tokens` [n] (or [1, n]), or [1, vocab] with `last_only`.
 
@@ -243,7 +244,8 @@ class Transformer(nn.Module):
         with), the new tokens' K/V go to slots [slot, slot+n) and they attend over slots [0, len(k_pos)) whose
         keys sit at positions `k_pos` under `mask` [n, len(k_pos)] (True = attend). Without a cache this is the
         plain forward over `tokens` at positions `q_pos` (keys at `q_pos` too), causal unless `mask` is given:
-        the reference the engine is tested against."""
+        the reference the engine is tested against. `embeds` [n, hidden], when given, are the input embeddings
+        instead of the token ids' (a VLM's visual tokens); `tokens` then only sets n and the device."""
         tokens = tokens.reshape(-1)
         n = tokens.shape[0]
         cos, sin = self.rope(q_pos)
@@ -259,7 +261,7 @@ class Transformer(nn.Module):
         group = self.args.num_heads // self.args.num_kv_heads
         if group > 1 and n > 1:
             mask = mask.repeat(group, 1)  # query rows are [group, n] per K/V head (see Attention.forward)
-        x = self.model.embed_tokens(tokens)[None]
+        x = (self.model.embed_tokens(tokens) if embeds is None else embeds.to(self.dtype).reshape(n, -1))[None]
         for i, layer in enumerate(self.model.layers):
             layer_cache = None if cache is None else (cache[0][i], cache[1][i], cache[2][i])
             x = layer.forward(x, rope_q, mask, layer_cache, slot, rotate)

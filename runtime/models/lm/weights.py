@@ -6,21 +6,35 @@ names for its modules except two fusions it builds at load time (q/k/v into `qkv
 `gate_up_proj`: one GEMM instead of three or two per layer). Anything the engine does not implement (other
 architectures, RoPE scalings beyond none/linear/llama3, sliding-window layers, other activations) is refused
 with a one-line `ConfigError` instead of silently computing something else.
+
+A vision-language checkpoint (LLaVA-OneVision) is read the same way: its `text_config` is the language
+model's config and `lm_name` maps its language-model weights onto the plain names (both the hub layout,
+`language_model.model.*`, and the one transformers 5 saves, `model.language_model.*`); the vision tower's
+weights are left for `runtime.models.vlm` and never loaded here.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from runtime.errors import CheckpointNotFound, ConfigError
 
 MODEL_TYPES = ("llama", "qwen2")
+VLM_TYPES = ("llava_onevision",)  # vision-language checkpoints whose language model the engine runs
+# (prefix in the checkpoint, prefix in the plain layout) for a VLM's language-model weights, most specific first
+_LM_PREFIXES = (
+    ("model.language_model.", "model."),  # transformers 5 save_pretrained
+    ("language_model.model.", "model."),  # the hub's llava-hf layout
+    ("language_model.lm_head.", "lm_head."),
+    ("lm_head.", "lm_head."),
+)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -68,6 +82,11 @@ def read_config(path: Path) -> ModelArgs:
         raise CheckpointNotFound(f"lm checkpoint {path} has no config.json")
     cfg = json.loads(file.read_text())
     where = f"lm checkpoint {path}"
+    if cfg.get("model_type") in VLM_TYPES:
+        text = dict(cfg.get("text_config") or {})
+        text.setdefault("model_type", "qwen2")
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        cfg, where = text, f"{where} (its text_config)"
     kind = cfg.get("model_type")
     if kind not in MODEL_TYPES:
         known = ", ".join(MODEL_TYPES)
@@ -113,12 +132,37 @@ def safetensors_files(path: Path) -> list[Path]:
     raise CheckpointNotFound(f"lm checkpoint {path} has no model.safetensors (or model.safetensors.index.json)")
 
 
-def load_state(path: Path, *, device: str | torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All weights, cast to `dtype` on `device`, under their checkpoint names (rotary buffers left out)."""
+def is_vlm(path: Path) -> bool:
+    """True when `path/config.json` describes a vision-language model this project can run."""
+    file = Path(path) / "config.json"
+    return file.is_file() and json.loads(file.read_text()).get("model_type") in VLM_TYPES
+
+
+def lm_name(name: str) -> str | None:
+    """A checkpoint weight's name in the plain causal-LM layout, or None when it is not a language-model weight
+    (a VLM's vision tower and projector). Plain checkpoints' names pass through unchanged."""
+    if name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved this buffer; we compute it
+        return None
+    for old, new in _LM_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    if name.startswith(("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                        "multi_modal_projector.", "model.image_newline", "image_newline")):
+        return None
+    return name
+
+
+def load_state(path: Path, *, device: str | torch.device, dtype: torch.dtype,
+               rename: Callable[[str], str | None] = lm_name) -> dict[str, torch.Tensor]:
+    """The weights `rename` keeps (by default the language model's), cast to `dtype` on `device`, under the
+    names it gives. Only those tensors are read from disk."""
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
-        for name, tensor in load_file(str(file), device=str(device)).items():
-            if name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved this buffer; we compute it
-                continue
-            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                new = rename(name)
+                if new is None:
+                    continue
+                tensor = f.get_tensor(name)
+                state[new] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return state

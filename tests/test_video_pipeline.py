@@ -1,0 +1,124 @@
+"""Video memory in a live session with the tiny LLaVA-OneVision: frames land in memory while questions are
+answered, notes are written when idle, and a text-only model or a bad size is handled clearly."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
+from runtime.config import ConfigError, load_profile, with_overrides
+from runtime.events import VideoNote
+from runtime.session import Session, load_models
+from runtime.worker import DeviceWorker
+
+CHUNK = SAMPLE_RATE // 10
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with DeviceWorker() as w:
+        yield w
+
+
+def profile(**video):
+    return with_overrides(load_profile("tiny"), pipeline={"metrics_interval_s": 0.0},
+                          lm={"max_new_tokens": 4}, video=video)
+
+
+@pytest.fixture(scope="module")
+def models(worker):
+    return load_models(profile(), worker)
+
+
+def frame(t: float, seed: int) -> VideoFrame:
+    rng = np.random.default_rng(seed)
+    return VideoFrame(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), t)
+
+
+async def push_seconds(session, start: int, stop: int) -> None:
+    """One frame and ten silent audio chunks per media second, letting the pipeline run between them."""
+    for s in range(start, stop):
+        session.push_video(frame(float(s), s))
+        for i in range(10):
+            await session.push_audio(AudioChunk(np.zeros(CHUNK, np.float32), (s * 10 + i) * CHUNK))
+        await asyncio.sleep(0.02)
+
+
+async def wait_for(cond, timeout=30.0):
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.asyncio
+async def test_question_while_frames_arrive_and_frames_after_it_land(models, worker):
+    session = await Session(profile(notes=False), models, worker).start()
+    events = []
+    collector = asyncio.create_task(_collect(session, events))
+    await push_seconds(session, 0, 6)
+    await wait_for(lambda: session.video.encoded >= 6)
+    memory = session.video_memory
+    assert memory is not None
+    await session.ask("what was on screen?", media_time=6.0)
+    seen_at_question = memory.snapshot().frames_seen
+    await push_seconds(session, 6, 12)  # frames keep arriving while the answer is decoded
+    await session.finish()
+    await collector
+    done = [e for e in events if e.type == "response.done"]
+    assert len(done) == 1 and done[0].response["status"] in ("completed", "incomplete")
+    assert "selected_segments" in done[0].response["video"]
+    snap = memory.snapshot()
+    assert snap.frames_seen == 12 > seen_at_question
+    assert snap.tokens == memory.sizes.budget()
+    metrics = [e for e in events if e.type == "metrics"][-1].metrics["video"]
+    assert metrics["encoded"] == 12 and metrics["memory_tokens"] == memory.sizes.budget()
+    assert session.prefiller.prefilled_tokens > memory.sizes.budget()  # the memory was prefilled as it came
+
+
+@pytest.mark.asyncio
+async def test_notes_are_written_for_closed_segments_when_idle(models, worker):
+    session = await Session(profile(notes=True), models, worker).start()
+    events = []
+    collector = asyncio.create_task(_collect(session, events))
+    await push_seconds(session, 0, 10)  # segments of 4 s: two close
+    await wait_for(lambda: session.notes.written >= 2)
+    await session.finish()
+    await collector
+    notes = [e for e in events if isinstance(e, VideoNote)]
+    assert len(notes) >= 2
+    by_id = {s.id: s for s in session.video_memory.snapshot().segments}
+    for note in notes:
+        assert note.end <= 10 and note.start < note.end
+        if note.segment_id in by_id:
+            assert by_id[note.segment_id].note == note.text
+
+
+@pytest.mark.asyncio
+async def test_text_only_model_counts_frames_and_remembers_nothing(worker):
+    p = with_overrides(load_profile("tiny"), lm={"model": "tiny:qwen2"}, pipeline={"metrics_interval_s": 0.0})
+    messages = []
+    models = load_models(p, worker, progress=messages.append)
+    assert models.vision is None and any("text-only" in m for m in messages)
+    session = await Session(p, models, worker).start()
+    collector = asyncio.create_task(_collect(session, []))
+    await push_seconds(session, 0, 3)
+    await session.finish()
+    await collector
+    assert session.video_memory is None and session.video.frames == 3
+
+
+def test_memory_larger_than_the_window_is_refused(worker):
+    p = with_overrides(load_profile("tiny"), video={"grid": 8, "temporal_slots": 25, "temporal_grid": 4,
+                                                    "abstract_tokens": 25, "retrieved_frames": 3})
+    with pytest.raises(ConfigError, match="window"):
+        load_models(p, worker)
+    with pytest.raises(ConfigError, match="video"):
+        with_overrides(load_profile("tiny"), video={"temporal_grid": 3})
+
+
+async def _collect(session, out):
+    async for event in session.events:
+        out.append(event)
