@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import Qwen2Config, WhisperConfig
+from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig, WhisperConfig
 
 WHISPER_SHAPES: dict[str, dict[str, Any]] = {
     "whisper-base": dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
@@ -44,3 +44,30 @@ QWEN2_SHAPES: dict[str, dict[str, Any]] = {
 def qwen2_config(name: str) -> Qwen2Config:
     return Qwen2Config(rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
                        bos_token_id=1, eos_token_id=2, **QWEN2_SHAPES[name])
+
+
+SIGLIP_SHAPES: dict[str, dict[str, Any]] = {
+    # LLaVA-OneVision's tower (0.5B and 7B alike): SigLIP so400m-patch14-384 with its last layer dropped (26 of 27).
+    "siglip-so400m": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16,
+                          image_size=384, patch_size=14),
+    # google/siglip-base-patch16-224: the small tower a CPU can run at the sampling rate.
+    "siglip-base": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                        image_size=224, patch_size=16),
+    # --quick: the SigLIP family shrunk (8x8 patches of a 64x64 input).
+    "siglip-quick": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                         image_size=64, patch_size=8),
+}
+
+
+def siglip_config(name: str) -> SiglipVisionConfig:
+    return SiglipVisionConfig(vision_use_head=False, **SIGLIP_SHAPES[name])  # LLaVA-OneVision keeps no head
+
+
+def llava_onevision_config(vision: str, lm: str, *, image_token_index: int,
+                           video_token_index: int) -> LlavaOnevisionConfig:
+    """A LLaVA-OneVision checkpoint's config: SigLIP tower `vision`, Qwen2 `lm`, the family's 2-layer projector."""
+    text = qwen2_config(lm)
+    return LlavaOnevisionConfig(vision_config=siglip_config(vision).to_dict(), text_config=text.to_dict(),
+                                image_token_index=image_token_index, video_token_index=video_token_index,
+                                vision_feature_layer=-1, vision_feature_select_strategy="full",
+                                tie_word_embeddings=text.tie_word_embeddings)
