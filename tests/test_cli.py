@@ -34,9 +34,9 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
-def test_unbuilt_benchmark_says_so_and_fails(capsys):
-    code, _, err = run_cli(capsys, "bench", "video")
-    assert code != 0 and "not built yet" in err
+def test_unknown_benchmark_fails_in_one_line(capsys):
+    code, _, err = run_cli(capsys, "bench", "nosuch")
+    assert code != 0 and "unknown benchmark 'nosuch'" in one_error_line(err)
 
 
 def test_train_errors_are_one_line(capsys, tmp_path):
