@@ -11,6 +11,7 @@ from runtime.events import (
     SessionCreated,
     TranscriptionCompleted,
     TranscriptionDelta,
+    VideoNote,
     error_event,
     parse_event,
 )
@@ -108,3 +109,18 @@ def test_timestamp() -> None:
     assert timestamp(0) == "[00:00.0]"
     assert timestamp(59.96) == "[01:00.0]"
     assert timestamp(754.32) == "[12:34.3]"
+
+
+def test_video_notes_print_on_their_own_line_and_wait_for_an_answer() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, error_stream=io.StringIO())
+    printer.write(ResponseCreated(response={"id": "r1"}))
+    printer.write(ResponseTextDelta(response_id="r1", item_id="i", delta="A ball"))
+    printer.write(VideoNote(segment_id=0, text="a red ball rolls", start=0.0, end=9.5))
+    assert "red ball" not in out.getvalue()  # held: it would cut the answer's line
+    printer.write(ResponseTextDone(response_id="r1", item_id="i", text="A ball"))
+    printer.write(ResponseDone(response={"id": "r1", "status": "completed"}))
+    printer.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("A ball")
+    assert lines[-1] == f"{timestamp(0.0)} (video, to {timestamp(9.5)}) a red ball rolls"

@@ -19,6 +19,7 @@ from runtime.events import (
     ResponseTextDone,
     TranscriptionCompleted,
     TranscriptionDelta,
+    VideoNote,
 )
 
 DIM, RESET, ERASE_TO_END = "\x1b[2m", "\x1b[0m", "\x1b[K"
@@ -70,12 +71,15 @@ class TextPrinter:
 
     def write(self, event: Event) -> None:
         answering = self._line is not None and self._line.startswith("answer:")
-        if answering and isinstance(event, (TranscriptionDelta, TranscriptionCompleted)):
+        if answering and isinstance(event, (TranscriptionDelta, TranscriptionCompleted, VideoNote)):
             self._held.append(event)
         elif isinstance(event, TranscriptionDelta):
             self._transcript_delta(event)
         elif isinstance(event, TranscriptionCompleted):
             self._transcript_done(event)
+        elif isinstance(event, VideoNote):
+            self._end_line()
+            self._out(f"{timestamp(event.start)} (video, to {timestamp(event.end)}) {event.text}\n")
         elif isinstance(event, ResponseCreated):
             self._response_created(event)
         elif isinstance(event, ResponseTextDelta):
