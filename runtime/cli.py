@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -31,6 +32,7 @@ from runtime.session import Models, Session, load_models
 from runtime.worker import DeviceWorker
 
 DEMO_QUESTION = "What did the red ball do?"
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")  # where `serve` needs no token: only this machine can connect
 
 
 class Console:
@@ -102,7 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "GET /healthz; docs/protocol.md). With --camera N (and the default microphone), --mic or "
                        "--source FILE it also captions that input locally and answers questions typed on stdin (a "
                        "line is a question; /cancel stops the current answer; Ctrl-D or Ctrl-C ends).")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; only loopback for now)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1); any address other "
+                   "than loopback (127.0.0.1, ::1, localhost) needs --token")
+    p.add_argument("--token", default=None, metavar="TOKEN", help="require this token on every websocket "
+                   "connection (Authorization: Bearer TOKEN or ?token=TOKEN; default: $RUNTIME_TOKEN, else none)")
+    p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN", dest="allow_origins",
+                   help="a browser origin admitted to the websocket, e.g. https://app.example.com (repeatable; "
+                   "default: the demo page's own, http://127.0.0.1:PORT and http://localhost:PORT)")
     p.add_argument("--port", type=int, default=8765, help="port (default: 8765; 0 = any free port)")
     p.add_argument("--max-sessions", type=int, default=8, metavar="N",
                    help="websocket sessions admitted at once; the next is refused with server_busy (default: 8)")
@@ -288,9 +296,11 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
     """The websocket server, plus a local live session when a camera, microphone or file is named."""
     from runtime.web.server import RealtimeServer
 
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        raise UserError(f"refusing to bind {args.host}: only loopback is supported until token and Origin checks "
-                        "are built; use --host 127.0.0.1")
+    # Before any source opens or model loads: an open port on the network is refused at once, not after a minute.
+    token = args.token or os.environ.get("RUNTIME_TOKEN") or None
+    if args.host not in LOOPBACK_HOSTS and token is None:
+        raise UserError(f"refusing to bind {args.host} without a token: anyone who can reach it could use the "
+                        "models; pass --token TOKEN (or set RUNTIME_TOKEN), or use --host 127.0.0.1")
     source: Source | None = None
     if args.source is not None:
         source = _file_source(args.source, args.speed, profile)
@@ -301,7 +311,8 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
     async def main() -> None:
         try:
             server = await RealtimeServer(profile, models, worker, host=args.host, port=args.port,
-                                          max_sessions=args.max_sessions).start()
+                                          max_sessions=args.max_sessions, token=token,
+                                          allow_origins=args.allow_origins).start()
         except OSError as err:
             raise UserError(f"cannot serve on {args.host}:{args.port}: {err.strerror or err}") from None
         console.status(f"serving ws://{args.host}:{server.port}/v1/realtime (health: http://{args.host}:"

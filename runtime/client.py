@@ -48,12 +48,16 @@ def pcm16_bytes(samples: np.ndarray) -> bytes:
 
 
 class AsyncRealtimeClient:
-    def __init__(self, url: str, *, max_size: int = 16 * 1024 * 1024) -> None:
-        self.url, self.max_size = url, max_size
+    """`token`: the server's `--token`, sent as an `Authorization: Bearer` header (kept out of the URL, which
+    tends to end up in logs)."""
+
+    def __init__(self, url: str, *, token: str | None = None, max_size: int = 16 * 1024 * 1024) -> None:
+        self.url, self.token, self.max_size = url, token, max_size
         self.ws: ClientConnection | None = None
 
     async def connect(self) -> AsyncRealtimeClient:
-        self.ws = await connect(self.url, max_size=self.max_size)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        self.ws = await connect(self.url, max_size=self.max_size, additional_headers=headers)
         return self
 
     async def close(self) -> None:
@@ -137,13 +141,13 @@ class RealtimeClient:
                 print(event.to_json())
     """
 
-    def __init__(self, url: str, **kwargs: Any) -> None:
+    def __init__(self, url: str, *, token: str | None = None, **kwargs: Any) -> None:
         import threading
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="realtime-client", daemon=True)
         self._thread.start()
-        self._async = AsyncRealtimeClient(url, **kwargs)
+        self._async = AsyncRealtimeClient(url, token=token, **kwargs)
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

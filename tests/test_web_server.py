@@ -10,10 +10,12 @@ import urllib.request
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from runtime import cli
 from runtime.client import AsyncRealtimeClient, encode_jpeg, pcm16_bytes
 from runtime.config import load_profile
+from runtime.errors import UserError
 from runtime.io.sample import demo_speech, render_frame
 from runtime.session import load_models
 from runtime.web.protocol import MAX_MESSAGE_BYTES
@@ -178,3 +180,74 @@ async def test_stream_file_sends_audio_and_jpeg_frames(tiny, demo_file):
     assert "conversation.item.input_audio_transcription.completed" in types and "response.done" in types
     assert events[-1].metrics["video"]["frames_in"] >= int(reached) - 1
     assert events[-1].metrics["asr"]["pushed_until"] == pytest.approx(reached, abs=0.5)  # video may outlast audio
+
+
+async def refused(uri: str, **kwargs) -> tuple[int, str]:
+    """The HTTP status and body of an upgrade the server refuses."""
+    with pytest.raises(InvalidStatus) as refusal:
+        await connect(uri, **kwargs)
+    response = refusal.value.response
+    return response.status_code, response.body.decode()
+
+
+@pytest.mark.asyncio
+async def test_a_token_is_required_on_every_upgrade_but_not_on_healthz(tiny):
+    async with RealtimeServer(*tiny, port=0, token="s3cret") as server:
+        for kwargs in ({}, {"additional_headers": {"Authorization": "Bearer wrong"}},
+                       {"additional_headers": {"Authorization": "Basic s3cret"}}):
+            status, body = await refused(url(server), **kwargs)
+            assert status == 401 and "token" in body and body.count("\n") == 1
+        status, _ = await refused(url(server) + "?token=wrong")
+        assert status == 401
+        assert not server.sessions
+        async with AsyncRealtimeClient(url(server), token="s3cret") as client:
+            assert (await anext(client.events())).type == "session.created"
+        async with connect(url(server) + "?token=s3cret") as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+        health = json.loads(await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=10).read()))
+        assert health["status"] == "ok"
+
+
+@pytest.mark.asyncio
+async def test_browser_origins_are_checked_and_clients_without_one_pass(tiny):
+    async with RealtimeServer(*tiny, port=0) as server:
+        status, body = await refused(url(server), origin="https://evil.example")
+        assert status == 403 and "https://evil.example" in body
+        assert not server.sessions
+        for origin in (f"http://127.0.0.1:{server.port}", f"http://localhost:{server.port}", None):
+            async with connect(url(server), origin=origin) as ws:  # the demo page's own origin, or no browser
+                assert json.loads(await ws.recv())["type"] == "session.created"
+    async with RealtimeServer(*tiny, port=0, allow_origins=["https://app.example/"]) as server:
+        async with connect(url(server), origin="https://app.example") as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+        status, _ = await refused(url(server), origin=f"http://127.0.0.1:{server.port}")  # the list replaces it
+        assert status == 403
+
+
+def test_serve_refuses_a_network_address_without_a_token_before_loading_models(capsys, monkeypatch):
+    def setup(*_):
+        raise UserError("models would load here")
+
+    def run_cli(capsys, *argv: str) -> tuple[int, str, str]:  # as in test_cli.py
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    def one_error_line(err: str) -> str:
+        lines = [line for line in err.splitlines() if line.startswith("runtime: error:")]
+        assert len(lines) == 1, err
+        return lines[0]
+
+    monkeypatch.setattr(cli, "_setup", setup)
+    monkeypatch.delenv("RUNTIME_TOKEN", raising=False)
+    code, _, err = run_cli(capsys, "serve", "--host", "0.0.0.0")
+    assert code == 1 and "0.0.0.0" in one_error_line(err) and "--token" in err
+    assert "models would load here" not in err
+    for argv, env in ((["--token", "s3cret"], None), ([], "s3cret")):  # with a token it goes on to load models
+        if env is not None:
+            monkeypatch.setenv("RUNTIME_TOKEN", env)
+        code, _, err = run_cli(capsys, "serve", "--host", "0.0.0.0", *argv)
+        assert code == 1 and "models would load here" in one_error_line(err)
+    code, _, err = run_cli(capsys, "serve", "--host", "127.0.0.1")
+    assert "models would load here" in one_error_line(err)

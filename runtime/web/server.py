@@ -6,15 +6,23 @@ and a writer that forwards `session.events` as JSON text frames. Backpressure: `
 reads slowly, so the session's bounded event channel fills and then slows its processors; nothing is dropped
 and nothing grows without bound. A bad client event is answered with an `error` event (error.event_id names
 it) and the session keeps its state. A disconnect, clean or abrupt, stops the session at once.
+
+Who may connect (checked in `_route`, before the upgrade, so a refused request never costs a session): with a
+token set, every upgrade must carry it (`Authorization: Bearer TOKEN` or `?token=TOKEN`), else 401. A request
+with an `Origin` header (a browser) must come from an allowed origin, else 403, so a page on another site cannot
+drive the models through a visitor's browser; requests without one (the SDK, curl) pass. `/healthz` is open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
+from urllib.parse import parse_qs
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -46,12 +54,18 @@ DRAIN_TIMEOUT_S = 30.0  # after a disconnect during finish, how long pending wor
 
 
 class RealtimeServer:
-    """Start with `await start()`, stop with `await stop()`; `port` is the bound port (pass port=0 in tests)."""
+    """Start with `await start()`, stop with `await stop()`; `port` is the bound port (pass port=0 in tests).
+
+    `token`: when set, required on every websocket upgrade. `allow_origins`: the browser origins admitted; None
+    means the demo page's own (`http://127.0.0.1:PORT`, `http://localhost:PORT`, PORT the bound port)."""
 
     def __init__(self, profile: Profile, models: Models, worker: Any, *, host: str = "127.0.0.1",
-                 port: int = 8765, max_sessions: int = 8) -> None:
+                 port: int = 8765, max_sessions: int = 8, token: str | None = None,
+                 allow_origins: Sequence[str] | None = None) -> None:
         self.profile, self.models, self.worker = profile, models, worker
         self.host, self.requested_port, self.max_sessions = host, port, max_sessions
+        self.token = token or None  # an empty token would admit anyone with an empty one: treat it as unset
+        self.allow_origins = None if allow_origins is None else {o.rstrip("/") for o in allow_origins}
         self.sessions: dict[str, Session] = {}
         self._server: Server | None = None
 
@@ -92,14 +106,37 @@ class RealtimeServer:
         }
 
     def _route(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.split("?", 1)[0]
+        path, _, query = request.path.partition("?")
         if path == "/healthz":
             response = connection.respond(200, json.dumps(self.health()) + "\n")
             response.headers["Content-Type"] = "application/json"
             return response
         if path != REALTIME_PATH:
             return connection.respond(404, f"not found; the websocket is at {REALTIME_PATH}\n")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.rstrip("/") not in self._allowed_origins():
+            return connection.respond(403, f"origin {origin} is not allowed; start the server with "
+                                           "--allow-origin to admit it\n")
+        if self.token is not None and not self._token_ok(request, query):
+            return connection.respond(401, "missing or wrong token; send Authorization: Bearer TOKEN "
+                                           "or ?token=TOKEN\n")
         return None
+
+    def _allowed_origins(self) -> set[str]:
+        if self.allow_origins is not None:
+            return self.allow_origins
+        return {f"http://127.0.0.1:{self.port}", f"http://localhost:{self.port}"}
+
+    def _token_ok(self, request: Request, query: str) -> bool:
+        """The header or the query parameter (browsers cannot set headers on a websocket), compared in
+        constant time so the response time says nothing about how much of a guess was right."""
+        assert self.token is not None
+        expected = self.token.encode()
+        candidates = parse_qs(query).get("token", [])
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            candidates.append(credentials.strip())
+        return any(hmac.compare_digest(c.encode(), expected) for c in candidates)
 
     async def _handle(self, ws: ServerConnection) -> None:
         if len(self.sessions) >= self.max_sessions:
@@ -230,9 +267,11 @@ class _Connection:
 
 
 async def run_server(profile: Profile, models: Models, worker: Any, *, host: str = "127.0.0.1", port: int = 8765,
-                     max_sessions: int = 8, ready: asyncio.Event | None = None) -> None:
-    """Serve until cancelled (what `runtime serve` runs); sets `ready` once the socket is bound."""
-    server = await RealtimeServer(profile, models, worker, host=host, port=port, max_sessions=max_sessions).start()
+                     max_sessions: int = 8, token: str | None = None, allow_origins: Sequence[str] | None = None,
+                     ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled; sets `ready` once the socket is bound. `token`, `allow_origins`: RealtimeServer's."""
+    server = await RealtimeServer(profile, models, worker, host=host, port=port, max_sessions=max_sessions,
+                                  token=token, allow_origins=allow_origins).start()
     log.info("serving ws://%s:%d%s and http://%s:%d/healthz", host, server.port, REALTIME_PATH, host, server.port)
     if ready is not None:
         ready.set()
