@@ -8,21 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_common import one_error_line, run_cli
 
 from runtime.cli import main
 from runtime.events import parse_event
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("runtime: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def test_help_lists_every_command(capsys):

@@ -9,6 +9,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from cli_common import one_error_line, run_cli
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -228,16 +229,6 @@ async def test_browser_origins_are_checked_and_clients_without_one_pass(tiny):
 def test_serve_refuses_a_network_address_without_a_token_before_loading_models(capsys, monkeypatch):
     def setup(*_):
         raise UserError("models would load here")
-
-    def run_cli(capsys, *argv: str) -> tuple[int, str, str]:  # as in test_cli.py
-        code = cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    def one_error_line(err: str) -> str:
-        lines = [line for line in err.splitlines() if line.startswith("runtime: error:")]
-        assert len(lines) == 1, err
-        return lines[0]
 
     monkeypatch.setattr(cli, "_setup", setup)
     monkeypatch.delenv("RUNTIME_TOKEN", raising=False)
