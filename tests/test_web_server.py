@@ -4,8 +4,11 @@ the session limit."""
 
 import asyncio
 import base64
+import gc
 import json
+import math
 import urllib.request
+import weakref
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ from runtime.client import AsyncRealtimeClient, encode_jpeg, pcm16_bytes
 from runtime.config import load_profile
 from runtime.errors import UserError
 from runtime.io.sample import demo_speech, render_frame
-from runtime.session import load_models
+from runtime.session import Session, load_models
 from runtime.web.protocol import MAX_MESSAGE_BYTES
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
@@ -113,6 +116,139 @@ async def test_bad_events_are_answered_and_the_session_carries_on(tiny):
     check_round_trip(events)
 
 
+DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
+    "invalid_json", "invalid_event", "invalid_frame_type", "unknown_event_type", "missing_field", "invalid_value",
+    "invalid_base64", "invalid_audio", "invalid_image", "image_too_large", "unsupported_field", "unsupported_item",
+    "message_too_large", "no_pending_item", "too_many_items", "response_not_found", "input_committed",
+    "empty_question", "question_queue_full"}
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
+    """(message, expected error.event_id, expected code) for client messages sent before any input, each
+    refused with exactly one recoverable error; a code of None marks a well-formed message that sets up the
+    next one (it gets no error). Frames past the websockets hard cap close the connection by design and are
+    left to test_disconnects_leave_nothing_behind."""
+    cases: list[tuple[str | bytes, str | None, str | None]] = []
+
+    def add(body: dict, code: str | None) -> None:
+        event_id = f"m{len(cases)}"
+        cases.append((json.dumps({"event_id": event_id, **body}), event_id, code))
+
+    def unparsed(message: str | bytes, code: str) -> None:  # no event_id can be named
+        cases.append((message, None, code))
+
+    # Not JSON: truncations of a valid event and assorted garbage.
+    valid = json.dumps({"event_id": "never", "type": "response.create"})
+    for cut in (1, 2, 10, 20, len(valid) // 2, len(valid) - 1):
+        unparsed(valid[:cut], "invalid_json")
+    for text in ("", " ", "\n", "not json at all", "{'type': 'response.create'}", '{"type": "response.create",}',
+                 "{type: 1}", '{"a" 1}', "[1, 2", "nul", '"unterminated', "{}}", valid + valid, "\x00"):
+        unparsed(text, "invalid_json")
+    # JSON, but not an object.
+    for text in ("[]", json.dumps([{"type": "response.create"}]), "1", "-2.5", '"response.create"', "null", "true",
+                 "false", "NaN", "Infinity"):
+        unparsed(text, "invalid_event")
+    # An event_id that is not a string cannot be echoed.
+    for bad_id in (7, 1.5, [], {}, True):
+        unparsed(json.dumps({"event_id": bad_id, "type": "response.create"}), "invalid_value")
+    # Unknown, missing or mistyped `type`.
+    for kind in ("mystery.event", "", "response.create ", "Response.Create", "response", "session.create",
+                 "input_audio_buffer.clear", "conversation.item.delete", "response.cancelled", "input_video_frame",
+                 "input_text", "error", None, 5, ["response.create"], {"name": "response.create"}, True):
+        add({"type": kind}, "unknown_event_type")
+    add({}, "unknown_event_type")
+    # session.update
+    add({"type": "session.update"}, "missing_field")
+    for session in ("pcm16", [], None, 1):
+        add({"type": "session.update", "session": session}, "invalid_value")
+    for session in ({"voice": "alloy"}, {"instructions": "be brief"}, {"modalities": ["text"], "turn_detection": None}):
+        add({"type": "session.update", "session": session}, "unsupported_field")
+    for fmt in ("g711_ulaw", None, 16000):
+        add({"type": "session.update", "session": {"input_audio_format": fmt}}, "invalid_value")
+    # input_audio_buffer.append: field, base64, PCM
+    append = "input_audio_buffer.append"
+    add({"type": append}, "missing_field")
+    for audio in (123, None, [], True, {"data": "AAAA"}, 1.5):
+        add({"type": append, "audio": audio}, "invalid_value")
+    for text in ("%%%", "abc", "A", "AA=A", "ÿÿÿÿ", "AB CD", "====", "YQ", "-_-_", "AAA*"):
+        add({"type": append, "audio": text}, "invalid_base64")
+    for n in (1, 3, 5, 7, 101, 3201):
+        add({"type": append, "audio": b64(bytes(n))}, "invalid_audio")
+    # input_video_frame.append: fields, timestamp values, images that do not decode
+    frame = "input_video_frame.append"
+    jpeg = encode_jpeg(render_frame(1.0, 160, 120))
+    add({"type": frame, "timestamp": 0.5}, "missing_field")
+    add({"type": frame, "image": b64(jpeg)}, "missing_field")
+    for image in (1, None, [], True):
+        add({"type": frame, "image": image, "timestamp": 0.5}, "invalid_value")
+    for text in ("%%%", "not base64!"):
+        add({"type": frame, "image": text, "timestamp": 0.5}, "invalid_base64")
+    for timestamp in ("0.5", None, [0.5], True, {}, -1, -0.001, math.nan, math.inf, -math.inf):
+        add({"type": frame, "image": b64(jpeg), "timestamp": timestamp}, "invalid_value")
+    garbage = np.random.default_rng(0).integers(0, 256, 64, dtype=np.uint8).tobytes()
+    for raw in (b"", garbage, b"\x89PNG\r\n\x1a\n" + garbage, b"\xff\xd8\xff" + bytes(500), b"GIF89a" + bytes(30),
+                jpeg[:2] + bytes(len(jpeg) - 2), jpeg[:2], jpeg[:20], jpeg[:100], jpeg[:400]):
+        add({"type": frame, "image": b64(raw), "timestamp": 0.5}, "invalid_image")
+    # conversation.item.create
+    item = "conversation.item.create"
+    add({"type": item}, "missing_field")
+    for value in ("what moved?", [], None):
+        add({"type": item, "item": value}, "invalid_value")
+    for value in ({"type": "function_call"}, {"role": "assistant"}, {"role": "system"}):
+        add({"type": item, "item": value}, "unsupported_item")
+    for value in ({}, {"content": []}, {"content": "what moved?"}):
+        add({"type": item, "item": value}, "missing_field")
+    for content in ([{"type": "input_audio", "audio": "AAAA"}], [{"type": "input_text", "text": 5}],
+                    ["what moved?"], [{"type": "input_text"}], [{"type": "input_text", "text": "hi"}, None]):
+        add({"type": item, "item": {"content": content}}, "invalid_value")
+    # Out of order: nothing to answer, nothing to cancel; a blank question is refused when it is asked.
+    add({"type": "response.create"}, "no_pending_item")
+    add({"type": "response.create", "response": {"modalities": ["text"]}}, "no_pending_item")
+    add({"type": "response.cancel"}, "response_not_found")
+    add({"type": "response.cancel", "response_id": "resp_nope"}, "response_not_found")
+    for response_id in (5, []):
+        add({"type": "response.cancel", "response_id": response_id}, "invalid_value")
+    add({"type": item, "item": {"content": [{"type": "input_text", "text": "   "}]}}, None)
+    add({"type": "response.create"}, "empty_question")
+    # Over MAX_MESSAGE_BYTES but under the hard cap: refused unparsed; the event_id is named when it comes early.
+    pad = "x" * (MAX_MESSAGE_BYTES + 10)
+    add({"type": "response.create", "pad": pad}, "message_too_large")
+    unparsed(json.dumps({"pad": pad, "event_id": "late", "type": "response.create"}), "message_too_large")
+    unparsed("y" * (MAX_MESSAGE_BYTES + 1), "message_too_large")
+    # Binary frames: the binary fast path is not built, so any binary frame is refused.
+    for raw in (b"", b"\x00", b"\xff" * 16, valid.encode(), pcm16_bytes(np.zeros(CHUNK, np.float32)), jpeg,
+                bytes(MAX_MESSAGE_BYTES + 10)):
+        unparsed(raw, "invalid_frame_type")
+    return cases
+
+
+@pytest.mark.asyncio
+async def test_a_hundred_malformed_messages_each_get_an_error_and_the_session_still_answers(tiny):
+    cases = malformed_messages()
+    assert sum(code is not None for _, _, code in cases) >= 100
+    assert len({message for message, _, _ in cases}) == len(cases)  # all distinct
+    async with RealtimeServer(*tiny, port=0) as server, AsyncRealtimeClient(url(server)) as client:
+        for message, _, _ in cases:
+            await client.ws.send(message)
+        await stream_demo(client)
+        await client.ask("what moved?")
+        await client.commit()
+        late = [await client.commit(), await client.append_audio(np.zeros(CHUNK, np.float32))]  # after the end
+        events = [e async for e in client.events()]
+        await wait_until(lambda: not server.sessions)
+    errors = [e for e in events if e.type == "error"]
+    expected = [(event_id, code) for _, event_id, code in cases if code is not None]
+    expected += [(event_id, "input_committed") for event_id in late]
+    assert [(e.error["event_id"], e.error["code"]) for e in errors] == expected
+    assert all(e.error["message"] and e.error["code"] in DOCUMENTED_CODES for e in errors)
+    late_errors = [e for e in errors if e.error["event_id"] in late]
+    check_round_trip([e for e in events if all(e is not x for x in late_errors)])
+
+
 @pytest.mark.asyncio
 async def test_disconnects_leave_nothing_behind(tiny):
     """Clean closes, aborts without a close handshake, aborts while finishing, and frames past the hard size
@@ -143,6 +279,41 @@ async def test_disconnects_leave_nothing_behind(tiny):
         await wait_until(lambda: not server.sessions)
         await wait_until(lambda: not [t for t in asyncio.all_tasks() if "sess_" in t.get_name()])
     assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+@pytest.mark.asyncio
+async def test_a_hundred_abrupt_disconnects_leave_no_session_task_or_memory_behind(tiny):
+    """Clean closes and aborts without a close handshake after audio, after a question and after commit:
+    each server-side Session is tracked by a weak reference and must be freed once the connection is gone."""
+    speech = demo_speech()[: CHUNK * 3]
+    audio = [json.dumps({"type": "input_audio_buffer.append", "audio": b64(pcm16_bytes(speech[i : i + CHUNK]))})
+             for i in range(0, len(speech), CHUNK)]
+    question = [json.dumps(body) for body in (
+        {"type": "conversation.item.create", "item": {"content": [{"type": "input_text", "text": "what moved?"}]}},
+        {"type": "response.create"})]
+    commit = [json.dumps({"type": "input_audio_buffer.commit"})]
+    sessions: list[weakref.ref[Session]] = []
+    # admission is not under test: aborted sessions may still be stopping when the next one connects
+    async with RealtimeServer(*tiny, port=0, max_sessions=128) as server:
+        for i in range(100):
+            ws = await connect(url(server))
+            created = json.loads(await ws.recv())
+            sessions.append(weakref.ref(server.sessions[created["session"]["id"]]))
+            mode = i % 4
+            for message in audio + (question if mode >= 2 else []) + (commit if mode == 3 else []):
+                await ws.send(message)
+            if mode == 0:
+                await ws.close()
+            else:
+                ws.transport.abort()
+            del ws
+        await wait_until(lambda: not server.sessions)
+        await wait_until(lambda: not [t for t in asyncio.all_tasks() if "sess_" in t.get_name()])
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    assert len({id(ref) for ref in sessions}) == 100
+    gc.collect()
+    alive = [ref() for ref in sessions if ref() is not None]
+    assert not alive, f"{len(alive)} of 100 sessions are still referenced after their connections closed"
 
 
 @pytest.mark.asyncio

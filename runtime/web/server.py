@@ -184,9 +184,9 @@ class _Connection:
         if reader is not None:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-        if writer is not None and not writer.done():  # client gone: discard events so emit never blocks
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+        if writer is not None:  # client gone: discard events so emit never blocks
+            writer.cancel()  # a no-op when it is done, e.g. after ConnectionClosed on a client that vanished:
+            await asyncio.gather(writer, return_exceptions=True)  # retrieve that, or asyncio logs it at GC
         sink = asyncio.create_task(self._discard())
         if self.finishing is not None:
             try:
