@@ -47,10 +47,10 @@ async def test_session_equals_direct_model_calls(tiny, demo_file):
     deltas = [e.delta for e in events if e.type.endswith("transcription.delta")]
     assert "".join(deltas) == "".join(u.delta for u in direct if not u.completed)
 
-    # The answer equals the answerer run directly on the context the session gave it.
-    (context,) = spy.contexts
+    # The answer equals the answerer run directly (one prefill) on the context and video memory it was given.
+    ((context, suffix),) = spy.contexts
     assert context.startswith("[00:00.0] ")  # what was heard before the question, stamped
-    state = models.answerer.start(context, "what moved?")
+    state = models.answerer.start(context, "what moved?", suffix=list(suffix))
     expected, tokens, steps = [], 0, 0
     while True:
         step = models.answerer.step(state)
@@ -77,7 +77,9 @@ class ContextSpy:
         return self.answerer.open_session()
 
     def start(self, context, question, **kwargs):
-        self.contexts.append(context)
+        stream = kwargs.get("session")
+        if stream is not None:  # a question (video notes use pooled streams, without one)
+            self.contexts.append((context, stream.session.suffix))
         return self.answerer.start(context, question, **kwargs)
 
     def step(self, state):

@@ -234,6 +234,11 @@ class EngineSession:
         if suffix is not None:
             self._wanted_suffix = tuple(suffix)
 
+    @property
+    def suffix(self) -> tuple[Piece, ...]:
+        """The memory suffix the source wants now (what the next prefill and answer will see)."""
+        return self._wanted_suffix
+
     def _build_suffix(self, suffix: tuple[Piece, ...]) -> None:
         ids: list[int] = []
         visual: dict[int, torch.Tensor] = {}
