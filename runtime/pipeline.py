@@ -132,9 +132,15 @@ class ContextPrefiller:
         self.prefilled_tokens = 0
         self.closed = False
         self.selected: list[tuple[float, float]] = []  # segments the last question selected (media spans)
+        self.question: str | None = None  # while one is answered, background rounds keep its selection
 
     def mark_dirty(self) -> None:
         self.dirty.set()
+
+    def end_question(self) -> None:
+        """The answer is done: the memory goes back to its own selection."""
+        self.question = None
+        self.mark_dirty()
 
     async def run(self) -> None:
         while not self.closed:
@@ -150,15 +156,17 @@ class ContextPrefiller:
 
         snapshot = self.video.snapshot()
         query = text_embedding(self.engine, question) if question else None
-        if question:
-            self.selected = []
+        self.selected = []
         if query is not None and snapshot.segments:
             self.selected = [(s.start, s.end) for s in snapshot.select(query)]
         return memory_pieces(snapshot.blocks(query))
 
     async def catch_up(self, question: str | None = None) -> None:
-        """Prefill the current context fully (also called right before answering, with the question)."""
-        suffix = await self.worker.run(Priority.PREFILL, self._suffix, question) if self.video else None
+        """Prefill the current context fully (also called right before answering, with the question, which
+        then selects the memory until `end_question`)."""
+        if question is not None:
+            self.question = question
+        suffix = await self.worker.run(Priority.PREFILL, self._suffix, self.question) if self.video else None
         if suffix is None:  # a stream without video takes the transcript alone (AnswerBackend's contract)
             self.lm_stream.set_context(self.memory.context())
         else:
@@ -223,9 +231,11 @@ class QuestionProcessor:
         parts: list[str] = []
         status, reason, state, first_token_s, tokens, steps = "completed", None, None, None, 0, 0
         decoding: dict[str, Any] | None = None
+        selected: list[tuple[float, float]] = []  # memory segments the question chose
         try:
             if self.prefiller is not None:  # usually only the question's memory selection is left to prefill
                 await self.prefiller.catch_up(q.text)
+                selected = list(self.prefiller.selected)
             state = await self.worker.run(Priority.PREFILL, self.answerer.start, self.memory.context(), q.text,
                                           session=self.lm_stream)
             while True:
@@ -255,8 +265,8 @@ class QuestionProcessor:
                 stats = getattr(self.answerer, "stats", None)
                 decoding = stats(state) if callable(stats) else None
                 await self.worker.run(Priority.CONTROL, self.answerer.release, state)
-            if self.prefiller is not None and self.prefiller.video is not None:
-                self.prefiller.mark_dirty()  # back to the memory's own selection
+            if self.prefiller is not None:
+                self.prefiller.end_question()
         text = "".join(parts)
         await self.emit(ResponseTextDone(response_id=q.response_id, item_id=item_id, text=text,
                                          media_time=q.media_time))
@@ -273,5 +283,5 @@ class QuestionProcessor:
         if decoding is not None:  # speculative decoding: target forwards, drafted and accepted tokens
             response["decoding"] = decoding
         if self.prefiller is not None and self.prefiller.video is not None:
-            response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in self.prefiller.selected]}
+            response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in selected]}
         await self.emit(ResponseDone(response=response, media_time=q.media_time))

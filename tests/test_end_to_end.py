@@ -77,10 +77,11 @@ class ContextSpy:
         return self.answerer.open_session()
 
     def start(self, context, question, **kwargs):
+        state = self.answerer.start(context, question, **kwargs)
         stream = kwargs.get("session")
         if stream is not None:  # a question (video notes use pooled streams, without one)
-            self.contexts.append((context, stream.session.suffix))
-        return self.answerer.start(context, question, **kwargs)
+            self.contexts.append(stream.session.answered_from)  # transcript and video memory it saw
+        return state
 
     def step(self, state):
         return self.answerer.step(state)

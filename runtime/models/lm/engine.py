@@ -219,6 +219,8 @@ class EngineSession:
         self._suffix_ids: list[int] = []
         self._visual: dict[int, torch.Tensor] = {}  # stand-in id -> its embedding row, for the current suffix
         self._ids: list[int] = []  # the wanted source: transcript ids, then suffix ids
+        self._synced: tuple[str, tuple[Piece, ...]] = ("", ())  # (transcript, suffix) of the last sync
+        self.answered_from: tuple[str, tuple[Piece, ...]] = ("", ())  # what the open/last answer saw
         self._hist: list[int] = []  # source ids whose KV was computed, from the start (evicted ones included)
         self._answer_prefix: list[int] = []  # the live source ids the open answer sees
         self._target: list[int] = []  # the open answer's committed target ids: prompt tail, then answer
@@ -233,11 +235,6 @@ class EngineSession:
         self._wanted = text
         if suffix is not None:
             self._wanted_suffix = tuple(suffix)
-
-    @property
-    def suffix(self) -> tuple[Piece, ...]:
-        """The memory suffix the source wants now (what the next prefill and answer will see)."""
-        return self._wanted_suffix
 
     def _build_suffix(self, suffix: tuple[Piece, ...]) -> None:
         ids: list[int] = []
@@ -255,8 +252,9 @@ class EngineSession:
 
     def _sync(self) -> None:
         """Re-tokenise a changed transcript or suffix and cut the KV back to the longest common prefix of ids."""
-        same = self._tokens.update(self.engine.head + (self._wanted or EMPTY_CONTEXT))
-        suffix = self._wanted_suffix
+        wanted, suffix = self._wanted, self._wanted_suffix  # read once: the event loop may set them meanwhile
+        self._synced = (wanted, suffix)
+        same = self._tokens.update(self.engine.head + (wanted or EMPTY_CONTEXT))
         if same is None and suffix == self._suffix:
             return
         if same is None:
@@ -328,6 +326,7 @@ class EngineSession:
             raise RuntimeError("an answer is already open; end_answer() first")
         while self.prefill_step():
             pass
+        self.answered_from = self._synced  # the transcript and suffix this answer sees
         ids = self.engine.encode(self.engine.prompt_parts(question)[1])
         if len(ids) > self.engine.max_question_tokens:
             raise UserError(f"the question needs {len(ids)} prompt tokens, more than the engine's "
