@@ -261,7 +261,9 @@ class EngineSession:
             same = len(self._tokens.ids)
         if suffix != self._suffix:
             self._build_suffix(suffix)
-        self._ids = new = self._tokens.ids + self._suffix_ids
+        # without a suffix, share the transcript's list (SourceTokens replaces it, never mutates it): no copy of
+        # an hour's ids per transcript update
+        self._ids = new = self._tokens.ids + self._suffix_ids if self._suffix_ids else self._tokens.ids
         hist = self._hist
         keep = min(same, len(hist))
         while keep < len(hist) and keep < len(new) and hist[keep] == new[keep]:
