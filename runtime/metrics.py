@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import Any
 
 
@@ -17,6 +18,7 @@ class LoopLagMonitor:
         self._window: list[float] = []
         self.max_s = 0.0
         self.samples = 0
+        self._recent: deque[tuple[float, float]] = deque(maxlen=20_000)  # (wall time, lag) for percentiles()
 
     def start(self) -> None:
         if self._task is None:
@@ -37,6 +39,7 @@ class LoopLagMonitor:
             await asyncio.sleep(self.interval_s)
             lag = max(0.0, time.perf_counter() - before - self.interval_s)
             self._window.append(lag)
+            self._recent.append((time.monotonic(), lag))
             self.max_s = max(self.max_s, lag)
             self.samples += 1
             if len(self._window) > 10_000:  # bounded even if nobody reads it
@@ -52,3 +55,17 @@ class LoopLagMonitor:
             "max_ms_total": round(self.max_s * 1000, 3),
             "samples": self.samples,
         }
+
+    def percentiles(self, window_s: float = 10.0) -> dict[str, Any]:
+        """p50/p95/p99/max lag in ms over the last `window_s` seconds; unlike `report` it resets nothing, so
+        any number of readers (the /healthz endpoint, a benchmark) may ask."""
+        since = time.monotonic() - window_s
+        lags = sorted(lag for t, lag in self._recent if t >= since)
+        if not lags:
+            return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0, "samples": 0, "window_s": window_s}
+
+        def at(q: float) -> float:
+            return round(lags[min(len(lags) - 1, int(q * len(lags)))] * 1000, 3)
+
+        return {"p50": at(0.5), "p95": at(0.95), "p99": at(0.99), "max": round(lags[-1] * 1000, 3),
+                "samples": len(lags), "window_s": window_s}

@@ -32,6 +32,7 @@ from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile
 from runtime.events import SessionUpdated, error_event
 from runtime.io.rechunk import AudioRechunker
+from runtime.metrics import LoopLagMonitor
 from runtime.session import Models, Session
 from runtime.web.protocol import (
     MAX_MESSAGE_BYTES,
@@ -67,6 +68,7 @@ class RealtimeServer:
         self.token = token or None  # an empty token would admit anyone with an empty one: treat it as unset
         self.allow_origins = None if allow_origins is None else {o.rstrip("/") for o in allow_origins}
         self.sessions: dict[str, Session] = {}
+        self.loop_lag = LoopLagMonitor(interval_s=0.01)  # the whole server's loop: every session shares it
         self._server: Server | None = None
 
     async def start(self) -> RealtimeServer:
@@ -74,9 +76,11 @@ class RealtimeServer:
         # MAX_MESSAGE_BYTES and it with an error event instead, so an oversized frame costs no session.
         self._server = await serve(self._handle, self.host, self.requested_port, process_request=self._route,
                                    max_size=2 * MAX_MESSAGE_BYTES, max_queue=16)
+        self.loop_lag.start()
         return self
 
     async def stop(self) -> None:
+        await self.loop_lag.stop()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -93,13 +97,16 @@ class RealtimeServer:
         assert self._server is not None, "start() first"
         return int(next(iter(self._server.sockets)).getsockname()[1])
 
-    def health(self) -> dict[str, Any]:
+    def health(self, window_s: float = 10.0) -> dict[str, Any]:
+        """What /healthz answers; `loop_lag_ms` covers the last `window_s` seconds (`?window=S`)."""
         return {
             "status": "ok",
             "device": self.profile.device,
             "profile": self.profile.name,
             "sessions": len(self.sessions),
             "max_sessions": self.max_sessions,
+            "loop_lag_ms": self.loop_lag.percentiles(window_s),
+            "rss_mb": round(rss_mb(), 1),
             "queues": {sid: {c.name: len(c) for c in (s.audio_in, s.video_in, s.questions, s.events)}
                        for sid, s in self.sessions.items()},
             "worker": self.worker.stats(),
@@ -108,7 +115,11 @@ class RealtimeServer:
     def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         path, _, query = request.path.partition("?")
         if path == "/healthz":
-            response = connection.respond(200, json.dumps(self.health()) + "\n")
+            try:
+                window = min(max(float(parse_qs(query).get("window", ["10"])[0]), 0.1), 3600.0)
+            except ValueError:
+                return connection.respond(400, "window must be a number of seconds\n")
+            response = connection.respond(200, json.dumps(self.health(window)) + "\n")
             response.headers["Content-Type"] = "application/json"
             return response
         if path != REALTIME_PATH:
@@ -264,6 +275,15 @@ class _Connection:
             for chunk in self.rechunker.flush():
                 await session.push_audio(chunk)
             self.finishing = asyncio.create_task(session.finish(), name=f"{session.id}:finish")
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (VmRSS), or 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
 
 
 async def run_server(profile: Profile, models: Models, worker: Any, *, host: str = "127.0.0.1", port: int = 8765,
