@@ -1,0 +1,305 @@
+// The demo page: camera + microphone go to `runtime serve` as WebRTC tracks, and the server's events come
+// back on the `events` data channel, in exactly the websocket protocol of docs/protocol.md.
+// Plain JS, no build step, no external URLs, so the page works offline from the server alone.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  token: $("token"), start: $("start"), stop: $("stop"), status: $("status"), preview: $("preview"),
+  captions: $("captions"), captionsBox: $("captions-box"), unstable: $("unstable"), notes: $("notes"),
+  question: $("question"), ask: $("ask"), cancel: $("cancel"), answer: $("answer"),
+  answerStatus: $("answer-status"), latFirst: $("lat-first"), latAsr: $("lat-asr"), latLoop: $("lat-loop"),
+};
+
+const ICE_GATHER_TIMEOUT_MS = 5000; // host candidates only (no STUN), so gathering is quick; never wait forever
+const MAX_CAPTION_ITEMS = 200; // keep the DOM bounded on a long session
+const MAX_NOTES = 100;
+
+let pc = null; // RTCPeerConnection
+let dc = null; // the `events` data channel
+let stream = null; // local camera + microphone
+let eventSeq = 0;
+
+// Transcript items in arrival order: item_id -> {stable, unstable}. The server sends only the new stable
+// text in each delta, plus the whole unstable tail, which replaces the previous one.
+const items = new Map();
+
+// The answer being shown, and the client-side clock for "ask to first token".
+let responseId = null;
+let askedAt = null;
+
+// The token: from the page URL (?token=...) so a shared link just works.
+ui.token.value = new URLSearchParams(location.search).get("token") || "";
+
+function setStatus(text, kind) {
+  ui.status.textContent = text;
+  ui.status.className = "status " + (kind || "");
+}
+
+function setRunning(running) {
+  ui.start.disabled = running;
+  ui.stop.disabled = !running;
+  ui.token.disabled = running;
+  ui.question.disabled = !running;
+  ui.ask.disabled = !running;
+  ui.cancel.disabled = !running;
+}
+
+// m:ss of media seconds, the times the server stamps on notes.
+function clock(seconds) {
+  const s = Math.max(0, Math.floor(seconds || 0));
+  return Math.floor(s / 60) + ":" + String(s % 60).padStart(2, "0");
+}
+
+function ms(seconds) {
+  return seconds < 1 ? Math.round(seconds * 1000) + " ms" : seconds.toFixed(2) + " s";
+}
+
+// ---------------------------------------------------------------- connect
+
+async function start() {
+  setRunning(true);
+  resetView();
+  try {
+    setStatus("connecting: asking for camera and microphone…", "connecting");
+    stream = await navigator.mediaDevices.getUserMedia({ audio: true, video: { width: 640, height: 480 } });
+    ui.preview.srcObject = stream;
+
+    setStatus("connecting: negotiating with the server…", "connecting");
+    // No STUN/TURN: the server is reached directly, and the page must work offline.
+    pc = new RTCPeerConnection({ iceServers: [] });
+    pc.onconnectionstatechange = onConnectionState;
+    // Tracks and the data channel must exist before createOffer, so the one offer carries them all.
+    for (const track of stream.getTracks()) pc.addTrack(track, stream);
+    dc = pc.createDataChannel("events");
+    dc.onopen = () => setStatus("connected: waiting for the session…", "connecting");
+    dc.onmessage = (e) => onMessage(e.data);
+    dc.onclose = () => { if (pc) setStatus("disconnected: the server closed the session", "error"); };
+
+    await pc.setLocalDescription(await pc.createOffer());
+    // No trickle ICE: the server answers one offer, so it must already list every candidate.
+    await iceGatheringComplete(pc);
+
+    const answer = await postOffer(pc.localDescription);
+    await pc.setRemoteDescription(answer);
+  } catch (err) {
+    setStatus("error: " + (err && err.message ? err.message : String(err)), "error");
+    teardown();
+  }
+}
+
+function iceGatheringComplete(peer) {
+  if (peer.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((resolve) => {
+    const timer = setTimeout(done, ICE_GATHER_TIMEOUT_MS);
+    function done() {
+      clearTimeout(timer);
+      peer.removeEventListener("icegatheringstatechange", check);
+      resolve();
+    }
+    function check() { if (peer.iceGatheringState === "complete") done(); }
+    peer.addEventListener("icegatheringstatechange", check);
+  });
+}
+
+async function postOffer(offer) {
+  const token = ui.token.value.trim();
+  const url = "v1/webrtc/offer" + (token ? "?token=" + encodeURIComponent(token) : "");
+  let res;
+  try {
+    res = await fetch(url, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ sdp: offer.sdp, type: offer.type }),
+    });
+  } catch (err) {
+    throw new Error("cannot reach the server (" + err.message + ")");
+  }
+  let body = null;
+  try { body = await res.json(); } catch (_) { /* not JSON: fall back to the HTTP status below */ }
+  if (!res.ok) {
+    const e = body && body.error;
+    const what = e && e.message ? e.message + (e.code ? " [" + e.code + "]" : "") : res.statusText;
+    throw new Error("the server refused the connection: HTTP " + res.status + " " + what);
+  }
+  if (!body || body.type !== "answer" || !body.sdp) throw new Error("the server sent no SDP answer");
+  return body;
+}
+
+function onConnectionState() {
+  if (!pc) return;
+  const state = pc.connectionState;
+  if (state === "failed") {
+    setStatus("error: the media connection failed (ICE); is the server reachable from this browser?", "error");
+    teardown();
+  } else if (state === "disconnected") {
+    setStatus("connection interrupted: trying to recover…", "connecting");
+  }
+}
+
+function stop() {
+  teardown();
+  setStatus("stopped", "");
+}
+
+function teardown() {
+  const peer = pc;
+  pc = null; // first, so the close handlers below know this was on purpose
+  if (dc) { dc.onclose = null; dc.close(); dc = null; }
+  if (peer) peer.close();
+  if (stream) { for (const track of stream.getTracks()) track.stop(); stream = null; }
+  ui.preview.srcObject = null;
+  responseId = null;
+  askedAt = null;
+  setRunning(false);
+}
+
+function resetView() {
+  items.clear();
+  renderCaptions();
+  ui.notes.textContent = "";
+  ui.answer.textContent = "";
+  ui.answerStatus.textContent = "";
+  delete ui.answer.dataset.question;
+  ui.latFirst.textContent = ui.latAsr.textContent = ui.latLoop.textContent = "–";
+}
+
+// ---------------------------------------------------------------- client events
+
+function send(event) {
+  if (!dc || dc.readyState !== "open") {
+    setStatus("error: not connected", "error");
+    return false;
+  }
+  dc.send(JSON.stringify({ event_id: "c" + ++eventSeq, ...event }));
+  return true;
+}
+
+function ask() {
+  const text = ui.question.value.trim();
+  if (!text) return;
+  const item = { type: "message", role: "user", content: [{ type: "input_text", text: text }] };
+  if (!send({ type: "conversation.item.create", item: item }) || !send({ type: "response.create" })) return;
+  askedAt = performance.now();
+  ui.question.value = "";
+  ui.answer.textContent = "";
+  ui.answer.dataset.question = text;
+  ui.answerStatus.textContent = about("asked");
+  ui.latFirst.textContent = "…";
+}
+
+function cancel() {
+  send(responseId ? { type: "response.cancel", response_id: responseId } : { type: "response.cancel" });
+}
+
+// ---------------------------------------------------------------- server events
+
+function onMessage(data) {
+  let event;
+  try { event = JSON.parse(data); } catch (_) { return; } // the protocol is JSON only; ignore anything else
+  const handler = handlers[event.type];
+  if (handler) handler(event);
+}
+
+const handlers = {
+  "session.created": (e) => setStatus("live: session " + (e.session && e.session.id || ""), "live"),
+
+  "conversation.item.input_audio_transcription.delta": (e) => {
+    const item = itemFor(e.item_id);
+    item.stable += e.delta || "";
+    item.unstable = e.unstable || "";
+    renderCaptions();
+  },
+
+  "conversation.item.input_audio_transcription.completed": (e) => {
+    const item = itemFor(e.item_id);
+    item.stable = e.transcript || "";
+    item.unstable = "";
+    renderCaptions();
+  },
+
+  "video.note": (e) => {
+    const li = document.createElement("li");
+    const time = document.createElement("time");
+    time.textContent = clock(e.start) + "–" + clock(e.end);
+    li.append(time, " ", e.text || "");
+    ui.notes.append(li);
+    while (ui.notes.children.length > MAX_NOTES) ui.notes.firstElementChild.remove();
+    li.scrollIntoView({ block: "nearest" });
+  },
+
+  "response.created": (e) => {
+    responseId = e.response && e.response.id;
+    ui.answer.textContent = "";
+    ui.answerStatus.textContent = about("answering");
+  },
+
+  "response.output_text.delta": (e) => {
+    if (e.response_id !== responseId) return; // a stale answer (already replaced by a newer one)
+    if (askedAt !== null) {
+      ui.latFirst.textContent = ms((performance.now() - askedAt) / 1000);
+      askedAt = null;
+    }
+    ui.answer.textContent += e.delta || "";
+  },
+
+  "response.output_text.done": (e) => {
+    if (e.response_id === responseId && typeof e.text === "string") ui.answer.textContent = e.text;
+  },
+
+  "response.done": (e) => {
+    const r = e.response || {};
+    if (r.id !== responseId) return;
+    ui.answerStatus.textContent = about(r.status || "done");
+    responseId = null;
+  },
+
+  metrics: (e) => {
+    const m = e.metrics || {};
+    if (m.asr && typeof m.asr.lag_s === "number") ui.latAsr.textContent = ms(m.asr.lag_s);
+    if (m.loop_lag && typeof m.loop_lag.max_ms === "number") ui.latLoop.textContent = m.loop_lag.max_ms + " ms";
+  },
+
+  // Recoverable errors keep the session; show them plainly, the session goes on.
+  error: (e) => {
+    const err = e.error || {};
+    setStatus("error: " + (err.message || "unknown error") + (err.code ? " [" + err.code + "]" : ""), "error");
+  },
+};
+
+// "completed: what moved?": the answer's state, and which question it answers.
+function about(state) {
+  const question = ui.answer.dataset.question;
+  return question ? state + ": " + question : state;
+}
+
+function itemFor(id) {
+  let item = items.get(id);
+  if (!item) {
+    item = { stable: "", unstable: "" };
+    items.set(id, item);
+    if (items.size > MAX_CAPTION_ITEMS) items.delete(items.keys().next().value);
+  }
+  return item;
+}
+
+function renderCaptions() {
+  let stable = "";
+  let unstable = "";
+  for (const item of items.values()) {
+    // An earlier item's unstable tail is moot once a later one starts; only the newest is still moving.
+    if (item.stable) stable += (stable ? " " : "") + item.stable.trim();
+    unstable = item.unstable;
+  }
+  ui.captions.textContent = stable;
+  ui.unstable.textContent = unstable;
+  ui.captionsBox.scrollTop = ui.captionsBox.scrollHeight; // follow the newest words
+}
+
+// ---------------------------------------------------------------- wiring
+
+$("connect").addEventListener("submit", (e) => { e.preventDefault(); start(); });
+ui.stop.addEventListener("click", stop);
+$("ask-form").addEventListener("submit", (e) => { e.preventDefault(); ask(); }); // the button and Enter
+ui.cancel.addEventListener("click", cancel);
+window.addEventListener("pagehide", teardown); // free the camera and the server's session at once
