@@ -19,6 +19,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "asr": ("runtime.bench.asr", "streaming ASR: exactness, per-chunk cost, RTF, cost growth, buffered peer"),
     "llm": ("runtime.bench.llm", "language engine: KV window exactness, TTFT, decode speed, verify cost, KV bytes"),
     "video": ("runtime.bench.video", "video path: ingest fps, memory tokens and RSS over an hour, answer TTFT"),
+    "serve": ("runtime.bench.serve", "server: N live SDK clients at real-time pace: event latency, loop lag, RSS"),
 }
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
 
