@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 
 from runtime.chunks import AudioChunk
 from runtime.events import Event, new_id, parse_event
+from runtime.web.protocol import binary_audio, binary_frame
 
 
 def encode_jpeg(image: np.ndarray, quality: int = 5) -> bytes:
@@ -49,11 +50,14 @@ def pcm16_bytes(samples: np.ndarray) -> bytes:
 
 class AsyncRealtimeClient:
     """`token`: the server's `--token`, sent as an `Authorization: Bearer` header (kept out of the URL, which
-    tends to end up in logs)."""
+    tends to end up in logs). `binary`: send audio and frames as binary messages (docs/protocol.md, "Binary
+    media"): no base64, a third less to send; their event ids are then `bin-SEQ`."""
 
-    def __init__(self, url: str, *, token: str | None = None, max_size: int = 16 * 1024 * 1024) -> None:
-        self.url, self.token, self.max_size = url, token, max_size
+    def __init__(self, url: str, *, token: str | None = None, max_size: int = 16 * 1024 * 1024,
+                 binary: bool = False) -> None:
+        self.url, self.token, self.max_size, self.binary = url, token, max_size, binary
         self.ws: ClientConnection | None = None
+        self._seq = 0
 
     async def connect(self) -> AsyncRealtimeClient:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
@@ -85,12 +89,22 @@ class AsyncRealtimeClient:
         return await self.send("session.update", session=session)
 
     async def append_audio(self, samples: np.ndarray) -> str:
+        if self.binary:
+            return await self._send_binary(lambda seq: binary_audio(seq, pcm16_bytes(samples)))
         return await self.send("input_audio_buffer.append", audio=base64.b64encode(pcm16_bytes(samples)).decode())
 
     async def append_frame(self, image: np.ndarray | bytes, timestamp: float) -> str:
         data = image if isinstance(image, bytes) else encode_jpeg(image)
+        if self.binary:
+            return await self._send_binary(lambda seq: binary_frame(seq, timestamp, data))
         return await self.send("input_video_frame.append", image=base64.b64encode(data).decode(),
                                timestamp=timestamp)
+
+    async def _send_binary(self, build: Any) -> str:
+        assert self.ws is not None, "connect() first"
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        await self.ws.send(build(self._seq))
+        return f"bin-{self._seq}"
 
     async def ask(self, text: str) -> str:
         """conversation.item.create then response.create; returns the response.create event_id."""

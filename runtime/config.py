@@ -92,6 +92,17 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """Per-session bounds of `runtime serve`; what exceeds one is dropped and answered with a `rate_limited` error
+    (at most one per second per kind, counting the drops), never with a closed session."""
+
+    max_frames_per_s: float = 30.0  # video frames a client may send per wall second (bursts of 1 s allowed)
+    max_audio_speed: float = 100.0  # audio a client may send, in multiples of real time, sustained
+    audio_burst_s: float = 120.0  # media seconds of audio a client may send at once above that pace
+    webrtc_audio_buffer_s: float = 5.0  # WebRTC audio waiting for the pipeline; past it the oldest is dropped
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str = "tiny"
     description: str = ""
@@ -103,6 +114,7 @@ class Profile:
     lm: LMConfig = field(default_factory=LMConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     @property
     def random_weights(self) -> bool:
@@ -226,6 +238,9 @@ def validate(profile: Profile) -> Profile:
         raise ConfigError("pipeline.audio_chunk_ms and pipeline.audio_queue_chunks must be > 0")
     if profile.lm.max_new_tokens <= 0 or profile.asr.max_new_tokens <= 0:
         raise ConfigError("max_new_tokens must be > 0")
+    serve = profile.serve
+    if min(serve.max_frames_per_s, serve.max_audio_speed, serve.audio_burst_s, serve.webrtc_audio_buffer_s) <= 0:
+        raise ConfigError("serve.* bounds must be > 0")
     return profile
 
 

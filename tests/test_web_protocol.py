@@ -19,6 +19,8 @@ from runtime.web.protocol import (
     CreateResponse,
     ProtocolError,
     UpdateSession,
+    binary_audio,
+    binary_frame,
     parse_client_event,
 )
 
@@ -52,6 +54,22 @@ def test_frame_decodes_and_shrinks_to_max_side():
     assert command.frame.image[10, 5].min() > 200 and command.frame.image[10, 60].max() < 40
 
 
+def test_binary_fast_path_equals_the_json_events():
+    samples = np.linspace(-1, 1, 1601, dtype=np.float32)
+    as_json = parse_client_event(msg("input_audio_buffer.append", audio=b64(pcm16_bytes(samples))))
+    as_binary = parse_client_event(binary_audio(4_000_000_000, pcm16_bytes(samples)))
+    assert isinstance(as_binary, AppendAudio) and as_binary.event_id == "bin-4000000000"
+    assert np.array_equal(as_binary.samples, as_json.samples)
+    jpeg = encode_jpeg(np.full((96, 128, 3), 90, np.uint8))
+    json_frame = parse_client_event(msg("input_video_frame.append", image=b64(jpeg), timestamp=2.25), max_side=64)
+    binary = parse_client_event(binary_frame(3, 2.25, jpeg), max_side=64)
+    assert isinstance(binary, AppendFrame) and binary.event_id == "bin-3" and binary.frame.time == 2.25
+    assert np.array_equal(binary.frame.image, json_frame.frame.image)
+    with pytest.raises(ProtocolError) as info:
+        parse_client_event(binary_frame(5, float("inf"), jpeg))
+    assert (info.value.code, info.value.event_id) == ("invalid_value", "bin-5")
+
+
 def test_other_commands():
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "what moved?"}]}
     assert parse_client_event(msg("conversation.item.create", item=item)) == CreateItem("c1", "what moved?")
@@ -66,7 +84,7 @@ def test_other_commands():
 @pytest.mark.parametrize("message, code", [
     ("{not json", "invalid_json"),
     ("[1, 2]", "invalid_event"),
-    (b"\x00\x01", "invalid_frame_type"),
+    (b"\x00\x01", "invalid_binary_header"),
     (msg("nope.nothing"), "unknown_event_type"),
     (msg("input_audio_buffer.append"), "missing_field"),
     (msg("input_audio_buffer.append", audio=12), "invalid_value"),

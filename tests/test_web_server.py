@@ -18,11 +18,11 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from runtime import cli
 from runtime.client import AsyncRealtimeClient, encode_jpeg, pcm16_bytes
-from runtime.config import load_profile
+from runtime.config import load_profile, with_overrides
 from runtime.errors import UserError
 from runtime.io.sample import demo_speech, render_frame
 from runtime.session import Session, load_models
-from runtime.web.protocol import MAX_MESSAGE_BYTES
+from runtime.web.protocol import MAX_MESSAGE_BYTES, binary_audio, binary_frame
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
 
@@ -87,6 +87,43 @@ async def test_sdk_round_trip_and_healthz(tiny):
 
 
 @pytest.mark.asyncio
+async def test_binary_media_fast_path_round_trip(tiny):
+    async with RealtimeServer(*tiny, port=0) as server, AsyncRealtimeClient(url(server), binary=True) as client:
+        await stream_demo(client)
+        assert client._seq == 33  # 30 audio chunks and 3 frames went as binary messages
+        await client.ask("what moved?")
+        await client.commit()
+        events = [e async for e in client.events()]
+    assert not [e for e in events if e.type == "error"]
+    check_round_trip([e for e in events])
+    assert events[-1].metrics["video"]["frames_in"] == 3 and events[-1].metrics["asr"]["pushed_until"] >= 3.0
+
+
+@pytest.mark.asyncio
+async def test_media_over_the_rate_bounds_is_refused_and_the_session_goes_on(tiny):
+    profile, models, worker = tiny
+    bounded = with_overrides(profile, serve={"max_frames_per_s": 2.0, "max_audio_speed": 1.0, "audio_burst_s": 1.0})
+    jpeg = encode_jpeg(render_frame(0.0, 160, 120))
+    async with RealtimeServer(bounded, models, worker, port=0) as server, AsyncRealtimeClient(url(server)) as client:
+        frame_ids = [await client.append_frame(jpeg, i * 0.1) for i in range(8)]  # 8 frames at once: 2 pass
+        speech = demo_speech()[: 3 * 16000]
+        audio_ids = [await client.append_audio(speech[i : i + CHUNK]) for i in range(0, len(speech), CHUNK)]
+        await client.ask("what moved?")
+        await client.commit()
+        events = [e async for e in client.events()]
+    refused = [e for e in events if e.type == "error"]
+    assert refused and all(e.error["code"] == "rate_limited" for e in refused)
+    by_kind = {kind: [e for e in refused if e.error["param"] == kind] for kind in ("image", "audio")}
+    assert by_kind["image"][0].error["event_id"] == frame_ids[2]  # the first frame over the burst
+    assert by_kind["audio"] and by_kind["audio"][0].error["event_id"] in audio_ids[10:]  # after the 1 s burst
+    assert "serve.max_audio_speed" in by_kind["audio"][0].error["message"]
+    types = [e.type for e in events]  # the session still transcribed and answered
+    assert "conversation.item.input_audio_transcription.completed" in types and "response.done" in types
+    final = events[-1].metrics
+    assert 2 <= final["video"]["frames_in"] < 8 and 1.0 <= final["asr"]["pushed_until"] < 3.0
+
+
+@pytest.mark.asyncio
 async def test_bad_events_are_answered_and_the_session_carries_on(tiny):
     async with RealtimeServer(*tiny, port=0) as server, AsyncRealtimeClient(url(server)) as client:
         bad = {
@@ -117,7 +154,8 @@ async def test_bad_events_are_answered_and_the_session_carries_on(tiny):
 
 
 DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
-    "invalid_json", "invalid_event", "invalid_frame_type", "unknown_event_type", "missing_field", "invalid_value",
+    "invalid_json", "invalid_event", "invalid_binary_header", "rate_limited", "unknown_event_type", "missing_field",
+    "invalid_value",
     "invalid_base64", "invalid_audio", "invalid_image", "image_too_large", "unsupported_field", "unsupported_item",
     "message_too_large", "no_pending_item", "too_many_items", "response_not_found", "input_committed",
     "empty_question", "question_queue_full"}
@@ -219,10 +257,20 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     add({"type": "response.create", "pad": pad}, "message_too_large")
     unparsed(json.dumps({"pad": pad, "event_id": "late", "type": "response.create"}), "message_too_large")
     unparsed("y" * (MAX_MESSAGE_BYTES + 1), "message_too_large")
-    # Binary frames: the binary fast path is not built, so any binary frame is refused.
-    for raw in (b"", b"\x00", b"\xff" * 16, valid.encode(), pcm16_bytes(np.zeros(CHUNK, np.float32)), jpeg,
-                bytes(MAX_MESSAGE_BYTES + 10)):
-        unparsed(raw, "invalid_frame_type")
+    # Binary fast path: short or unknown headers, then well-framed messages with bad payloads (named bin-SEQ).
+    for raw in (b"", b"\x00", b"A", b"V\x01\x00\x00"):  # shorter than the header: no sequence to name
+        unparsed(raw, "invalid_binary_header")
+    for raw in (b"\xff" * 16, valid.encode(), b"a\x00\x00\x00\x00" + bytes(8), jpeg,
+                pcm16_bytes(np.ones(CHUNK, np.float32))[1:]):  # unknown kinds; bytes 1-4 still read as the sequence
+        cases.append((raw, f"bin-{int.from_bytes(raw[1:5], 'little')}", "invalid_binary_header"))
+    cases.append((bytes(MAX_MESSAGE_BYTES + 10), None, "message_too_large"))
+    for seq, raw, code in ((7, binary_audio(7, bytes(3)), "invalid_audio"),
+                           (8, binary_frame(8, 0.5, garbage), "invalid_image"),
+                           (9, binary_frame(9, -1.0, jpeg), "invalid_value"),
+                           (10, binary_frame(10, math.nan, jpeg), "invalid_value"),
+                           (11, binary_frame(11, 0.5, b"")[:9], "invalid_binary_header"),
+                           (12, b"Q" + (12).to_bytes(4, "little") + jpeg, "invalid_binary_header")):
+        cases.append((raw, f"bin-{seq}", code))
     return cases
 
 

@@ -4,6 +4,12 @@ Pure functions, no I/O: the server calls `parse_client_event` (in a thread, sinc
 cost CPU) and either gets a command to act on or a `ProtocolError` that it turns into an `error` event naming
 the client event at fault. Names follow the OpenAI Realtime API so its clients need no translation table;
 see docs/protocol.md for a worked example of each message.
+
+Binary messages are the media fast path (no base64, no JSON): a 5-byte header, kind then a client-chosen
+sequence number that names the message in errors as `bin-SEQ`, then the payload:
+
+    b"A" | u32 LE seq | PCM16 little-endian mono 16 kHz                       (= input_audio_buffer.append)
+    b"V" | u32 LE seq | f64 LE timestamp (media seconds) | JPEG or PNG bytes   (= input_video_frame.append)
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import binascii
 import io
 import json
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +34,9 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a client message larger than this is answ
 MAX_IMAGE_PIXELS = 4096 * 4096  # a decoded frame larger than this is refused before conversion to RGB
 _EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,128})"')
 ALLOWED_SESSION_FIELDS = {"input_audio_format", "modalities"}
+BINARY_AUDIO, BINARY_FRAME = b"A"[0], b"V"[0]
+BINARY_HEADER = struct.Struct("<BI")  # kind, sequence number
+BINARY_TIMESTAMP = struct.Struct("<d")
 
 
 class ProtocolError(ValueError):
@@ -84,7 +94,7 @@ class CommitInput(Command):
 def parse_client_event(message: str | bytes, *, max_side: int = 640) -> Command:
     """One websocket message -> a command, or `ProtocolError` with a code a client can branch on."""
     if isinstance(message, bytes):
-        raise ProtocolError("client events are JSON text frames, not binary", code="invalid_frame_type")
+        return parse_binary(message, max_side=max_side)
     if len(message) > MAX_MESSAGE_BYTES:
         # Not parsed (that is the cost being refused); its event_id is found when it comes early, as the SDK sends it.
         found = _EVENT_ID.search(message[:1024])
@@ -106,6 +116,44 @@ def parse_client_event(message: str | bytes, *, max_side: int = 640) -> Command:
                             code="unknown_event_type", param="type", event_id=event_id)
     try:
         return parser(data, event_id, max_side)
+    except ProtocolError as e:
+        e.event_id = event_id
+        raise
+
+
+def binary_audio(seq: int, pcm16: bytes) -> bytes:
+    """The binary fast path's audio message (what the SDK sends with `binary=True`)."""
+    return BINARY_HEADER.pack(BINARY_AUDIO, seq & 0xFFFFFFFF) + pcm16
+
+
+def binary_frame(seq: int, timestamp: float, image: bytes) -> bytes:
+    return BINARY_HEADER.pack(BINARY_FRAME, seq & 0xFFFFFFFF) + BINARY_TIMESTAMP.pack(timestamp) + image
+
+
+def parse_binary(message: bytes, *, max_side: int = 640) -> Command:
+    """One binary websocket message (the media fast path, see the module docstring) -> a command."""
+    if len(message) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE_BYTES}", code="message_too_large")
+    if len(message) < BINARY_HEADER.size:
+        raise ProtocolError(f"binary message of {len(message)} bytes is shorter than its {BINARY_HEADER.size}-byte "
+                            "header (kind, u32 sequence)", code="invalid_binary_header")
+    kind, seq = BINARY_HEADER.unpack_from(message)
+    event_id = f"bin-{seq}"
+    body = memoryview(message)[BINARY_HEADER.size :]
+    try:
+        if kind == BINARY_AUDIO:
+            return AppendAudio(event_id, decode_pcm16(bytes(body)))
+        if kind == BINARY_FRAME:
+            if len(body) < BINARY_TIMESTAMP.size:
+                raise ProtocolError("binary frame message ends before its f64 timestamp", code="invalid_binary_header")
+            (timestamp,) = BINARY_TIMESTAMP.unpack_from(body)
+            if not timestamp >= 0 or timestamp == float("inf"):
+                raise ProtocolError("timestamp must be finite media seconds >= 0", code="invalid_value",
+                                    param="timestamp")
+            image = decode_image(bytes(body[BINARY_TIMESTAMP.size :]), max_side)
+            return AppendFrame(event_id, VideoFrame(image, timestamp))
+        raise ProtocolError(f"unknown binary message kind 0x{kind:02x}; expected 0x41 'A' (audio) or 0x56 'V' "
+                            "(frame)", code="invalid_binary_header")
     except ProtocolError as e:
         e.event_id = event_id
         raise

@@ -1,16 +1,16 @@
-"""The websocket server: `GET /healthz` (JSON) and `GET /v1/realtime` (one session per connection).
+"""The server: one port for the demo page, `/healthz`, websocket sessions and WebRTC signalling.
 
-Each connection gets one `Session` over the process's shared `Models` and `DeviceWorker`, and two tasks:
-a reader that parses client frames (in a thread: base64 and image decoding cost CPU) and drives the session,
-and a writer that forwards `session.events` as JSON text frames. Backpressure: `send` waits while a client
-reads slowly, so the session's bounded event channel fills and then slows its processors; nothing is dropped
-and nothing grows without bound. A bad client event is answered with an `error` event (error.event_id names
-it) and the session keeps its state. A disconnect, clean or abrupt, stops the session at once.
+Routes (all in `_route`, websockets' `process_request`, so a refused request never costs a session):
+`GET /` and `GET /static/NAME` the browser demo page; `GET /healthz` JSON; `GET /v1/realtime` upgrades to a
+websocket, one session per connection; `POST /v1/webrtc/offer` takes a browser's SDP offer and answers it, one
+session per peer (webrtc.py; `http.py` lets the websockets library read that POST). Either way the session is
+driven by a `SessionDriver` (driver.py): client events in, server events out, errors as `error` events.
 
-Who may connect (checked in `_route`, before the upgrade, so a refused request never costs a session): with a
-token set, every upgrade must carry it (`Authorization: Bearer TOKEN` or `?token=TOKEN`), else 401. A request
-with an `Origin` header (a browser) must come from an allowed origin, else 403, so a page on another site cannot
-drive the models through a visitor's browser; requests without one (the SDK, curl) pass. `/healthz` is open.
+Who may connect: with a token set, every upgrade and offer must carry it (`Authorization: Bearer TOKEN` or
+`?token=TOKEN`), else 401. A request with an `Origin` header (a browser) must come from an allowed origin, else
+403, so a page on another site cannot drive the models through a visitor's browser; requests without one (the
+SDK, curl) pass. The page and `/healthz` are open. At `max_sessions` live sessions, websockets and WebRTC alike,
+the next gets `server_busy` (a websocket error event then close 1013; HTTP 503 for an offer).
 """
 
 from __future__ import annotations
@@ -28,30 +28,18 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile
-from runtime.events import SessionUpdated, error_event
-from runtime.io.rechunk import AudioRechunker
+from runtime.events import error_event
 from runtime.metrics import LoopLagMonitor
 from runtime.session import Models, Session
-from runtime.web.protocol import (
-    MAX_MESSAGE_BYTES,
-    AppendAudio,
-    AppendFrame,
-    CancelResponse,
-    Command,
-    CommitInput,
-    CreateItem,
-    CreateResponse,
-    ProtocolError,
-    UpdateSession,
-    parse_client_event,
-)
+from runtime.web.driver import SessionDriver
+from runtime.web.http import PostConnection, error_response, json_response, static_response
+from runtime.web.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 REALTIME_PATH = "/v1/realtime"
-DRAIN_TIMEOUT_S = 30.0  # after a disconnect during finish, how long pending work may take before it is cut
+OFFER_PATH = "/v1/webrtc/offer"
 
 
 class RealtimeServer:
@@ -68,6 +56,7 @@ class RealtimeServer:
         self.token = token or None  # an empty token would admit anyone with an empty one: treat it as unset
         self.allow_origins = None if allow_origins is None else {o.rstrip("/") for o in allow_origins}
         self.sessions: dict[str, Session] = {}
+        self.peers: set[asyncio.Task[None]] = set()  # one per WebRTC peer, cancelled by stop()
         self.loop_lag = LoopLagMonitor(interval_s=0.01)  # the whole server's loop: every session shares it
         self._server: Server | None = None
 
@@ -75,12 +64,15 @@ class RealtimeServer:
         # websockets closes with 1009 past max_size; keep that as the hard cap and answer anything between
         # MAX_MESSAGE_BYTES and it with an error event instead, so an oversized frame costs no session.
         self._server = await serve(self._handle, self.host, self.requested_port, process_request=self._route,
-                                   max_size=2 * MAX_MESSAGE_BYTES, max_queue=16)
+                                   create_connection=PostConnection, max_size=2 * MAX_MESSAGE_BYTES, max_queue=16)
         self.loop_lag.start()
         return self
 
     async def stop(self) -> None:
         await self.loop_lag.stop()
+        for peer in list(self.peers):
+            peer.cancel()
+        await asyncio.gather(*self.peers, return_exceptions=True)
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -112,26 +104,73 @@ class RealtimeServer:
             "worker": self.worker.stats(),
         }
 
-    def _route(self, connection: ServerConnection, request: Request) -> Response | None:
+    async def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         path, _, query = request.path.partition("?")
+        if isinstance(connection, PostConnection) and connection.body is not None:
+            if connection.post_error is not None:
+                return error_response(connection, connection.post_error.value, connection.post_error.phrase,
+                                      "bad_http_request")
+            if path != OFFER_PATH:
+                return error_response(connection, 404, f"nothing to POST at {path}; WebRTC offers go to "
+                                                       f"{OFFER_PATH}", "not_found")
+            return self._admit(connection, request, query) or await self._offer(connection, connection.body)
         if path == "/healthz":
             try:
                 window = min(max(float(parse_qs(query).get("window", ["10"])[0]), 0.1), 3600.0)
             except ValueError:
                 return connection.respond(400, "window must be a number of seconds\n")
-            response = connection.respond(200, json.dumps(self.health(window)) + "\n")
-            response.headers["Content-Type"] = "application/json"
-            return response
+            return json_response(connection, 200, self.health(window))
+        if path in ("/", "/index.html") or path.startswith("/static/"):
+            page = static_response(connection, "index.html" if path in ("/", "/index.html") else path[8:])
+            return page or connection.respond(404, f"no file {path}\n")
         if path != REALTIME_PATH:
             return connection.respond(404, f"not found; the websocket is at {REALTIME_PATH}\n")
+        return self._admit(connection, request, query)
+
+    def _admit(self, connection: ServerConnection, request: Request, query: str) -> Response | None:
+        """None when the request may open a session (origin and token), else the refusal."""
         origin = request.headers.get("Origin")
         if origin is not None and origin.rstrip("/") not in self._allowed_origins():
-            return connection.respond(403, f"origin {origin} is not allowed; start the server with "
-                                           "--allow-origin to admit it\n")
+            return error_response(connection, 403, f"origin {origin} is not allowed; start the server with "
+                                                   "--allow-origin to admit it", "origin_not_allowed")
         if self.token is not None and not self._token_ok(request, query):
-            return connection.respond(401, "missing or wrong token; send Authorization: Bearer TOKEN "
-                                           "or ?token=TOKEN\n")
+            return error_response(connection, 401, "missing or wrong token; send Authorization: Bearer TOKEN "
+                                                   "or ?token=TOKEN", "unauthorized")
         return None
+
+    async def _offer(self, connection: ServerConnection, body: bytes) -> Response:
+        """WebRTC signalling: the browser's offer in, our answer out; the peer then runs as its own task."""
+        from runtime.web.webrtc import WebRTCPeer  # aiortc loads only when a browser comes
+
+        try:
+            offer = json.loads(body)
+        except ValueError:
+            offer = None
+        if not (isinstance(offer, dict) and offer.get("type") == "offer" and isinstance(offer.get("sdp"), str)):
+            return error_response(connection, 400, 'the body must be JSON {"sdp": "...", "type": "offer"}',
+                                  "invalid_offer")
+        if len(self.sessions) >= self.max_sessions:
+            return error_response(connection, 503, f"server is at its limit of {self.max_sessions} sessions; "
+                                                   "try again later", "server_busy")
+        session = Session(self.profile, self.models, self.worker)
+        self.sessions[session.id] = session  # before any await: the limit check above cannot race
+        peer = WebRTCPeer(session, self.profile)
+        try:
+            answer = await peer.answer(offer["sdp"])
+        except Exception as err:  # aiortc refuses an SDP it cannot use with ValueError and others
+            self.sessions.pop(session.id, None)
+            await peer.close()
+            return error_response(connection, 400, f"the offer could not be answered: {err}", "invalid_offer")
+        task = asyncio.create_task(self._run_peer(peer), name=f"{session.id}:webrtc")
+        self.peers.add(task)
+        task.add_done_callback(self.peers.discard)
+        return json_response(connection, 200, {**answer, "session_id": session.id})
+
+    async def _run_peer(self, peer: Any) -> None:
+        try:
+            await peer.run()
+        finally:
+            self.sessions.pop(peer.session.id, None)
 
     def _allowed_origins(self) -> set[str]:
         if self.allow_origins is not None:
@@ -159,122 +198,14 @@ class RealtimeServer:
             return
         session = Session(self.profile, self.models, self.worker)
         self.sessions[session.id] = session  # before any await: the limit check above cannot race
-        connection = _Connection(ws, session, self.profile)
         try:
-            await connection.run()
+            if await SessionDriver(session, self.profile).run(ws, ws.send):  # committed and drained: goodbye
+                with contextlib.suppress(ConnectionClosed):
+                    await ws.close(1000, "session finished")
         finally:
             self.sessions.pop(session.id, None)
-
-
-class _Connection:
-    """One websocket and its session: the reader and writer tasks and the state between client events."""
-
-    def __init__(self, ws: ServerConnection, session: Session, profile: Profile) -> None:
-        self.ws, self.session, self.profile = ws, session, profile
-        self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
-        self.pending_text: list[str] = []
-        self.finishing: asyncio.Task[None] | None = None
-
-    async def run(self) -> None:
-        session = self.session
-        writer: asyncio.Task[None] | None = None
-        reader: asyncio.Task[None] | None = None
-        try:
-            await session.start()
-            writer = asyncio.create_task(self._write(), name=f"{session.id}:ws-writer")
-            reader = asyncio.create_task(self._read(), name=f"{session.id}:ws-reader")
-            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            if writer.done():  # drained after commit: say goodbye; the reader ends when the close completes
-                with contextlib.suppress(ConnectionClosed):
-                    await self.ws.close(1000, "session finished")
-        finally:
-            await self._cleanup(reader, writer)
-
-    async def _cleanup(self, reader: asyncio.Task[None] | None, writer: asyncio.Task[None] | None) -> None:
-        session = self.session
-        if reader is not None:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-        if writer is not None:  # client gone: discard events so emit never blocks
-            writer.cancel()  # a no-op when it is done, e.g. after ConnectionClosed on a client that vanished:
-            await asyncio.gather(writer, return_exceptions=True)  # retrieve that, or asyncio logs it at GC
-        sink = asyncio.create_task(self._discard())
-        if self.finishing is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self.finishing), DRAIN_TIMEOUT_S)
-            except Exception:
-                log.warning("session %s: finishing after disconnect failed or timed out", session.id)
-        if self.finishing is None or not self.finishing.done():
-            if self.finishing is not None:
-                self.finishing.cancel()
-                await asyncio.gather(self.finishing, return_exceptions=True)
-            await session.stop()
-        session.events.close()
-        sink.cancel()
-        await asyncio.gather(sink, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await self.ws.close()
-
-    async def _discard(self) -> None:
-        async for _ in self.session.events:
-            pass
-
-    async def _write(self) -> None:
-        async for event in self.session.events:
-            await self.ws.send(event.to_json())
-
-    async def _read(self) -> None:
-        async for message in self.ws:
-            try:
-                command = await asyncio.to_thread(parse_client_event, message, max_side=self.profile.video.max_side)
-            except ProtocolError as e:
-                await self._reply_error(e)
-                continue
-            try:
-                await self._apply(command)
-            except ProtocolError as e:
-                e.event_id = command.event_id
-                await self._reply_error(e)
-
-    async def _reply_error(self, error: ProtocolError) -> None:
-        event = error.to_event(media_time=self.session.media_time)
-        if self.session.events.closed:  # after commit the session is gone; tell the client directly
-            await self.ws.send(event.to_json())
-        else:
-            await self.session.emit(event)
-
-    async def _apply(self, command: Command) -> None:
-        session = self.session
-        if self.finishing is not None:
-            raise ProtocolError("the input was committed; this session takes no more events",
-                                code="input_committed")
-        if isinstance(command, AppendAudio):
-            for chunk in self.rechunker.push(command.samples):
-                await session.push_audio(chunk)
-        elif isinstance(command, AppendFrame):
-            assert command.frame is not None
-            session.push_video(command.frame)
-        elif isinstance(command, CreateItem):
-            if len(self.pending_text) >= 16:
-                raise ProtocolError("too many items waiting for response.create", code="too_many_items")
-            self.pending_text.append(command.text)
-        elif isinstance(command, CreateResponse):
-            if not self.pending_text:
-                raise ProtocolError("response.create needs a conversation.item.create with the question first",
-                                    code="no_pending_item")
-            text, self.pending_text = " ".join(self.pending_text), []
-            await session.ask(text, client_event_id=command.event_id)
-        elif isinstance(command, CancelResponse):
-            if not session.cancel_response(command.response_id):
-                raise ProtocolError("no response in progress to cancel", code="response_not_found",
-                                    param="response_id" if command.response_id else None)
-        elif isinstance(command, UpdateSession):
-            await session.emit(SessionUpdated(session={**session.describe(), **command.session},
-                                              media_time=session.media_time))
-        elif isinstance(command, CommitInput):
-            for chunk in self.rechunker.flush():
-                await session.push_audio(chunk)
-            self.finishing = asyncio.create_task(session.finish(), name=f"{session.id}:finish")
+            with contextlib.suppress(Exception):
+                await ws.close()
 
 
 def rss_mb() -> float:

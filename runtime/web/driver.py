@@ -1,0 +1,167 @@
+"""One client's session behind any transport: the websocket, or a WebRTC data channel.
+
+A transport hands the driver its incoming messages (an async iterator) and a `send` coroutine; the driver runs
+two tasks, a reader that parses client events (in a thread: base64 and image decoding cost CPU) and drives the
+session, and a writer that forwards `session.events` to `send`. Backpressure: `send` waits while a client reads
+slowly, so the session's bounded event channel fills and then slows its processors; nothing is dropped and
+nothing grows without bound. A bad client event, or one over a rate bound (`limits.py`), is answered with an
+`error` event (error.event_id names it) and the session keeps its state. When the transport ends, cleanly or
+abruptly, the session stops at once; after `input_audio_buffer.commit` it first drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterable, Awaitable, Callable
+
+import numpy as np
+
+from runtime.chunks import SAMPLE_RATE
+from runtime.config import Profile
+from runtime.events import SessionUpdated
+from runtime.io.rechunk import AudioRechunker
+from runtime.session import Session
+from runtime.web.limits import SessionLimits
+from runtime.web.protocol import (
+    AppendAudio,
+    AppendFrame,
+    CancelResponse,
+    Command,
+    CommitInput,
+    CreateItem,
+    CreateResponse,
+    ProtocolError,
+    UpdateSession,
+    parse_client_event,
+)
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 30.0  # after a disconnect during finish, how long pending work may take before it is cut
+MAX_PENDING_ITEMS = 16  # conversation items waiting for response.create
+
+Send = Callable[[str], Awaitable[None]]
+
+
+class SessionDriver:
+    def __init__(self, session: Session, profile: Profile) -> None:
+        self.session, self.profile = session, profile
+        self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
+        self.limits = SessionLimits(profile.serve)
+        self.pending_text: list[str] = []
+        self.finishing: asyncio.Task[None] | None = None
+        self.started = asyncio.Event()  # set once the session runs: media may be pushed from then on
+
+    async def run(self, messages: AsyncIterable[str | bytes], send: Send) -> bool:
+        """Drive the session until the client goes or, after commit, every event is out (then True: the
+        transport should say goodbye). The session is stopped and its events closed when this returns."""
+        session = self.session
+        writer: asyncio.Task[None] | None = None
+        reader: asyncio.Task[None] | None = None
+        try:
+            await session.start()
+            self.started.set()
+            writer = asyncio.create_task(self._write(send), name=f"{session.id}:writer")
+            reader = asyncio.create_task(self._read(messages, send), name=f"{session.id}:reader")
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            return writer.done() and not writer.cancelled() and writer.exception() is None
+        finally:
+            await self._cleanup(reader, writer)
+
+    async def push_audio(self, samples: np.ndarray) -> None:
+        """16 kHz float32 mono samples of any length, cut into the profile's chunks."""
+        for chunk in self.rechunker.push(samples):
+            await self.session.push_audio(chunk)
+
+    async def _cleanup(self, reader: asyncio.Task[None] | None, writer: asyncio.Task[None] | None) -> None:
+        session = self.session
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        if writer is not None:  # client gone: discard events so emit never blocks
+            writer.cancel()  # a no-op when it is done, e.g. after ConnectionClosed on a client that vanished:
+            await asyncio.gather(writer, return_exceptions=True)  # retrieve that, or asyncio logs it at GC
+        sink = asyncio.create_task(self._discard())
+        if self.finishing is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.finishing), DRAIN_TIMEOUT_S)
+            except Exception:
+                log.warning("session %s: finishing after disconnect failed or timed out", session.id)
+        if self.finishing is None or not self.finishing.done():
+            if self.finishing is not None:
+                self.finishing.cancel()
+                await asyncio.gather(self.finishing, return_exceptions=True)
+            await session.stop()
+        session.events.close()
+        sink.cancel()
+        await asyncio.gather(sink, return_exceptions=True)
+
+    async def _discard(self) -> None:
+        async for _ in self.session.events:
+            pass
+
+    async def _write(self, send: Send) -> None:
+        async for event in self.session.events:
+            await send(event.to_json())
+
+    async def _read(self, messages: AsyncIterable[str | bytes], send: Send) -> None:
+        async for message in messages:
+            try:
+                command = await asyncio.to_thread(parse_client_event, message, max_side=self.profile.video.max_side)
+            except ProtocolError as e:
+                await self._reply_error(e, send)
+                continue
+            try:
+                await self._apply(command)
+            except ProtocolError as e:
+                e.event_id = command.event_id
+                await self._reply_error(e, send)
+
+    async def _reply_error(self, error: ProtocolError, send: Send) -> None:
+        event = error.to_event(media_time=self.session.media_time)
+        if self.session.events.closed:  # after commit the session is gone; tell the client directly
+            await send(event.to_json())
+        else:
+            await self.session.emit(event)
+
+    def _rate_limited(self, kind: str) -> None:
+        message = self.limits.report(kind)
+        if message is not None:  # else this second's report was sent; the drop is counted for the next one
+            raise ProtocolError(message, code="rate_limited", param=kind)
+
+    async def _apply(self, command: Command) -> None:
+        session = self.session
+        if self.finishing is not None:
+            raise ProtocolError("the input was committed; this session takes no more events",
+                                code="input_committed")
+        if isinstance(command, AppendAudio):
+            if not self.limits.admit_audio(len(command.samples)):
+                return self._rate_limited("audio")
+            await self.push_audio(command.samples)
+        elif isinstance(command, AppendFrame):
+            assert command.frame is not None
+            if not self.limits.admit_frame():
+                return self._rate_limited("image")
+            session.push_video(command.frame)
+        elif isinstance(command, CreateItem):
+            if len(self.pending_text) >= MAX_PENDING_ITEMS:
+                raise ProtocolError("too many items waiting for response.create", code="too_many_items")
+            self.pending_text.append(command.text)
+        elif isinstance(command, CreateResponse):
+            if not self.pending_text:
+                raise ProtocolError("response.create needs a conversation.item.create with the question first",
+                                    code="no_pending_item")
+            text, self.pending_text = " ".join(self.pending_text), []
+            await session.ask(text, client_event_id=command.event_id)
+        elif isinstance(command, CancelResponse):
+            if not session.cancel_response(command.response_id):
+                raise ProtocolError("no response in progress to cancel", code="response_not_found",
+                                    param="response_id" if command.response_id else None)
+        elif isinstance(command, UpdateSession):
+            await session.emit(SessionUpdated(session={**session.describe(), **command.session},
+                                              media_time=session.media_time))
+        elif isinstance(command, CommitInput):
+            for chunk in self.rechunker.flush():
+                await session.push_audio(chunk)
+            self.finishing = asyncio.create_task(session.finish(), name=f"{session.id}:finish")

@@ -1,0 +1,233 @@
+"""A browser's session over WebRTC (aiortc): camera and microphone as media tracks, events on a data channel.
+
+Signalling is one `POST /v1/webrtc/offer` (server.py): the browser's offer (its tracks and a data channel named
+`events`, ICE candidates gathered, no trickle) in, our answer out. Then:
+
+- Audio arrives as 48 kHz (usually stereo) s16 frames every 20 ms; PyAV's resampler turns it into 16 kHz mono
+  float32 for the session. aiortc's receive queues are unbounded, so a consumer task reads the track without
+  pause into a bounded buffer (`serve.webrtc_audio_buffer_s`); a feeder pushes from it into the session, which
+  applies backpressure. If the pipeline falls that far behind, the oldest audio is dropped and counted.
+- Video: a consumer keeps only the latest decoded frame; a sampler converts one per `video.fps` (downscaled to
+  `video.max_side`, in a thread) and pushes it. Media time for video is wall time since the first media frame
+  arrived, which matches the audio clock (samples counted since the first audio frame) for a live peer.
+- The `events` data channel carries the websocket protocol's JSON both ways (`SessionDriver`): server events
+  out, questions in. Sending waits while more than `HIGH_WATER` bytes are buffered, so a slow peer slows the
+  session as a slow websocket does.
+
+The peer ends when the connection fails or closes, the data channel closes, or the peer never connects within
+`CONNECT_TIMEOUT_S`; the session then stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import av
+import numpy as np
+from aiortc import MediaStreamTrack, RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
+
+from runtime.chunks import SAMPLE_RATE, VideoFrame
+from runtime.config import Profile
+from runtime.events import error_event
+from runtime.io.file_source import scaled_size
+from runtime.session import Session
+from runtime.web.driver import SessionDriver
+
+log = logging.getLogger(__name__)
+
+EVENTS_LABEL = "events"
+CONNECT_TIMEOUT_S = 30.0  # from the answer to an open data channel
+HIGH_WATER, LOW_WATER = 1 << 20, 256 << 10  # data channel bytes buffered: wait above HIGH until below LOW
+INBOX_MESSAGES = 64  # client events waiting to be parsed; past it a message is refused with an error
+
+
+class WebRTCPeer:
+    def __init__(self, session: Session, profile: Profile) -> None:
+        self.session, self.profile = session, profile
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # no STUN: host candidates only
+        self.driver = SessionDriver(session, profile)
+        self.channel: RTCDataChannel | None = None
+        self.channel_open = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(INBOX_MESSAGES)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.t0: float | None = None  # wall time of the first media frame: media time zero
+        self.audio_buffer: deque[np.ndarray] = deque()
+        self.audio_buffered = 0
+        self.audio_ready = asyncio.Event()
+        self.audio_dropped_s = 0.0
+        self.latest_frame: tuple[av.VideoFrame, float] | None = None
+        self.video_ready = asyncio.Event()
+        self.pc.on("track", self._on_track)
+        self.pc.on("datachannel", self._on_datachannel)
+        self.pc.on("connectionstatechange", self._on_state)
+
+    async def answer(self, sdp: str) -> dict[str, str]:
+        """Take the browser's offer; returns our answer with every ICE candidate in it."""
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+        await self.pc.setLocalDescription(await self.pc.createAnswer())
+        return {"sdp": self.pc.localDescription.sdp, "type": self.pc.localDescription.type}
+
+    async def run(self) -> None:
+        """Until the peer goes (see the module docstring); the session is stopped when this returns."""
+        driver = asyncio.create_task(self.driver.run(self._messages(), self._send), name=f"{self.session.id}:rtc")
+        try:
+            try:
+                await asyncio.wait_for(self.channel_open.wait(), CONNECT_TIMEOUT_S)
+            except TimeoutError:
+                log.info("session %s: the WebRTC peer did not connect within %.0f s", self.session.id,
+                         CONNECT_TIMEOUT_S)
+                return
+            closed = asyncio.create_task(self.closed.wait())
+            await asyncio.wait({driver, closed}, return_when=asyncio.FIRST_COMPLETED)
+            closed.cancel()
+        finally:
+            await self.close()
+            await asyncio.gather(driver, return_exceptions=True)
+
+    async def close(self) -> None:
+        self._closing()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):  # shielded: cancelling a second close() would cancel aiortc's own
+            await asyncio.shield(self.pc.close())  # "closed" future, and the first close() then fails
+
+    def _closing(self) -> None:
+        if not self.closed.is_set():
+            self.closed.set()
+            with contextlib.suppress(asyncio.QueueFull):
+                self.inbox.put_nowait(None)  # ends the driver's reader
+            if self.inbox.full():  # the end must get through even past a flood
+                self.inbox.get_nowait()
+                self.inbox.put_nowait(None)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=f"{self.session.id}:{name}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # Signalling callbacks (aiortc's event emitter calls them on the loop).
+
+    def _on_state(self) -> None:
+        if self.pc.connectionState in ("failed", "closed"):
+            self._closing()
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        if track.kind == "audio":
+            self._spawn(self._consume_audio(track), "rtc-audio-in")
+            self._spawn(self._feed_audio(), "rtc-audio-feed")
+        elif track.kind == "video":
+            self._spawn(self._consume_video(track), "rtc-video-in")
+            self._spawn(self._sample_video(), "rtc-video-sample")
+
+    def _on_datachannel(self, channel: RTCDataChannel) -> None:
+        if channel.label != EVENTS_LABEL or self.channel is not None:
+            channel.close()  # only one events channel per peer
+            return
+        self.channel = channel
+        channel.bufferedAmountLowThreshold = LOW_WATER
+        channel.on("message", self._on_message)
+        channel.on("close", self._closing)
+        if channel.readyState == "open":
+            self.channel_open.set()
+        else:
+            channel.on("open", self.channel_open.set)
+
+    def _on_message(self, message: str | bytes) -> None:
+        try:
+            self.inbox.put_nowait(message)
+        except asyncio.QueueFull:
+            refused = error_event(f"more than {INBOX_MESSAGES} client events are waiting; this one was dropped",
+                                  code="rate_limited", media_time=self.session.media_time)
+            if self.channel is not None and self.channel.readyState == "open":
+                self.channel.send(refused.to_json())
+
+    # The data channel as the driver's transport.
+
+    async def _messages(self) -> AsyncIterator[str | bytes]:
+        while (message := await self.inbox.get()) is not None:
+            yield message
+
+    async def _send(self, text: str) -> None:
+        await self.channel_open.wait()
+        channel = self.channel
+        assert channel is not None
+        while channel.bufferedAmount > HIGH_WATER and channel.readyState == "open":
+            low = asyncio.Event()
+            channel.once("bufferedamountlow", low.set)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(low.wait(), 1.0)  # also re-checks readyState once a second
+        if channel.readyState != "open":
+            raise ConnectionError("the events data channel closed")
+        channel.send(text)
+
+    # Media.
+
+    def _media_start(self) -> float:
+        if self.t0 is None:
+            self.t0 = time.monotonic()
+        return self.t0
+
+    async def _consume_audio(self, track: MediaStreamTrack) -> None:
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+        limit = int(self.profile.serve.webrtc_audio_buffer_s * SAMPLE_RATE)
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            self._media_start()
+            for out in resampler.resample(frame):
+                samples = out.to_ndarray().reshape(-1).astype(np.float32) / 32768.0
+                self.audio_buffer.append(samples)
+                self.audio_buffered += len(samples)
+                while self.audio_buffered > limit:  # the pipeline is far behind: drop the oldest
+                    dropped = self.audio_buffer.popleft()
+                    self.audio_buffered -= len(dropped)
+                    self.audio_dropped_s += len(dropped) / SAMPLE_RATE
+            self.audio_ready.set()
+
+    async def _feed_audio(self) -> None:
+        await self.driver.started.wait()
+        while True:
+            await self.audio_ready.wait()
+            self.audio_ready.clear()
+            while self.audio_buffer:
+                samples = self.audio_buffer.popleft()
+                self.audio_buffered -= len(samples)
+                await self.driver.push_audio(samples)
+
+    async def _consume_video(self, track: MediaStreamTrack) -> None:
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            self.latest_frame = (frame, time.monotonic() - self._media_start())  # only the latest is kept
+            self.video_ready.set()
+
+    async def _sample_video(self) -> None:
+        await self.driver.started.wait()
+        period, next_due = 1.0 / self.profile.video.fps, 0.0
+        while True:
+            await self.video_ready.wait()
+            self.video_ready.clear()
+            if self.latest_frame is None or self.latest_frame[1] < next_due:
+                continue
+            frame, media_time = self.latest_frame
+            next_due = media_time + period
+            image = await asyncio.to_thread(_to_rgb, frame, self.profile.video.max_side)
+            self.session.push_video(VideoFrame(image, media_time))
+
+
+def _to_rgb(frame: av.VideoFrame, max_side: int) -> np.ndarray:
+    width, height = scaled_size(frame.width, frame.height, max_side)
+    return frame.reformat(width=width, height=height, format="rgb24").to_ndarray()
