@@ -99,15 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"runtime {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="the realtime websocket server; with --camera or --source, also live local "
-                       "captioning", description="Serve the realtime websocket protocol (ws://HOST:PORT/v1/realtime, "
-                       "GET /healthz; docs/protocol.md). With --camera N (and the default microphone), --mic or "
-                       "--source FILE it also captions that input locally and answers questions typed on stdin (a "
-                       "line is a question; /cancel stops the current answer; Ctrl-D or Ctrl-C ends).")
+    p = sub.add_parser("serve", help="the realtime server (browser demo page, websocket, WebRTC); with --camera or "
+                       "--source, also live local captioning", description="Serve the browser demo page "
+                       "(http://HOST:PORT/: camera and microphone over WebRTC, live captions, questions), the "
+                       "realtime websocket protocol (ws://HOST:PORT/v1/realtime), WebRTC signalling (POST "
+                       "/v1/webrtc/offer) and GET /healthz; docs/protocol.md. With --camera N (and the default "
+                       "microphone), --mic or --source FILE it also captions that input locally and answers "
+                       "questions typed on stdin (a line is a question; /cancel stops the current answer; Ctrl-D "
+                       "or Ctrl-C ends).")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1); any address other "
                    "than loopback (127.0.0.1, ::1, localhost) needs --token")
     p.add_argument("--token", default=None, metavar="TOKEN", help="require this token on every websocket "
-                   "connection (Authorization: Bearer TOKEN or ?token=TOKEN; default: $RUNTIME_TOKEN, else none)")
+                   "connection and WebRTC offer (the demo page asks for it; Authorization: Bearer TOKEN or "
+                   "?token=TOKEN; default: $RUNTIME_TOKEN, else none)")
     p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN", dest="allow_origins",
                    help="a browser origin admitted to the websocket, e.g. https://app.example.com (repeatable; "
                    "default: the demo page's own, http://127.0.0.1:PORT and http://localhost:PORT)")
@@ -315,8 +319,8 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
                                           allow_origins=args.allow_origins).start()
         except OSError as err:
             raise UserError(f"cannot serve on {args.host}:{args.port}: {err.strerror or err}") from None
-        console.status(f"serving ws://{args.host}:{server.port}/v1/realtime (health: http://{args.host}:"
-                       f"{server.port}/healthz)")
+        console.status(f"serving the browser demo at http://{args.host}:{server.port}/ and the websocket at "
+                       f"ws://{args.host}:{server.port}/v1/realtime (health: /healthz)")
         try:
             if source is not None:
                 console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else ""))

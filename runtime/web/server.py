@@ -223,7 +223,8 @@ async def run_server(profile: Profile, models: Models, worker: Any, *, host: str
     """Serve until cancelled; sets `ready` once the socket is bound. `token`, `allow_origins`: RealtimeServer's."""
     server = await RealtimeServer(profile, models, worker, host=host, port=port, max_sessions=max_sessions,
                                   token=token, allow_origins=allow_origins).start()
-    log.info("serving ws://%s:%d%s and http://%s:%d/healthz", host, server.port, REALTIME_PATH, host, server.port)
+    log.info("serving http://%s:%d/ (demo page, /healthz, %s) and ws://%s:%d%s", host, server.port, OFFER_PATH,
+             host, server.port, REALTIME_PATH)
     if ready is not None:
         ready.set()
     try:
