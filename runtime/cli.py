@@ -208,10 +208,18 @@ async def _questions_from_stdin(session: Session, console: Console, stop: asynci
 async def _run_session(
     profile: Profile, models: Models, worker: DeviceWorker, source: Source, args: argparse.Namespace,
     console: Console, questions: Sequence[ScheduledQuestion] = (), interactive: bool = False,
+    publish: Callable[[Event], None] | None = None,
 ) -> None:
+    """`publish`: also hand every event to it (serve's browser watchers), after the printer."""
     printer = _printer(args)
     session = await Session(profile, models, worker).start()
-    consumer = asyncio.create_task(_consume(session, printer.write))
+
+    def write(event: Event) -> None:
+        printer.write(event)
+        if publish is not None:
+            publish(event)
+
+    consumer = asyncio.create_task(_consume(session, write))
     progress = console.progress_bar(source.duration, source.description) if args.speed != 1.0 else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -298,6 +306,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
     """The websocket server, plus a local live session when a camera, microphone or file is named."""
+    from runtime.web.broadcast import Broadcast
     from runtime.web.server import RealtimeServer
 
     # Before any source opens or model loads: an open port on the network is refused at once, not after a minute.
@@ -323,8 +332,10 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
                        f"ws://{args.host}:{server.port}/v1/realtime (health: /healthz)")
         try:
             if source is not None:
-                console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else ""))
-                await _run_session(profile, models, worker, source, args, console, (), True)
+                server.local = Broadcast(source.description)
+                console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else "")
+                               + f"; watch it at http://{args.host}:{server.port}/?watch=1")
+                await _run_session(profile, models, worker, source, args, console, (), True, server.local.publish)
             else:
                 stop = asyncio.Event()
                 with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -1,7 +1,7 @@
 """A small async SDK for the websocket protocol (docs/protocol.md): send media and questions, read events.
 
     async with AsyncRealtimeClient("ws://127.0.0.1:8765/v1/realtime") as client:
-        await client.append_audio(samples)          # float32 or int16, mono 16 kHz
+        await client.append_audio(samples)          # float32 or int16, mono 16 kHz (or stream_file/_microphone)
         await client.ask("what moved?")
         await client.commit()
         async for event in client.events():         # runtime.events objects, in order
@@ -129,17 +129,35 @@ class AsyncRealtimeClient:
             return
 
     async def stream_file(self, path: str | Path, speed: float = 0.0, *, fps: float = 1.0) -> float:
-        """Send a media file's audio (and frames as JPEG, `fps` per second); returns the media seconds sent."""
+        """Send a media file's audio (and frames as JPEG, `fps` per second); returns the media seconds sent.
+        `speed` 1.0 paces it in real time; 0 sends as fast as the server takes it."""
         from runtime.io.file_source import FileSource
 
+        return await self.stream_source(FileSource(path, speed=speed, fps=fps))
+
+    async def stream_microphone(self, device: str = "default", *, backend: str = "alsa",
+                                seconds: float | None = None) -> float:
+        """Send a capture device's audio as it is recorded, for `seconds` (None: until cancelled)."""
+        from runtime.io.devices import MicrophoneSource
+
+        return await self.stream_source(MicrophoneSource(device, backend=backend), seconds=seconds)
+
+    async def stream_source(self, source: Any, *, seconds: float | None = None) -> float:
+        """Send what a `runtime.io` source yields (audio chunks, frames) until it ends or `seconds` of media;
+        the source is closed either way. Returns the media seconds sent."""
         reached = 0.0
-        async for item in FileSource(path, speed=speed, fps=fps):
-            if isinstance(item, AudioChunk):
-                await self.append_audio(item.samples)
-                reached = max(reached, item.end)
-            else:
-                await self.append_frame(item.image, item.time)
-                reached = max(reached, item.time)
+        try:
+            async for item in source:
+                if isinstance(item, AudioChunk):
+                    await self.append_audio(item.samples)
+                    reached = max(reached, item.end)
+                else:
+                    await self.append_frame(item.image, item.time)
+                    reached = max(reached, item.time)
+                if seconds is not None and reached >= seconds:
+                    break
+        finally:
+            await source.aclose()
         return reached
 
 
@@ -209,6 +227,10 @@ class RealtimeClient:
 
     def stream_file(self, path: str | Path, speed: float = 0.0, *, fps: float = 1.0) -> float:
         return self._call(self._async.stream_file(path, speed, fps=fps))
+
+    def stream_microphone(self, device: str = "default", *, backend: str = "alsa",
+                          seconds: float | None = None) -> float:
+        return self._call(self._async.stream_microphone(device, backend=backend, seconds=seconds))
 
     def events(self) -> Iterator[Event]:
         """Server events until the connection closes, one blocking wait per event."""

@@ -461,3 +461,51 @@ def test_serve_refuses_a_network_address_without_a_token_before_loading_models(c
         assert code == 1 and "models would load here" in one_error_line(err)
     code, _, err = run_cli(capsys, "serve", "--host", "127.0.0.1")
     assert "models would load here" in one_error_line(err)
+
+
+@pytest.mark.asyncio
+async def test_the_sdk_streams_a_microphone(tiny):
+    """A capture device through the SDK: FFmpeg's lavfi sine stands in for a microphone (no sound card here)."""
+    async with RealtimeServer(*tiny, port=0) as server, AsyncRealtimeClient(url(server), binary=True) as client:
+        sent = await client.stream_microphone("sine=frequency=440:sample_rate=48000", backend="lavfi", seconds=1.0)
+        await client.commit()
+        events = [e async for e in client.events()]
+    assert sent == pytest.approx(1.0, abs=0.11)
+    assert not [e for e in events if e.type == "error"]
+    assert events[-1].metrics["asr"]["pushed_until"] == pytest.approx(sent, abs=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_browsers_watch_the_local_session_without_slowing_it(tiny):
+    from runtime.events import TranscriptionDelta
+    from runtime.web.broadcast import WATCHER_QUEUE, Broadcast
+
+    def caption(i: int) -> TranscriptionDelta:
+        return TranscriptionDelta(item_id="item_1", delta=f"word{i} ", start=i * 0.1, end=i * 0.1 + 0.1,
+                                  media_time=i * 0.1 + 0.1)
+
+    async with RealtimeServer(*tiny, port=0) as server:
+        watch_url = f"ws://127.0.0.1:{server.port}/v1/watch"
+        with pytest.raises(InvalidStatus) as refused:  # nothing to watch without a local source
+            async with connect(watch_url):
+                pass
+        assert refused.value.response.status_code == 404
+        server.local = Broadcast("camera test")
+        for i in range(3):
+            server.local.publish(caption(i))  # before anyone watches: kept as history
+        async with connect(watch_url) as ws:
+            assert [json.loads(await ws.recv())["delta"] for _ in range(3)] == ["word0 ", "word1 ", "word2 "]
+            server.local.publish(caption(3))
+            assert json.loads(await ws.recv())["delta"] == "word3 "
+            await ws.send(json.dumps({"type": "response.create"}))
+            assert json.loads(await ws.recv())["error"]["code"] == "read_only"
+            health = json.loads(await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=10).read()))
+            assert health["local"] == {"source": "camera test", "watchers": 1}
+            for i in range(WATCHER_QUEUE + 10):  # a watcher that stops reading is cut loose, publish never waits
+                server.local.publish(caption(i))
+            assert not server.local.watchers
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await ws.recv()
+            assert ws.close_code == 1013

@@ -32,6 +32,7 @@ from runtime.config import Profile
 from runtime.events import error_event
 from runtime.metrics import LoopLagMonitor
 from runtime.session import Models, Session
+from runtime.web.broadcast import Broadcast
 from runtime.web.driver import SessionDriver
 from runtime.web.http import PostConnection, error_response, json_response, static_response
 from runtime.web.protocol import MAX_MESSAGE_BYTES
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 REALTIME_PATH = "/v1/realtime"
 OFFER_PATH = "/v1/webrtc/offer"
+WATCH_PATH = "/v1/watch"
 
 
 class RealtimeServer:
@@ -57,6 +59,7 @@ class RealtimeServer:
         self.allow_origins = None if allow_origins is None else {o.rstrip("/") for o in allow_origins}
         self.sessions: dict[str, Session] = {}
         self.peers: set[asyncio.Task[None]] = set()  # one per WebRTC peer, cancelled by stop()
+        self.local: Broadcast | None = None  # the terminal's own session (serve --camera/--source), if any
         self.loop_lag = LoopLagMonitor(interval_s=0.01)  # the whole server's loop: every session shares it
         self._server: Server | None = None
 
@@ -97,6 +100,8 @@ class RealtimeServer:
             "profile": self.profile.name,
             "sessions": len(self.sessions),
             "max_sessions": self.max_sessions,
+            "local": None if self.local is None else {"source": self.local.description,
+                                                      "watchers": len(self.local.watchers)},
             "loop_lag_ms": self.loop_lag.percentiles(window_s),
             "rss_mb": round(rss_mb(), 1),
             "queues": {sid: {c.name: len(c) for c in (s.audio_in, s.video_in, s.questions, s.events)}
@@ -123,7 +128,10 @@ class RealtimeServer:
         if path in ("/", "/index.html") or path.startswith("/static/"):
             page = static_response(connection, "index.html" if path in ("/", "/index.html") else path[8:])
             return page or connection.respond(404, f"no file {path}\n")
-        if path != REALTIME_PATH:
+        if path == WATCH_PATH and self.local is None:
+            return connection.respond(404, "no local session to watch: start runtime serve with --camera, --mic "
+                                           "or --source\n")
+        if path not in (REALTIME_PATH, WATCH_PATH):
             return connection.respond(404, f"not found; the websocket is at {REALTIME_PATH}\n")
         return self._admit(connection, request, query)
 
@@ -189,6 +197,8 @@ class RealtimeServer:
         return any(hmac.compare_digest(c.encode(), expected) for c in candidates)
 
     async def _handle(self, ws: ServerConnection) -> None:
+        if ws.request is not None and ws.request.path.partition("?")[0] == WATCH_PATH:
+            return await self._watch(ws)
         if len(self.sessions) >= self.max_sessions:
             busy = error_event(f"server is at its limit of {self.max_sessions} sessions; try again later",
                                code="server_busy", type="server_error")
@@ -206,6 +216,40 @@ class RealtimeServer:
             self.sessions.pop(session.id, None)
             with contextlib.suppress(Exception):
                 await ws.close()
+
+
+    async def _watch(self, ws: ServerConnection) -> None:
+        """A read-only view of the local session (broadcast.py): its events out; anything sent is refused."""
+        watcher = self.local.watch() if self.local is not None else None
+        if watcher is None:
+            with contextlib.suppress(ConnectionClosed):
+                await ws.close(1013, "too many watchers")
+            return
+
+        async def refuse_input() -> None:
+            async for _ in ws:
+                refusal = error_event("this connection only watches the local session; open /v1/realtime to "
+                                      "send media or questions", code="read_only")
+                await ws.send(refusal.to_json())
+
+        reader = asyncio.create_task(refuse_input())
+        try:
+            while not (watcher.fell_behind and watcher.queue.empty()):
+                getter = asyncio.create_task(watcher.queue.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:  # the watcher left
+                    getter.cancel()
+                    return
+                await ws.send(getter.result())
+            with contextlib.suppress(ConnectionClosed):
+                await ws.close(1013, "fell behind; reconnect")
+        except ConnectionClosed:
+            pass
+        finally:
+            if self.local is not None:
+                self.local.watchers.discard(watcher)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
 
 def rss_mb() -> float:
