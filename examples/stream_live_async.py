@@ -1,8 +1,9 @@
-"""Send a file at real-time pace with the async SDK while reading events concurrently, the way a live
-microphone client would; type a question on stdin to ask it mid-stream.
+"""Send a file at real-time pace (or the microphone) with the async SDK while reading events concurrently;
+type a question on stdin to ask it mid-stream. Media goes as binary messages (no base64).
 
     runtime serve &
     python examples/stream_live_async.py talk.mp4
+    python examples/stream_live_async.py --mic            # the default capture device, until Ctrl-C
 """
 
 import asyncio
@@ -12,10 +13,13 @@ from runtime.client import AsyncRealtimeClient
 
 
 async def main(path: str, url: str = "ws://127.0.0.1:8765/v1/realtime") -> None:
-    async with AsyncRealtimeClient(url) as client:
+    async with AsyncRealtimeClient(url, binary=True) as client:
 
         async def send() -> None:
-            await client.stream_file(path, speed=1.0)
+            if path == "--mic":
+                await client.stream_microphone("default")
+            else:
+                await client.stream_file(path, speed=1.0)
             await client.commit()
 
         async def ask_from_stdin() -> None:
