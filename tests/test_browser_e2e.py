@@ -186,3 +186,52 @@ async def test_page_says_plainly_when_the_token_is_wrong(tiny, tmp_path):
 
     assert problems == ["console.error: Failed to load resource: the server responded with a status of 401 "
                         "(Unauthorized)"], problems  # the refused POST, as the browser logs it; nothing else
+
+
+@pytest.mark.asyncio
+async def test_page_watches_the_servers_local_session(tiny, tmp_path):
+    """`runtime serve --camera 0` serves the page too: ?watch=1 follows the local session's captions and answers
+    (here a real session fed the demo speech, its events published as the CLI does), without any camera."""
+    from runtime.chunks import AudioChunk
+    from runtime.session import Session
+    from runtime.web.broadcast import Broadcast
+
+    deadline, problems = Deadline(TOTAL_TIMEOUT_S), []
+    async with RealtimeServer(*tiny, port=0) as server, browser_page(tmp_path, problems) as page:
+        server.local = Broadcast("demo speech")
+        session = await Session(*tiny).start()
+
+        async def publish() -> None:
+            async for event in session.events:
+                server.local.publish(event)
+
+        async def speak() -> None:
+            speech, chunk = demo_speech()[: 3 * 16000], 1600
+            for start in range(0, len(speech), chunk):
+                await session.push_audio(AudioChunk(speech[start : start + chunk], start))
+                await asyncio.sleep(0.05)
+            await session.ask("what moved?")
+
+        publisher, speaker = asyncio.create_task(publish()), asyncio.create_task(speak())
+        try:
+            await page.goto(f"http://127.0.0.1:{server.port}/?watch=1", timeout=deadline.ms())
+            assert await page.text_content("#start") == "Watch"
+            await page.click("#start")
+            await wait_for(page, HAS_TEXT.format("captions"), deadline, "no captions", problems)
+            await wait_for(page, HAS_TEXT.format("answer"), deadline, "no answer", problems)
+            assert (await text_of(page, "#status")).startswith("live: watching")
+            assert await page.is_disabled("#question")  # read-only: questions go to the terminal
+            assert len(server.local.watchers) == 1
+            await page.click("#stop")
+            await wait_for_watchers(server, deadline)
+        finally:
+            await speaker
+            await session.finish()
+            await publisher
+    assert not problems, problems
+
+
+async def wait_for_watchers(server: RealtimeServer, deadline: Deadline) -> None:
+    while server.local.watchers and deadline.ms() > 1:
+        await asyncio.sleep(0.05)
+    assert not server.local.watchers

@@ -15,6 +15,12 @@ const ICE_GATHER_TIMEOUT_MS = 5000; // host candidates only (no STUN), so gather
 const MAX_CAPTION_ITEMS = 200; // keep the DOM bounded on a long session
 const MAX_NOTES = 100;
 
+// Watch mode (?watch=1): follow the server's own local session (`runtime serve --camera 0`) over the read-only
+// websocket /v1/watch; this browser's camera and microphone are not used, and questions are asked in the
+// server's terminal.
+const watching = new URLSearchParams(location.search).has("watch");
+let watchSocket = null;
+
 let pc = null; // RTCPeerConnection
 let dc = null; // the `events` data channel
 let stream = null; // local camera + microphone
@@ -60,6 +66,7 @@ function ms(seconds) {
 async function start() {
   setRunning(true);
   resetView();
+  if (watching) return watch();
   try {
     setStatus("connecting: asking for camera and microphone…", "connecting");
     stream = await navigator.mediaDevices.getUserMedia({ audio: true, video: { width: 640, height: 480 } });
@@ -86,6 +93,29 @@ async function start() {
     setStatus("error: " + (err && err.message ? err.message : String(err)), "error");
     teardown();
   }
+}
+
+function watch() {
+  ui.question.disabled = ui.ask.disabled = ui.cancel.disabled = true; // read-only: ask in the terminal
+  const token = ui.token.value.trim();
+  const base = location.href.replace(/^http/, "ws").replace(/[?#].*$/, "").replace(/[^/]*$/, "");
+  const socket = new WebSocket(base + "v1/watch" + (token ? "?token=" + encodeURIComponent(token) : ""));
+  watchSocket = socket;
+  setStatus("connecting to the server's local session…", "connecting");
+  socket.onopen = () => setStatus("live: watching the server's local session (ask in its terminal)", "live");
+  socket.onmessage = (e) => onMessage(e.data);
+  socket.onclose = (e) => {
+    if (watchSocket !== socket) return; // closed on purpose by Stop
+    watchSocket = null;
+    if (e.code === 1013) { // fell behind (or too many watchers): the server asks us to come back
+      setStatus("reconnecting: this page fell behind the session…", "connecting");
+      setTimeout(() => { if (!ui.start.disabled) return; resetView(); watch(); }, 1000);
+    } else {
+      setStatus("error: the watch connection closed" + (e.code === 1006 ? " (no local session, or refused: "
+        + "start the server with --camera, --mic or --source; check the token)" : " (code " + e.code + ")"), "error");
+      teardown();
+    }
+  };
 }
 
 function iceGatheringComplete(peer) {
@@ -143,6 +173,7 @@ function stop() {
 }
 
 function teardown() {
+  if (watchSocket) { const socket = watchSocket; watchSocket = null; socket.close(); }
   const peer = pc;
   pc = null; // first, so the close handlers below know this was on purpose
   if (dc) { dc.onclose = null; dc.close(); dc = null; }
@@ -202,7 +233,8 @@ function onMessage(data) {
 }
 
 const handlers = {
-  "session.created": (e) => setStatus("live: session " + (e.session && e.session.id || ""), "live"),
+  "session.created": (e) => setStatus((watching ? "live: watching the server's local session "
+    : "live: session ") + (e.session && e.session.id || ""), "live"),
 
   "conversation.item.input_audio_transcription.delta": (e) => {
     const item = itemFor(e.item_id);
@@ -297,6 +329,12 @@ function renderCaptions() {
 }
 
 // ---------------------------------------------------------------- wiring
+
+if (watching) {
+  ui.start.textContent = "Watch";
+  setStatus("idle: press Watch to follow the server's own camera session", "");
+  ui.question.placeholder = "questions go to the server's terminal in watch mode";
+}
 
 $("connect").addEventListener("submit", (e) => { e.preventDefault(); start(); });
 ui.stop.addEventListener("click", stop);
