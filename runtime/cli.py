@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "and cross-attention) so Whisper works with the block-causal encoder mask. DATA holds "
                            "audio files, each with a same-named .txt transcript.")
     _train_recipe("causal_whisper").add_arguments(r)
+    r = recipes.add_parser("synth-speech", help="(audio, text) pairs from offline speech synthesisers",
+                           description="Synthesise English speech with espeak-ng (and flite/festival when "
+                           "installed), augmented, 16 kHz FLAC + .txt, with a fixed held-out set.")
+    _train_recipe("synth_speech").add_arguments(r)
     return parser
 
 
