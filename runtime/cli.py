@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Synthesise English speech with espeak-ng (and flite/festival when "
                            "installed), augmented, 16 kHz FLAC + .txt, with a fixed held-out set.")
     _train_recipe("synth_speech").add_arguments(r)
+    r = recipes.add_parser("fastconformer", help="a small streaming FastConformer-CTC from scratch",
+                           description="Train a cache-aware FastConformer-CTC with the streaming attention mask "
+                           "and causal convolutions used at inference, several look-aheads at once, CTC loss and "
+                           "its own unigram tokenizer. DATA: synth-speech's folder (train.jsonl, heldout.jsonl).")
+    _train_recipe("fastconformer").add_arguments(r)
     return parser
 
 

@@ -24,6 +24,13 @@ from runtime.config import ASRConfig
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.asr.fastconformer.checkpoint import (
+    CHECKPOINT_FILES,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    is_checkpoint_dir,
+    load_checkpoint,
+)
 from runtime.models.asr.fastconformer.model import FastConformerCTC
 from runtime.models.asr.fastconformer.nemo import load_nemo
 from runtime.models.asr.fastconformer.streaming import EncoderStream
@@ -42,17 +49,41 @@ def context_for_lookahead(model: FastConformerCTC, lookahead_ms: int) -> tuple[i
     return offered[lookahead_ms]
 
 
-def find_nemo(ref: str, progress: Callable[[str], None] | None = None) -> Path:
-    """A `.nemo` file: `ref` itself, or the single `.nemo` in the checkpoint directory `ref` resolves to."""
+def find_checkpoint(ref: str, progress: Callable[[str], None] | None = None) -> Path:
+    """What `asr.model` names: a checkpoint directory of our own format (model.safetensors + config.json, see
+    checkpoint.py; it wins when a directory holds both kinds) or a `.nemo` file (`ref` itself, or the single
+    `.nemo` in the directory `ref` resolves to)."""
     path = Path(ref).expanduser()
     if path.is_file():
+        if path.name in CHECKPOINT_FILES:  # a file inside a checkpoint directory: the directory is meant
+            return path.parent
         return path
     directory = resolve_checkpoint(ref, role="asr", progress=progress)
+    if is_checkpoint_dir(directory):
+        return directory
     found = sorted(directory.glob("*.nemo"))
-    if len(found) != 1:
-        what = "no .nemo file" if not found else f"{len(found)} .nemo files ({', '.join(p.name for p in found)})"
-        raise CheckpointNotFound(f"asr checkpoint {ref!r}: {directory} holds {what}; point asr.model at one .nemo file")
-    return found[0]
+    if len(found) == 1:
+        return found[0]
+    partial = [name for name in (WEIGHTS_FILE, CONFIG_FILE) if (directory / name).is_file()]
+    if partial:
+        lacking = next(name for name in (WEIGHTS_FILE, CONFIG_FILE) if name not in partial)
+        raise CheckpointNotFound(f"asr checkpoint {ref!r}: {directory} holds {partial[0]} but no {lacking}")
+    what = "no .nemo file" if not found else f"{len(found)} .nemo files ({', '.join(p.name for p in found)})"
+    raise CheckpointNotFound(f"asr checkpoint {ref!r}: {directory} holds {what} and no {WEIGHTS_FILE} + "
+                             f"{CONFIG_FILE}; point asr.model at a checkpoint directory or one .nemo file")
+
+
+def find_nemo(ref: str, progress: Callable[[str], None] | None = None) -> Path:
+    """A `.nemo` file: `ref` itself, or the single `.nemo` in the checkpoint directory `ref` resolves to."""
+    found = find_checkpoint(ref, progress)
+    if found.is_dir():
+        raise CheckpointNotFound(f"asr checkpoint {ref!r}: {found} is a safetensors checkpoint, not a .nemo file")
+    return found
+
+
+def load_any(path: Path) -> tuple[FastConformerCTC, CTCTokenizer]:
+    """Load what `find_checkpoint` found: a checkpoint directory or a `.nemo` archive."""
+    return load_checkpoint(path) if path.is_dir() else load_nemo(path)
 
 
 class FastConformerASR:
@@ -79,7 +110,7 @@ class FastConformerASR:
         cls, cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str], None] | None = None
     ) -> FastConformerASR:
         with load_progress(progress, "asr", cfg.model, device, dtype):
-            model, tokenizer = load_nemo(find_nemo(cfg.model, progress))
+            model, tokenizer = load_any(find_checkpoint(cfg.model, progress))
             model.to_runtime(device, torch_dtype(dtype))
         return cls(model, tokenizer, cfg, name=cfg.model)
 

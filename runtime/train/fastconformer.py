@@ -1,0 +1,571 @@
+"""`runtime train fastconformer`: a small cache-aware FastConformer-CTC from scratch, as it will stream.
+
+Why it trains the way it does:
+- **The inference mask and convolutions.** Every batch runs the encoder offline over whole utterances with the
+  chunked-limited attention mask of one of the model's [left, right] contexts and the causal depthwise and
+  subsampling convolutions, which is exactly what streaming.py reproduces chunk by chunk (tests prove the
+  equality). Padding cannot leak: each subsampling stage zeroes the frames past an utterance's own length (the
+  offline forward's right padding is zeros) and attention never sees padded keys, so every utterance's valid
+  frames equal its own unbatched forward (tested). What is learnt is what runs live.
+- **Several look-aheads at once.** Each batch draws one context from `att_context_sizes` (look-ahead 1040 /
+  480 / 80 / 0 ms by default), so one set of weights serves every `asr.lookahead_ms`.
+- **CTC** (blank = the last class), AdamW, linear warm-up then cosine decay, gradient clipping, cheap
+  SpecAugment (frequency and time masks). Batches are buckets of similar length cut by total padded duration.
+- **Features once.** Log-mels are computed once per utterance with the model's own featurizer and kept in
+  memory; on 2 CPU cores recomputing them per step would cost about as much as the model. A fixed per-bin
+  mean/std from the training set is stored in the config (NeMo's causal `fixed_mean`/`fixed_std`), so the
+  live featurizer applies the same normalisation.
+- **Reproducible.** Data order, the look-ahead of each step and the SpecAugment masks are pure functions of
+  (seed, step); `checkpoint-N/` holds the model directory plus `trainer_state.pt` (optimizer, step, total steps,
+  RNG state), so `--resume` continues an interrupted run exactly where an uninterrupted one would be.
+
+Data (`--data DIR`): `train.jsonl` / `heldout.jsonl` manifests (`runtime train synth-speech`), one
+`{"audio": path relative to DIR, "text": ...}` per line; or, without manifests, the folder layout
+`runtime.train.data` reads (audio + same-named .txt) from `DIR/train` (or DIR) and `DIR/heldout`.
+Output (`--out DIR`): `checkpoint-N/`, `model/` (the shippable checkpoint: model.safetensors, config.json,
+tokenizer.json; loadable with `--set asr.model=DIR/model`), `log.jsonl`, `metrics.json` (held-out WER/CER per
+look-ahead with greedy CTC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.errors import ConfigError
+from runtime.models.asr.fastconformer.checkpoint import load_checkpoint, save_checkpoint
+from runtime.models.asr.fastconformer.features import FeatureConfig, MelFeaturizer
+from runtime.models.asr.fastconformer.model import (
+    DEFAULT_CONTEXTS,
+    SUB_LEFT,
+    SUB_RIGHT,
+    ConformerEncoder,
+    FastConformerConfig,
+    FastConformerCTC,
+    chunked_limited_mask,
+    ctc_collapse,
+)
+from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer, train_unigram
+from runtime.train.data import load_audio, load_examples
+from runtime.train.text_norm import cer, normalize, wer
+
+# Model sizes and the optimiser settings that go with them. `small` is the shipped model: 176 x 9 layers,
+# 5.99 M parameters, 24.0 MB as float32 safetensors with 256 tokens. `tiny` exists for tests.
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": {"d_model": 176, "n_layers": 9, "n_heads": 4, "ff_expansion": 3, "sub_channels": 128,
+              "conv_kernel": 9, "vocab": 256, "lr": 1.5e-3, "warmup": 300, "batch_seconds": 120.0},
+    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "ff_expansion": 2, "sub_channels": 32,
+             "conv_kernel": 9, "vocab": 32, "lr": 3e-3, "warmup": 5, "batch_seconds": 24.0},
+}
+SIZE_KEYS = ("d_model", "n_layers", "n_heads", "ff_expansion", "sub_channels", "conv_kernel", "vocab", "lr",
+             "warmup", "batch_seconds")
+DEFAULT_STEPS = 3000
+MAX_BATCH = 64  # utterances per batch, whatever their length
+SAVE_KEEP = 2  # periodic checkpoints kept (the newest)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: str
+    out: str
+    preset: str = "small"
+    d_model: int = 176
+    n_layers: int = 9
+    n_heads: int = 4
+    ff_expansion: int = 3
+    sub_channels: int = 128
+    conv_kernel: int = 9
+    vocab: int = 256
+    lr: float = 1.5e-3
+    warmup: int = 300
+    batch_seconds: float = 120.0
+    steps: int | None = None  # None: --hours decides (or DEFAULT_STEPS)
+    hours: float | None = None
+    save_every: int = 250
+    resume: bool = False
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0
+    weight_decay: float = 1e-3
+    clip: float = 1.0
+    spec_augment: bool = True
+    eval_limit: int = 0  # held-out utterances scored at the end (0 = all)
+    quiet: bool = False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig("", "")
+    parser.add_argument("--data", required=True, help="dataset folder: train.jsonl + heldout.jsonl (synth-speech), "
+                        "or audio files with same-named .txt transcripts (train/ and heldout/ subfolders)")
+    parser.add_argument("--out", required=True, help="output folder: checkpoint-N/, model/, log.jsonl, metrics.json")
+    parser.add_argument("--preset", default=d.preset, choices=sorted(PRESETS),
+                        help="model size and optimiser defaults (small: the shipped model; tiny: tests)")
+    g = parser.add_argument_group("size (default: the preset's)")
+    g.add_argument("--d-model", type=int, default=None)
+    g.add_argument("--n-layers", type=int, default=None)
+    g.add_argument("--n-heads", type=int, default=None)
+    g.add_argument("--ff-expansion", type=int, default=None, help="feed-forward width / d_model")
+    g.add_argument("--sub-channels", type=int, default=None, help="channels of the 8x subsampling convolutions")
+    g.add_argument("--conv-kernel", type=int, default=None, help="causal depthwise convolution kernel")
+    g.add_argument("--vocab", type=int, default=None, help="unigram tokenizer size (trained on the transcripts)")
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate")
+    g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps, then cosine decay")
+    g.add_argument("--batch-seconds", type=float, default=None, help="padded audio seconds per batch")
+    g.add_argument("--steps", type=int, default=None,
+                   help=f"total optimizer steps (default: from --hours, else {DEFAULT_STEPS})")
+    g.add_argument("--hours", type=float, default=None, help="wall-clock budget: the step count is fixed from "
+                   "the measured speed of the warm-up steps (use --steps to reproduce a run exactly)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--clip", type=float, default=d.clip, help="gradient norm clip")
+    g.add_argument("--no-spec-augment", dest="spec_augment", action="store_false", help="no time/frequency masks")
+    parser.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest --out/checkpoint-N")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--device", default=d.device, help="auto (cuda when available) | cpu | cuda | cuda:N")
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--eval-limit", type=int, default=d.eval_limit,
+                        help="held-out utterances scored at the end (0: all)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Flags win over the preset; the preset wins over the dataclass defaults."""
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    preset = PRESETS[values.get("preset") or "small"]
+    for key in SIZE_KEYS:
+        if values.get(key) is None:
+            values[key] = preset[key]
+    return TrainConfig(**values)
+
+
+def run(args: argparse.Namespace) -> int:
+    metrics = train(config_from_args(args))
+    print(json.dumps(metrics))
+    return 0
+
+
+# -- data ---------------------------------------------------------------------------------------------------
+@dataclass
+class Utterance:
+    audio: Path
+    text: str  # normalised
+    features: torch.Tensor | None = None  # [T, mels] float32, normalised once stats are known
+
+
+def _manifest(path: Path) -> list[Utterance]:
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            out.append(Utterance(path.parent / entry["audio"], normalize(entry["text"])))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ConfigError(f"{path}:{n}: not a manifest entry with 'audio' and 'text' ({err})") from None
+    return out
+
+
+def load_split(data: Path, split: str) -> list[Utterance]:
+    """`split` ("train" | "heldout") of a dataset folder; [] for a held-out set that is not there."""
+    if (data / f"{split}.jsonl").is_file():
+        return _manifest(data / f"{split}.jsonl")
+    folder = data / split
+    if not folder.is_dir():
+        if split == "heldout":
+            return []
+        if (data / "heldout.jsonl").is_file() or (data / "heldout").is_dir():
+            raise ConfigError(f"{data} has a held-out set but no train.jsonl or train/ folder")
+        folder = data
+    return [Utterance(e.path, normalize(e.text)) for e in load_examples(folder)]
+
+
+def compute_features(utts: list[Utterance], featurizer: MelFeaturizer, desc: str, quiet: bool) -> None:
+    """Fill `features` (raw log-mels) of each utterance: once, so steps only move tensors."""
+    from tqdm import tqdm
+
+    for u in tqdm(utts, desc=f"features {desc}", unit="utt", file=sys.stderr, disable=quiet or None):
+        u.features = featurizer(load_audio(u.audio))
+
+
+def feature_stats(utts: list[Utterance]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-bin mean and std over every training frame (float64 sums, so the order of utterances is immaterial)."""
+    total = sum(u.features.shape[0] for u in utts)  # type: ignore[union-attr]
+    s = sum(u.features.double().sum(0) for u in utts)  # type: ignore[union-attr]
+    s2 = sum(u.features.double().square().sum(0) for u in utts)  # type: ignore[union-attr]
+    mean = s / total
+    std = (s2 / total - mean.square()).clamp_min(1e-8).sqrt()
+    return tuple(round(float(v), 6) for v in mean), tuple(round(float(v), 6) for v in std)
+
+
+def normalise_features(utts: list[Utterance], cfg: FeatureConfig) -> None:
+    if cfg.fixed_mean is None or cfg.fixed_std is None:
+        return
+    mean = torch.tensor(cfg.fixed_mean, dtype=torch.float64)
+    std = torch.tensor(cfg.fixed_std, dtype=torch.float64)
+    for u in utts:
+        u.features = ((u.features.double() - mean) / std).float()  # type: ignore[union-attr]
+
+
+def encoder_frames(feature_frames: int, subsampling_factor: int) -> int:
+    """NeMo's calc_length for causal dw_striding: floor(T / 2) + 1 per stride-2 stage."""
+    for _ in range(int(math.log2(subsampling_factor))):
+        feature_frames = feature_frames // 2 + 1
+    return feature_frames
+
+
+def make_batches(lengths: list[int], max_frames: int) -> list[list[int]]:
+    """Buckets: utterances sorted by length, cut so that (longest x count) <= max_frames (and <= MAX_BATCH)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (lengths[i] * (len(current) + 1) > max_frames or len(current) >= MAX_BATCH):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def batch_for_step(step: int, n_batches: int, seed: int) -> int:
+    """Which bucket step `step` trains on: consecutive entries of per-epoch permutations seeded by (seed, epoch)."""
+    epoch, pos = divmod(step, n_batches)
+    order = torch.randperm(n_batches, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return int(order[pos])
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The step's own randomness (look-ahead, masks): independent of what ran before, so resume is exact."""
+    return torch.Generator().manual_seed((seed * 7_919 + 17) * 1_000_003 + step)
+
+
+def collate(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T_max, mels] zero-padded (zeros are also what the offline forward pads with) and [B] lengths."""
+    lengths = torch.tensor([f.shape[0] for f in feats])
+    out = feats[0].new_zeros(len(feats), int(lengths.max()), feats[0].shape[1])
+    for i, f in enumerate(feats):
+        out[i, : f.shape[0]] = f
+    return out, lengths
+
+
+def spec_augment(x: torch.Tensor, lengths: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Two frequency masks (<= 15 bins) and one time mask per 1.5 s (<= 5 % of the utterance, <= 40 frames)
+    per utterance, filled with 0 (the normalised mean). Cheap: index ranges, no copies per mask."""
+    x = x.clone()
+    mels = x.shape[2]
+    for b in range(x.shape[0]):
+        n = int(lengths[b])
+        for _ in range(2):
+            w = int(torch.randint(0, 16, (1,), generator=gen))
+            f0 = int(torch.randint(0, max(1, mels - w), (1,), generator=gen))
+            x[b, :n, f0 : f0 + w] = 0.0
+        width = max(1, min(40, n // 20))
+        for _ in range(n // 150 + 1):
+            w = int(torch.randint(0, width + 1, (1,), generator=gen))
+            t0 = int(torch.randint(0, max(1, n - w), (1,), generator=gen))
+            x[b, t0 : t0 + w] = 0.0
+    return x
+
+
+# -- the model's batched forward -------------------------------------------------------------------------------
+def encode_batch(
+    encoder: ConformerEncoder, feats: torch.Tensor, lengths: torch.Tensor, context: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ConformerEncoder.forward` over a padded batch: [B, T, mels], [B] -> [B, T', d], [B] encoder lengths.
+    Each utterance's valid frames equal its own unbatched forward: subsampling stages zero the frames past its
+    length (the offline right padding), attention masks keys past it, and the depthwise convs are causal."""
+    sub = encoder.pre_encode
+    x = feats.unsqueeze(1)
+    n = lengths.to(feats.device)
+    for i in range(len(sub.stage_slices)):
+        x = sub.stage(i, F.pad(x, (0, 0, SUB_LEFT, SUB_RIGHT)))
+        n = n // 2 + 1
+        keep = torch.arange(x.shape[2], device=x.device)[None, :] < n[:, None]
+        x = x * keep[:, None, :, None].to(x.dtype)
+    x = sub.project(x) * encoder.xscale
+    t = x.shape[1]
+    valid = torch.arange(t, device=x.device)[None, :] < n[:, None]
+    allowed = chunked_limited_mask(t, context, x.device)[None] & valid[:, None, :]
+    pos = encoder.pos_emb(t, x)
+    if pos.is_inference():  # cached by an earlier inference-mode call: autograd cannot save it
+        pos = pos.clone()
+    for layer in encoder.layers:
+        x = layer(x, pos, allowed)[0]
+    return x, n
+
+
+def ctc_loss(model: FastConformerCTC, feats: torch.Tensor, lengths: torch.Tensor, targets: list[list[int]],
+             context: tuple[int, int]) -> torch.Tensor:
+    """Mean over the batch of each utterance's CTC loss divided by its target length (torch's 'mean')."""
+    enc, enc_lengths = encode_batch(model.encoder, feats, lengths, context)
+    log_probs = model.decoder(enc)  # [B, T', V + 1] float32
+    flat = torch.tensor([t for ts in targets for t in ts], dtype=torch.long, device=log_probs.device)
+    target_lengths = torch.tensor([len(ts) for ts in targets], dtype=torch.long)
+    return F.ctc_loss(log_probs.transpose(0, 1), flat, enc_lengths.cpu(), target_lengths, blank=model.blank,
+                      reduction="mean", zero_infinity=True)
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int | None) -> float:
+    """Linear warm-up to `peak`, then cosine down to 5 % of it at `total` (a pure function: resume needs no
+    scheduler state)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if total is None or total <= warmup:
+        return peak
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def greedy_transcripts(model: FastConformerCTC, tokenizer: CTCTokenizer, utts: list[Utterance],
+                       context: tuple[int, int], batch_frames: int) -> list[str]:
+    """Greedy CTC text of each utterance (batched like training, which equals the unbatched forward)."""
+    device = model.device
+    hyps = [""] * len(utts)
+    for idx in make_batches([u.features.shape[0] for u in utts], batch_frames):  # type: ignore[union-attr]
+        feats, lengths = collate([utts[i].features for i in idx])  # type: ignore[misc]
+        enc, n = encode_batch(model.encoder, feats.to(device), lengths, context)
+        labels = model.decoder(enc).argmax(-1).cpu()
+        for j, i in enumerate(idx):
+            hyps[i] = tokenizer.decode(ctc_collapse(labels[j, : int(n[j])].tolist(), model.blank))
+    return hyps
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------
+def latest_checkpoint(out: Path) -> Path | None:
+    found = [(int(p.name.split("-")[1]), p) for p in out.glob("checkpoint-*")
+             if p.is_dir() and p.name.split("-")[1].isdigit()]
+    return max(found)[1] if found else None
+
+
+def _rng_state() -> dict[str, Any]:
+    rng: dict[str, Any] = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def save_training_checkpoint(out: Path, step: int, model: FastConformerCTC, tokenizer: CTCTokenizer,
+                             opt: torch.optim.Optimizer, total: int | None, training: dict[str, Any]) -> Path:
+    """`checkpoint-N/`: the loadable model directory + `trainer_state.pt`. Written to a temporary folder and
+    renamed, so a crash never leaves a half checkpoint as the latest; older ones beyond SAVE_KEEP are removed."""
+    tmp, final = out / f".checkpoint-{step}.tmp", out / f"checkpoint-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tokenizer, tmp, training={**training, "steps": step})
+    torch.save({"step": step, "total_steps": total, "optimizer": opt.state_dict(), "rng": _rng_state()},
+               tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    kept = sorted((int(p.name.split("-")[1]), p) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
+    for _, old in kept[:-SAVE_KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, features: FeatureConfig) -> FastConformerCTC:
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(f"--n-heads {cfg.n_heads} must divide --d-model {cfg.d_model}")
+    return FastConformerCTC(FastConformerConfig(
+        vocab_size=vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
+        ff_expansion_factor=cfg.ff_expansion, subsampling_factor=8, subsampling_conv_channels=cfg.sub_channels,
+        conv_kernel_size=cfg.conv_kernel, conv_norm_type="layer_norm", att_context_sizes=DEFAULT_CONTEXTS,
+        features=features,
+    ))
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA GPU is visible to torch")
+    return name
+
+
+@dataclass
+class TrainResult:
+    model: FastConformerCTC
+    tokenizer: CTCTokenizer
+    losses: list[float]  # of the steps run by this call
+    metrics: dict[str, Any]
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (or resume), save `model/` and return the metrics (also written to metrics.json)."""
+    return train_model(cfg).metrics
+
+
+def train_model(cfg: TrainConfig) -> TrainResult:
+    """The whole recipe; returns the trained model as well (tests compare it with what was saved)."""
+    from tqdm import tqdm
+
+    if (cfg.steps is not None and cfg.steps < 1) or cfg.save_every < 1 or cfg.batch_seconds <= 0:
+        raise ConfigError("--steps, --save-every and --batch-seconds must be positive")
+    started = time.monotonic()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    data, out = Path(cfg.data).expanduser(), Path(cfg.out).expanduser()
+    if not data.is_dir():
+        raise ConfigError(f"--data {data} is not a directory")
+    ckpt = latest_checkpoint(out) if out.is_dir() else None
+    if ckpt is not None and not cfg.resume:
+        raise ConfigError(f"{out} already holds {ckpt.name}: pass --resume to continue it, or a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
+
+    train_utts, heldout = load_split(data, "train"), load_split(data, "heldout")
+    if not train_utts:
+        raise ConfigError(f"{data}: no training utterances")
+    if ckpt is not None:
+        model, tokenizer = load_checkpoint(ckpt)
+        features = model.cfg.features
+    else:
+        tokenizer = train_unigram([u.text for u in train_utts], cfg.vocab)
+        features = FeatureConfig()
+        model = None
+    raw = replace(features, fixed_mean=None, fixed_std=None)
+    featurizer = MelFeaturizer(raw)
+    compute_features(train_utts, featurizer, "train", cfg.quiet)
+    if model is None:
+        mean, std = feature_stats(train_utts)
+        features = replace(raw, fixed_mean=mean, fixed_std=std)
+        model = build_model(cfg, tokenizer.vocab_size, features)
+    normalise_features(train_utts, features)
+
+    targets = [tokenizer.encode(u.text) for u in train_utts]
+    usable = [i for i, u in enumerate(train_utts)
+              if 0 < len(targets[i]) <= encoder_frames(u.features.shape[0], 8)]  # type: ignore[union-attr]
+    if not usable:
+        raise ConfigError(f"{data}: no training utterance has a transcript that fits its audio")
+    if len(usable) < len(train_utts) and not cfg.quiet:
+        print(f"fastconformer: skipping {len(train_utts) - len(usable)} utterances whose transcript is empty or "
+              "longer than their encoder frames", file=sys.stderr)
+    batches = [[usable[i] for i in b] for b in
+               make_batches([train_utts[i].features.shape[0] for i in usable],  # type: ignore[union-attr]
+                            round(cfg.batch_seconds * 100))]
+
+    model.to_runtime(device, torch.float32)
+    model.train()
+    params = [p for p in (*model.encoder.parameters(), *model.decoder.parameters())]
+    for p in params:
+        p.requires_grad_(True)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
+    start, total = 0, cfg.steps if cfg.steps is not None else (None if cfg.hours else DEFAULT_STEPS)
+    log_path = out / "log.jsonl"
+    if ckpt is not None:
+        state = torch.load(ckpt / "trainer_state.pt", map_location=device, weights_only=False)
+        start, total = int(state["step"]), state["total_steps"] if cfg.steps is None else cfg.steps
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        np.random.set_state(state["rng"]["numpy"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= start] \
+            if log_path.exists() else []
+        log_path.write_text("".join(line + "\n" for line in kept))
+    elif log_path.exists():
+        log_path.unlink()
+
+    n_params = sum(p.numel() for p in model.state_dict().values())
+    training = {"preset": cfg.preset, "seed": cfg.seed, "data": str(data), "train_utterances": len(usable),
+                "train_hours": round(sum(train_utts[i].features.shape[0] for i in usable) / 100 / 3600, 3),
+                "parameters": n_params, "device": device, "batch_seconds": cfg.batch_seconds, "lr": cfg.lr,
+                "warmup": cfg.warmup}
+    if not cfg.quiet:
+        print(f"fastconformer: {n_params / 1e6:.2f} M parameters ({n_params * 4 / 1e6:.1f} MB fp32), "
+              f"{tokenizer.vocab_size} tokens, {len(usable)} utterances in {len(batches)} batches/epoch, "
+              f"device {device}, steps {total if total is not None else f'from --hours {cfg.hours}'}",
+              file=sys.stderr)
+
+    contexts = model.cfg.att_context_sizes
+    losses: list[float] = []
+    calib_from, calib_time = None, 0.0
+    bar = tqdm(total=total, initial=start, desc="train fastconformer", unit="step", file=sys.stderr,
+               disable=cfg.quiet or None)
+    ema = None
+    step = start
+    with log_path.open("a") as log:
+        while total is None or step < total:
+            gen = step_generator(cfg.seed, step)
+            context = contexts[int(torch.randint(0, len(contexts), (1,), generator=gen))]
+            idx = batches[batch_for_step(step, len(batches), cfg.seed)]
+            feats, lengths = collate([train_utts[i].features for i in idx])  # type: ignore[misc]
+            if cfg.spec_augment:
+                feats = spec_augment(feats, lengths, gen)
+            lr = lr_at(step, cfg.lr, cfg.warmup, total)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            t0 = time.monotonic()
+            loss = ctc_loss(model, feats.to(device), lengths, [targets[i] for i in idx], context)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            if torch.isfinite(norm):
+                opt.step()
+            step += 1
+            value = float(loss.item())
+            losses.append(value)
+            ema = value if ema is None else 0.95 * ema + 0.05 * value
+            log.write(json.dumps({"step": step, "loss": round(value, 5), "lr": lr, "lookahead_ms":
+                                  model.cfg.lookahead_ms(context), "grad_norm": round(float(norm), 4),
+                                  "s": round(time.monotonic() - t0, 3)}) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}")
+            if total is None:  # --hours: fix the step count from the speed of steps 3 .. warmup
+                if step - start == 3:
+                    calib_from, calib_time = step, time.monotonic()
+                elif calib_from is not None and step >= max(calib_from + 5, cfg.warmup):
+                    per_step = (time.monotonic() - calib_time) / (step - calib_from)
+                    left = cfg.hours * 3600 - (time.monotonic() - started)  # type: ignore[operator]
+                    total = max(step + 1, step + int(left / per_step))
+                    bar.total = total
+                    if not cfg.quiet:
+                        print(f"fastconformer: {per_step:.2f} s/step: {total} steps fit in --hours {cfg.hours} "
+                              f"(pass --steps {total} to reproduce this run)", file=sys.stderr)
+            if step % cfg.save_every == 0 or step == total:
+                save_training_checkpoint(out, step, model, tokenizer, opt, total, training)
+    bar.close()
+
+    model.eval()
+    for p in params:
+        p.requires_grad_(False)
+    elapsed = time.monotonic() - started
+    training = {**training, "steps": step, "wall_s": round(elapsed, 1)}
+    save_checkpoint(model, tokenizer, out / "model", training=training)
+    metrics: dict[str, Any] = {"steps": step, "final_loss": losses[-1] if losses else None,
+                               "parameters": n_params, "wall_s": round(elapsed, 1),
+                               "s_per_step": round(elapsed / max(1, len(losses)), 3), "heldout": {}}
+    if heldout:
+        scored = heldout[: cfg.eval_limit] if cfg.eval_limit else heldout
+        compute_features(scored, featurizer, "heldout", cfg.quiet)
+        normalise_features(scored, features)
+        refs = [u.text for u in scored]
+        for context in contexts:
+            hyps = greedy_transcripts(model, tokenizer, scored, context, round(cfg.batch_seconds * 100))
+            metrics["heldout"][f"lookahead_{model.cfg.lookahead_ms(context)}ms"] = {
+                "wer": round(wer(refs, hyps), 4), "cer": round(cer(refs, hyps), 4), "utterances": len(scored)}
+        if not cfg.quiet:
+            for name, m in metrics["heldout"].items():
+                print(f"fastconformer: held-out {name}: WER {m['wer']:.1%} CER {m['cer']:.1%}", file=sys.stderr)
+    metrics["config"] = asdict(cfg)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return TrainResult(model, tokenizer, losses, metrics)
