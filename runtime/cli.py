@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no status lines on stderr")
 
-    p = sub.add_parser("train", help="train models: causal Whisper LoRA adapters, synthetic speech data, a small FastConformer",
+    p = sub.add_parser("train", help="train models: causal Whisper LoRA adapters, synthetic speech data, a small "
+                       "FastConformer",
                        description="Train models with the project's recipes.")
     recipes = p.add_subparsers(dest="recipe", required=True, metavar="RECIPE")
     r = recipes.add_parser("causal-whisper", help="LoRA adapters for Whisper's block-causal encoder",
