@@ -59,3 +59,23 @@ def test_unbuilt_benchmarks_say_so(capsys, monkeypatch):
     monkeypatch.setattr(bench, "NOT_BUILT", {"later": "a later issue"})
     assert main(["bench", "later"]) != 0
     assert "not built yet" in capsys.readouterr().err
+
+
+def test_asr_quality_refuses_random_weights_and_unknown_builtins(capsys):
+    from cli_common import one_error_line, run_cli
+
+    code, _, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--model", "tiny:fastconformer")
+    assert code != 0 and "random weights" in one_error_line(err)
+    code, _, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--model", "builtin:no-such-model",
+                           "--data", "/nonexistent")
+    assert code != 0 and "heldout.jsonl" in one_error_line(err)  # the data is checked before any model loads
+
+
+def test_unknown_builtin_checkpoints_name_the_shipped_ones():
+    import pytest
+
+    from runtime.errors import CheckpointNotFound
+    from runtime.models.loading import resolve_checkpoint
+
+    with pytest.raises(CheckpointNotFound, match="no such built-in checkpoint"):
+        resolve_checkpoint("builtin:no-such-model", role="asr")

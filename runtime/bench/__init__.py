@@ -18,6 +18,8 @@ from typing import Any
 BENCHES: dict[str, tuple[str, str]] = {
     "asr": ("runtime.bench.asr", "streaming ASR: exactness, per-chunk cost, RTF, cost growth, buffered peer"),
     "llm": ("runtime.bench.llm", "language engine: KV window exactness, TTFT, decode speed, verify cost, KV bytes"),
+    "asr-quality": ("runtime.bench.asr_quality", "trained ASR: held-out WER/CER streamed at each look-ahead and "
+                    "offline, the demo sample's WER (needs trained weights)"),
     "video": ("runtime.bench.video", "video path: ingest fps, memory tokens and RSS over an hour, answer TTFT"),
     "serve": ("runtime.bench.serve", "server: N live SDK clients at real-time pace: event latency, loop lag, RSS"),
 }
@@ -33,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="default: float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: one per core but one)")
+    parser.add_argument("--model", default=None, help="asr-quality: the checkpoint to score (default: "
+                        "builtin:demo-fastconformer)")
+    parser.add_argument("--data", default=None, help="asr-quality: a `runtime train synth-speech` folder whose "
+                        "heldout.jsonl to score (default: the fixed held-out set, generated into the cache once)")
 
 
 def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:

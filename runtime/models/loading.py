@@ -1,4 +1,5 @@
-"""Where model weights come from: `tiny:NAME` (random, built here), a local directory, or the HF cache.
+"""Where model weights come from: `tiny:NAME` (random, built here), `builtin:NAME` (trained, shipped in the
+package), a local directory, or the HF cache.
 
 Every model is then loaded with the same `from_pretrained` calls, so the tiny models exercise exactly the
 code that loads real checkpoints. Nothing here waits on the network when offline: a checkpoint that is
@@ -28,6 +29,7 @@ from runtime.models import tiny
 
 Progress = Callable[[str], None]
 
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"  # checkpoints shipped in the package (builtin:NAME)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # Only what loading needs: never pull optimizer states, .bin duplicates, ONNX exports or demo media.
@@ -139,6 +141,13 @@ def resolve_checkpoint(ref: str, *, role: str, seed: int = 0, progress: Progress
     """Map a profile's model reference to a local directory that `from_pretrained` can read."""
     if ref.startswith("tiny:"):
         return ensure_tiny(ref.removeprefix("tiny:"), seed=seed, progress=progress)
+    if ref.startswith("builtin:"):
+        path = BUILTIN_DIR / ref.removeprefix("builtin:")
+        if not path.is_dir():
+            shipped = sorted(p.name for p in BUILTIN_DIR.iterdir() if p.is_dir()) if BUILTIN_DIR.is_dir() else []
+            raise CheckpointNotFound(f"{role} checkpoint {ref!r}: no such built-in checkpoint (shipped: "
+                                     f"{', '.join(shipped) or 'none'})")
+        return path
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
