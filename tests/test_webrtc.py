@@ -178,3 +178,22 @@ async def test_the_demo_page_is_served(tiny):  # noqa: F811
         assert status == 200 and "javascript" in kind
         for path in ("/static/nope.js", "/static/../server.py", "/static/%2e%2e/server.py", "/elsewhere"):
             assert (await asyncio.to_thread(get, path))[0] == 404, path
+
+
+@pytest.mark.asyncio
+async def test_peers_that_vanish_mid_stream_leave_nothing_behind(tiny):  # noqa: F811
+    import gc
+    import weakref
+
+    async with RealtimeServer(*tiny, port=0) as server:
+        sessions = []
+        for _ in range(10):
+            pc, events, _ = await connect_peer(server.port, seconds=2.0)
+            await next_event(events, "session.created")
+            sessions.append(weakref.ref(next(iter(server.sessions.values()))))
+            await asyncio.sleep(0.3)  # media flowing
+            await pc.close()  # no goodbye on the data channel: the transport just goes
+            await wait_until(lambda: not server.sessions and not server.peers, timeout=20)
+        await wait_until(lambda: not [t for t in asyncio.all_tasks() if "sess_" in t.get_name()], timeout=10)
+    gc.collect()
+    assert not [ref for ref in sessions if ref() is not None], "sessions still referenced after their peers left"
