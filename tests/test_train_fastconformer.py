@@ -23,14 +23,8 @@ from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models.asr.base import load_asr
 from runtime.models.asr.fastconformer.checkpoint import load_checkpoint
 from runtime.models.asr.fastconformer.stream import find_checkpoint
-from runtime.train.fastconformer import (
-    TrainConfig,
-    collate,
-    encode_batch,
-    load_split,
-    make_batches,
-    train_model,
-)
+from runtime.train.ctc_data import collate, load_split, make_batches
+from runtime.train.fastconformer import TrainConfig, encode_batch, train_model
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

@@ -58,8 +58,20 @@ from runtime.models.asr.fastconformer.model import (
     ctc_collapse,
 )
 from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer, train_unigram
-from runtime.train.data import load_audio, load_examples
-from runtime.train.text_norm import cer, normalize, wer
+from runtime.train.ctc_data import (
+    Utterance,
+    batch_for_step,
+    collate,
+    compute_features,
+    encoder_frames,
+    feature_stats,
+    load_split,
+    make_batches,
+    normalise_features,
+    spec_augment,
+    step_generator,
+)
+from runtime.train.text_norm import cer, wer
 
 # Model sizes and the optimiser settings that go with them. `small` is the shipped model: 176 x 9 layers,
 # 5.99 M parameters, 24.0 MB as float32 safetensors with 256 tokens. `tiny` exists for tests.
@@ -72,7 +84,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 SIZE_KEYS = ("d_model", "n_layers", "n_heads", "ff_expansion", "sub_channels", "conv_kernel", "vocab", "lr",
              "warmup", "batch_seconds")
 DEFAULT_STEPS = 3000
-MAX_BATCH = 64  # utterances per batch, whatever their length
 SAVE_KEEP = 2  # periodic checkpoints kept (the newest)
 
 
@@ -155,130 +166,6 @@ def run(args: argparse.Namespace) -> int:
     metrics = train(config_from_args(args))
     print(json.dumps(metrics))
     return 0
-
-
-# -- data ---------------------------------------------------------------------------------------------------
-@dataclass
-class Utterance:
-    audio: Path
-    text: str  # normalised
-    features: torch.Tensor | None = None  # [T, mels] float32, normalised once stats are known
-
-
-def _manifest(path: Path) -> list[Utterance]:
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-            out.append(Utterance(path.parent / entry["audio"], normalize(entry["text"])))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ConfigError(f"{path}:{n}: not a manifest entry with 'audio' and 'text' ({err})") from None
-    return out
-
-
-def load_split(data: Path, split: str) -> list[Utterance]:
-    """`split` ("train" | "heldout") of a dataset folder; [] for a held-out set that is not there."""
-    if (data / f"{split}.jsonl").is_file():
-        return _manifest(data / f"{split}.jsonl")
-    folder = data / split
-    if not folder.is_dir():
-        if split == "heldout":
-            return []
-        if (data / "heldout.jsonl").is_file() or (data / "heldout").is_dir():
-            raise ConfigError(f"{data} has a held-out set but no train.jsonl or train/ folder")
-        folder = data
-    return [Utterance(e.path, normalize(e.text)) for e in load_examples(folder)]
-
-
-def compute_features(utts: list[Utterance], featurizer: MelFeaturizer, desc: str, quiet: bool) -> None:
-    """Fill `features` (raw log-mels) of each utterance: once, so steps only move tensors."""
-    from tqdm import tqdm
-
-    for u in tqdm(utts, desc=f"features {desc}", unit="utt", file=sys.stderr, disable=quiet or None):
-        u.features = featurizer(load_audio(u.audio))
-
-
-def feature_stats(utts: list[Utterance]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-bin mean and std over every training frame (float64 sums, so the order of utterances is immaterial)."""
-    total = sum(u.features.shape[0] for u in utts)  # type: ignore[union-attr]
-    s = sum(u.features.double().sum(0) for u in utts)  # type: ignore[union-attr]
-    s2 = sum(u.features.double().square().sum(0) for u in utts)  # type: ignore[union-attr]
-    mean = s / total
-    std = (s2 / total - mean.square()).clamp_min(1e-8).sqrt()
-    return tuple(round(float(v), 6) for v in mean), tuple(round(float(v), 6) for v in std)
-
-
-def normalise_features(utts: list[Utterance], cfg: FeatureConfig) -> None:
-    if cfg.fixed_mean is None or cfg.fixed_std is None:
-        return
-    mean = torch.tensor(cfg.fixed_mean, dtype=torch.float64)
-    std = torch.tensor(cfg.fixed_std, dtype=torch.float64)
-    for u in utts:
-        u.features = ((u.features.double() - mean) / std).float()  # type: ignore[union-attr]
-
-
-def encoder_frames(feature_frames: int, subsampling_factor: int) -> int:
-    """NeMo's calc_length for causal dw_striding: floor(T / 2) + 1 per stride-2 stage."""
-    for _ in range(int(math.log2(subsampling_factor))):
-        feature_frames = feature_frames // 2 + 1
-    return feature_frames
-
-
-def make_batches(lengths: list[int], max_frames: int) -> list[list[int]]:
-    """Buckets: utterances sorted by length, cut so that (longest x count) <= max_frames (and <= MAX_BATCH)."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        if current and (lengths[i] * (len(current) + 1) > max_frames or len(current) >= MAX_BATCH):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def batch_for_step(step: int, n_batches: int, seed: int) -> int:
-    """Which bucket step `step` trains on: consecutive entries of per-epoch permutations seeded by (seed, epoch)."""
-    epoch, pos = divmod(step, n_batches)
-    order = torch.randperm(n_batches, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return int(order[pos])
-
-
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The step's own randomness (look-ahead, masks): independent of what ran before, so resume is exact."""
-    return torch.Generator().manual_seed((seed * 7_919 + 17) * 1_000_003 + step)
-
-
-def collate(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T_max, mels] zero-padded (zeros are also what the offline forward pads with) and [B] lengths."""
-    lengths = torch.tensor([f.shape[0] for f in feats])
-    out = feats[0].new_zeros(len(feats), int(lengths.max()), feats[0].shape[1])
-    for i, f in enumerate(feats):
-        out[i, : f.shape[0]] = f
-    return out, lengths
-
-
-def spec_augment(x: torch.Tensor, lengths: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Two frequency masks (<= 15 bins) and one time mask per 1.5 s (<= 5 % of the utterance, <= 40 frames)
-    per utterance, filled with 0 (the normalised mean). Cheap: index ranges, no copies per mask."""
-    x = x.clone()
-    mels = x.shape[2]
-    for b in range(x.shape[0]):
-        n = int(lengths[b])
-        for _ in range(2):
-            w = int(torch.randint(0, 16, (1,), generator=gen))
-            f0 = int(torch.randint(0, max(1, mels - w), (1,), generator=gen))
-            x[b, :n, f0 : f0 + w] = 0.0
-        width = max(1, min(40, n // 20))
-        for _ in range(n // 150 + 1):
-            w = int(torch.randint(0, width + 1, (1,), generator=gen))
-            t0 = int(torch.randint(0, max(1, n - w), (1,), generator=gen))
-            x[b, t0 : t0 + w] = 0.0
-    return x
 
 
 # -- the model's batched forward -------------------------------------------------------------------------------
