@@ -12,7 +12,8 @@ import pytest
 import soundfile
 
 from runtime.train.data import load_examples
-from runtime.train.synth_speech import MAX_SECONDS, MIN_SECONDS, Settings, Voice, find_voices, generate, render
+from runtime.train.synth_speech import Settings, generate
+from runtime.train.synthesizers import MAX_SECONDS, MIN_SECONDS, Voice, find_voices, render
 from runtime.train.text_norm import cer, expand, normalize, number_to_words, wer
 from runtime.train.texts import TextSource, is_heldout
 
