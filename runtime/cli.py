@@ -259,8 +259,13 @@ async def _run_session(
 
 
 def _setup(profile: Profile, console: Console) -> tuple[DeviceWorker, Models]:
-    if profile.random_weights:
-        console.status(f"profile '{profile.name}' uses random, untrained weights: captions and answers are "
+    random = [(role, ref) for role, ref in (("asr", profile.asr.model), ("lm", profile.lm.model))
+              if ref.startswith("tiny:")]
+    if random:
+        noise = " and ".join({"asr": "captions", "lm": "answers"}[role] for role, _ in random)
+        models = ", ".join(f"{role} {ref}" for role, ref in random)
+        verb = "has" if len(random) == 1 else "have"
+        console.status(f"profile '{profile.name}': {models} {verb} random, untrained weights, so its {noise} are "
                        "noise; for real models run with --profile cpu or --profile gpu (see README)")
     if profile.device.startswith("cuda"):
         import torch
