@@ -136,6 +136,9 @@ async def test_signalling_refusals(tiny):  # noqa: F811
             (b'{"sdp": 1, "type": "offer"}', "/v1/webrtc/offer", auth, 400, "invalid_offer"),
             (b"not json", "/v1/webrtc/offer", auth, 400, "invalid_offer"),
             (b'{"sdp": "v=0 nonsense", "type": "offer"}', "/v1/webrtc/offer", auth, 400, "invalid_offer"),
+            (b'{"sdp": "x", "type": "offer"}', "/v1/webrtc/offer", auth, 400, "invalid_offer"),  # no data channel
+            (b'{"sdp": "v=0\\r\\nm=application 9 UDP/DTLS/SCTP webrtc-datachannel\\r\\n", "type": "offer"}',
+             "/v1/webrtc/offer", auth, 400, "invalid_offer"),  # one, but aiortc cannot use the rest
             (b'{"sdp": "", "type": "answer"}', "/v1/webrtc/offer", auth, 400, "invalid_offer"),
             (b"{}", "/v1/webrtc/offer", {}, 401, "unauthorized"),
             (b"{}", "/v1/webrtc/offer", {"Authorization": "Bearer nope"}, 401, "unauthorized"),
