@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,7 @@ class AsyncRealtimeClient:
         return await self.send("input_video_frame.append", image=base64.b64encode(data).decode(),
                                timestamp=timestamp)
 
-    async def _send_binary(self, build: Any) -> str:
+    async def _send_binary(self, build: Callable[[int], bytes]) -> str:
         assert self.ws is not None, "connect() first"
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         await self.ws.send(build(self._seq))

@@ -1,9 +1,12 @@
 """Event-loop lag: how late the loop wakes a sleeping task. A blocked loop delays every session's audio,
-so this is the first number to look at when captions stutter. Reported in `metrics` events."""
+so this is the first number to look at when captions stutter. Reported in `metrics` events and /healthz,
+with the process's resident memory (`rss_mb`)."""
 
 from __future__ import annotations
 
 import asyncio
+import resource
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -69,3 +72,15 @@ class LoopLagMonitor:
 
         return {"p50": at(0.5), "p95": at(0.95), "p99": at(0.99), "max": round(lags[-1] * 1000, 3),
                 "samples": len(lags), "window_s": window_s}
+
+
+def rss_mb() -> tuple[float, str]:
+    """This process's resident memory in MB and where it came from: VmRSS (current) from /proc, or where /proc
+    is missing the peak from getrusage, which can only grow."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return kb / 1024, "VmRSS (current)"
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / (1024 * 1024 if sys.platform == "darwin" else 1024), "ru_maxrss (peak)"

@@ -28,6 +28,7 @@ import numpy as np
 import soundfile
 import torch
 
+from runtime.bench.timing import at_most
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
@@ -118,10 +119,10 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     results.update(
         demo_sample={"script": normalize(script), "by_lookahead_ms": demo},
         targets={
-            "heldout_wer_at_smallest_lookahead": _target(streaming[smallest]["wer"], 15.0),
-            "heldout_cer_at_smallest_lookahead": _target(streaming[smallest]["cer"], 5.0),
-            "streaming_minus_offline_wer_points": _target(round(gap, 2), 1.0),
-            "demo_sample_wer": _target(demo[smallest]["wer"], 10.0),
+            "heldout_wer_at_smallest_lookahead": at_most(streaming[smallest]["wer"], 15.0),
+            "heldout_cer_at_smallest_lookahead": at_most(streaming[smallest]["cer"], 5.0),
+            "streaming_minus_offline_wer_points": at_most(round(gap, 2), 1.0),
+            "demo_sample_wer": at_most(demo[smallest]["wer"], 10.0),
         },
     )
     return {
@@ -142,7 +143,3 @@ def _read(path: Path) -> np.ndarray:
 
 def _scores(refs: list[str], hyps: list[str], wer: Callable, cer: Callable) -> dict[str, float]:
     return {"wer": round(100 * wer(refs, hyps), 2), "cer": round(100 * cer(refs, hyps), 2)}
-
-
-def _target(value: float, at_most: float) -> dict[str, Any]:
-    return {"value": value, "target": f"<= {at_most:g}", "met": value <= at_most}

@@ -1,10 +1,10 @@
-"""Timing helpers shared by the benchmarks: wall time that waits for the accelerator, and percentiles."""
+"""Helpers shared by the benchmarks: wall time that waits for the accelerator, percentiles, and targets."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,3 +31,8 @@ def percentiles_ms(seconds: Sequence[float], qs: Sequence[int] = (50, 95)) -> di
         return {f"p{q}": float("nan") for q in qs}
     values = np.asarray(seconds) * 1000.0
     return {f"p{q}": round(float(np.percentile(values, q)), 3) for q in qs}
+
+
+def at_most(value: float | None, target: float) -> dict[str, Any]:
+    """A target of the form `value <= target`, as the benchmarks report it (a missing value is not met)."""
+    return {"value": value, "target": f"<= {target:g}", "met": value is not None and value <= target}

@@ -39,8 +39,6 @@ import gc
 import json
 import os
 import platform
-import resource
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
@@ -55,6 +53,7 @@ from runtime.bench.shapes import llava_onevision_config
 from runtime.bench.timing import percentiles_ms, timed
 from runtime.config import LMConfig
 from runtime.memory.video import MemorySizes, MemorySnapshot, VideoMemory
+from runtime.metrics import rss_mb
 from runtime.models.lm.engine import EngineSession, LMEngine, Piece, Visual
 from runtime.models.loading import configure_threads, resolve_checkpoint, torch_dtype
 from runtime.models.vlm.llava_onevision import VisionEncoder
@@ -97,16 +96,6 @@ def _build_checkpoint(plan: dict[str, Any], out: Path, device: str, dtype: torch
     preprocessor = {"size": {"height": size, "width": size}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
                     "rescale_factor": 1 / 255, "do_resize": True}  # the family's SigLIP normalisation
     (out / "video_preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
-
-
-def _rss_mb() -> tuple[float, str]:
-    try:
-        with open("/proc/self/status") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        return kb / 1024, "VmRSS (current)"
-    except (OSError, StopIteration):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return peak / (1024 * 1024 if sys.platform == "darwin" else 1024), "ru_maxrss (peak)"
 
 
 def _trim() -> bool:
@@ -246,10 +235,10 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
             tokens[name] = snap.tokens
             _, seconds = timed(lambda snap=snap: _warm(session, snap), args.device)  # the last write's refresh
             refresh[name] = {"tokens": session.stats.prefilled - before, "ms": round(seconds * 1000, 2)}
-            raw, rss_source = _rss_mb()
+            raw, rss_source = rss_mb()
             rss[name] = round(raw, 1)
             if _trim():
-                trimmed[name] = round(_rss_mb()[0], 1)
+                trimmed[name] = round(rss_mb()[0], 1)
             status(f"{name}: answer ttft, ours (warm memory + prefill)")
             ours = []
             for _ in range(2):

@@ -30,7 +30,7 @@ from websockets.http11 import Request, Response
 
 from runtime.config import Profile
 from runtime.events import error_event
-from runtime.metrics import LoopLagMonitor
+from runtime.metrics import LoopLagMonitor, rss_mb
 from runtime.session import Models, Session
 from runtime.web.broadcast import Broadcast
 from runtime.web.driver import SessionDriver
@@ -103,7 +103,7 @@ class RealtimeServer:
             "local": None if self.local is None else {"source": self.local.description,
                                                       "watchers": len(self.local.watchers)},
             "loop_lag_ms": self.loop_lag.percentiles(window_s),
-            "rss_mb": round(rss_mb(), 1),
+            "rss_mb": round(rss_mb()[0], 1),
             "queues": {sid: {c.name: len(c) for c in (s.audio_in, s.video_in, s.questions, s.events)}
                        for sid, s in self.sessions.items()},
             "worker": self.worker.stats(),
@@ -253,15 +253,6 @@ class RealtimeServer:
                 self.local.watchers.discard(watcher)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-
-
-def rss_mb() -> float:
-    """This process's resident memory now (VmRSS), or 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-    except (OSError, StopIteration):
-        return 0.0
 
 
 async def run_server(profile: Profile, models: Models, worker: Any, *, host: str = "127.0.0.1", port: int = 8765,
