@@ -103,11 +103,9 @@ class WebRTCPeer:
     def _closing(self) -> None:
         if not self.closed.is_set():
             self.closed.set()
-            with contextlib.suppress(asyncio.QueueFull):
-                self.inbox.put_nowait(None)  # ends the driver's reader
-            if self.inbox.full():  # the end must get through even past a flood
+            if self.inbox.full():  # the end must get through even past a flood of client events
                 self.inbox.get_nowait()
-                self.inbox.put_nowait(None)
+            self.inbox.put_nowait(None)  # ends the driver's reader
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=f"{self.session.id}:{name}")
