@@ -23,7 +23,7 @@ from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models.asr.base import load_asr
 from runtime.models.asr.fastconformer.checkpoint import load_checkpoint
 from runtime.models.asr.fastconformer.stream import find_checkpoint
-from runtime.train.ctc_data import collate, load_split, make_batches
+from runtime.train.ctc_data import batch_for_step, collate, load_split, make_batches, shortest_pool
 from runtime.train.fastconformer import TrainConfig, encode_batch, train_model
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -68,7 +68,8 @@ def dataset(tmp_path_factory):
 def tiny_cfg(data, out, **kw) -> TrainConfig:
     base = dict(data=str(data), out=str(out), preset="tiny", d_model=64, n_layers=2, n_heads=4, ff_expansion=2,
                 sub_channels=32, conv_kernel=9, vocab=24, lr=5e-3, warmup=4, batch_seconds=12.0, steps=STEPS,
-                save_every=SAVE_EVERY, seed=0, device="cpu", quiet=True)
+                save_every=SAVE_EVERY, seed=0, device="cpu", quiet=True, short_first=0.5, short_first_steps=10,
+                grow_steps=20)
     return TrainConfig(**{**base, **kw})
 
 
@@ -188,3 +189,22 @@ def test_cli_recipe(dataset, tmp_path):
     assert main(argv) == 0
     assert (tmp_path / "o" / "model" / "model.safetensors").is_file()
     assert json.loads((tmp_path / "o" / "metrics.json").read_text())["steps"] == 2
+
+
+def test_short_clips_first_then_every_bucket():
+    n, fraction, hold, grow = 40, 0.1, 30, 60
+    pools = [shortest_pool(step, n, fraction, hold, grow) for step in range(200)]
+    assert pools[:hold + 1] == [4] * (hold + 1)  # the shortest 10 % alone
+    assert pools == sorted(pools) and pools[hold + grow] == n and set(pools[hold + grow:]) == {n}
+    assert shortest_pool(0, n, 1.0, hold, grow) == n  # --short-first 1: no curriculum
+    drawn = [batch_for_step(step, n, 0, pools[step]) for step in range(200)]
+    assert all(b < pools[s] for s, b in enumerate(drawn))
+    assert len(set(drawn[:hold])) > 1  # a draw among them, not always the same bucket
+    assert drawn == [batch_for_step(step, n, 0, pools[step]) for step in range(200)]  # pure: resume is exact
+    epoch = [batch_for_step(step, n, 0, n) for step in range(n * 3, n * 4)]
+    assert sorted(epoch) == list(range(n))  # afterwards, every bucket once per epoch
+
+
+def test_curriculum_flags_are_checked(dataset, tmp_path):
+    with pytest.raises(ConfigError, match="--short-first"):
+        train_model(tiny_cfg(dataset, tmp_path / "out", short_first=0.0))

@@ -68,6 +68,7 @@ from runtime.train.ctc_data import (
     load_split,
     make_batches,
     normalise_features,
+    shortest_pool,
     spec_augment,
     step_generator,
 )
@@ -112,6 +113,9 @@ class TrainConfig:
     weight_decay: float = 1e-3
     clip: float = 1.0
     spec_augment: bool = True
+    short_first: float = 0.05  # the curriculum: share of the shortest buckets the first steps draw from
+    short_first_steps: int = 700  # steps on those alone
+    grow_steps: int = 1500  # then the pool grows linearly to every bucket
     eval_limit: int = 0  # held-out utterances scored at the end (0 = all)
     quiet: bool = False
 
@@ -142,6 +146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--clip", type=float, default=d.clip, help="gradient norm clip")
     g.add_argument("--no-spec-augment", dest="spec_augment", action="store_false", help="no time/frequency masks")
+    g = parser.add_argument_group("curriculum: short clips first (CTC leaves its plateau far sooner on them)")
+    g.add_argument("--short-first", type=float, default=d.short_first,
+                   help="share of the length-sorted buckets the first steps draw from (1: no curriculum)")
+    g.add_argument("--short-first-steps", type=int, default=d.short_first_steps, help="steps on those alone")
+    g.add_argument("--grow-steps", type=int, default=d.grow_steps,
+                   help="steps over which the pool then grows linearly to the whole set")
     parser.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from the latest --out/checkpoint-N")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -301,6 +311,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
 
     if (cfg.steps is not None and cfg.steps < 1) or cfg.save_every < 1 or cfg.batch_seconds <= 0:
         raise ConfigError("--steps, --save-every and --batch-seconds must be positive")
+    if not 0.0 < cfg.short_first <= 1.0 or cfg.short_first_steps < 0 or cfg.grow_steps < 0:
+        raise ConfigError("--short-first must be in (0, 1]; --short-first-steps and --grow-steps at least 0")
     started = time.monotonic()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -375,7 +387,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     training = {"preset": cfg.preset, "seed": cfg.seed, "data": str(data), "train_utterances": len(usable),
                 "train_hours": round(sum(train_utts[i].features.shape[0] for i in usable) / 100 / 3600, 3),
                 "parameters": n_params, "device": device, "batch_seconds": cfg.batch_seconds, "lr": cfg.lr,
-                "warmup": cfg.warmup}
+                "warmup": cfg.warmup, "curriculum": [cfg.short_first, cfg.short_first_steps, cfg.grow_steps]}
     if not cfg.quiet:
         print(f"fastconformer: {n_params / 1e6:.2f} M parameters ({n_params * 4 / 1e6:.1f} MB fp32), "
               f"{tokenizer.vocab_size} tokens, {len(usable)} utterances in {len(batches)} batches/epoch, "
@@ -393,7 +405,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         while total is None or step < total:
             gen = step_generator(cfg.seed, step)
             context = contexts[int(torch.randint(0, len(contexts), (1,), generator=gen))]
-            idx = batches[batch_for_step(step, len(batches), cfg.seed)]
+            pool = shortest_pool(step, len(batches), cfg.short_first, cfg.short_first_steps, cfg.grow_steps)
+            idx = batches[batch_for_step(step, len(batches), cfg.seed, pool)]
             feats, lengths = collate([train_utts[i].features for i in idx])  # type: ignore[misc]
             if cfg.spec_augment:
                 feats = spec_augment(feats, lengths, gen)
