@@ -208,3 +208,18 @@ def test_short_clips_first_then_every_bucket():
 def test_curriculum_flags_are_checked(dataset, tmp_path):
     with pytest.raises(ConfigError, match="--short-first"):
         train_model(tiny_cfg(dataset, tmp_path / "out", short_first=0.0))
+
+
+def test_a_4x_subsampled_model_trains_and_streams_exactly(dataset, tmp_path):
+    out = tmp_path / "sub4"
+    result = train_model(tiny_cfg(dataset, out, subsampling=4, steps=40, save_every=40, short_first=1.0))
+    assert result.model.cfg.subsampling_factor == 4 and result.model.cfg.frame_seconds == 0.04
+    audio, _ = soundfile.read(str(dataset / "heldout" / "000002.flac"), dtype="float32")
+    asr = load_asr(ASRConfig(backend="fastconformer", model=str(out / "model"), lookahead_ms=0),
+                   device="cpu", dtype="float32")
+    offline = asr.model.transcribe_offline(audio, asr.context)
+    stream = asr.open_stream()
+    for pos in range(0, len(audio), 1234):
+        stream.accept(AudioChunk(audio[pos : pos + 1234], pos))
+    stream.finish()
+    assert offline and stream.token_ids == offline

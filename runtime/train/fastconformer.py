@@ -77,13 +77,13 @@ from runtime.train.text_norm import cer, wer
 # Model sizes and the optimiser settings that go with them. `small` is the shipped model: 176 x 9 layers,
 # 5.99 M parameters, 24.0 MB as float32 safetensors with 256 tokens. `tiny` exists for tests.
 PRESETS: dict[str, dict[str, Any]] = {
-    "small": {"d_model": 176, "n_layers": 9, "n_heads": 4, "ff_expansion": 3, "sub_channels": 128,
-              "conv_kernel": 9, "vocab": 256, "lr": 1.5e-3, "warmup": 300, "batch_seconds": 120.0},
-    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "ff_expansion": 2, "sub_channels": 32,
-             "conv_kernel": 9, "vocab": 32, "lr": 3e-3, "warmup": 5, "batch_seconds": 24.0},
+    "small": {"subsampling": 8, "d_model": 176, "n_layers": 9, "n_heads": 4, "ff_expansion": 3,
+              "sub_channels": 128, "conv_kernel": 9, "vocab": 256, "lr": 1.5e-3, "warmup": 300, "batch_seconds": 120.0},
+    "tiny": {"subsampling": 8, "d_model": 64, "n_layers": 2, "n_heads": 4, "ff_expansion": 2,
+             "sub_channels": 32, "conv_kernel": 9, "vocab": 32, "lr": 3e-3, "warmup": 5, "batch_seconds": 24.0},
 }
-SIZE_KEYS = ("d_model", "n_layers", "n_heads", "ff_expansion", "sub_channels", "conv_kernel", "vocab", "lr",
-             "warmup", "batch_seconds")
+SIZE_KEYS = ("subsampling", "d_model", "n_layers", "n_heads", "ff_expansion", "sub_channels", "conv_kernel",
+             "vocab", "lr", "warmup", "batch_seconds")
 DEFAULT_STEPS = 3000
 SAVE_KEEP = 2  # periodic checkpoints kept (the newest)
 
@@ -93,6 +93,7 @@ class TrainConfig:
     data: str
     out: str
     preset: str = "small"
+    subsampling: int = 8
     d_model: int = 176
     n_layers: int = 9
     n_heads: int = 4
@@ -128,11 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=d.preset, choices=sorted(PRESETS),
                         help="model size and optimiser defaults (small: the shipped model; tiny: tests)")
     g = parser.add_argument_group("size (default: the preset's)")
+    g.add_argument("--subsampling", type=int, choices=[4, 8], default=None,
+                   help="time subsampling of the dw_striding front end (8: 80 ms encoder steps, 4: 40 ms)")
     g.add_argument("--d-model", type=int, default=None)
     g.add_argument("--n-layers", type=int, default=None)
     g.add_argument("--n-heads", type=int, default=None)
     g.add_argument("--ff-expansion", type=int, default=None, help="feed-forward width / d_model")
-    g.add_argument("--sub-channels", type=int, default=None, help="channels of the 8x subsampling convolutions")
+    g.add_argument("--sub-channels", type=int, default=None, help="channels of the subsampling convolutions")
     g.add_argument("--conv-kernel", type=int, default=None, help="causal depthwise convolution kernel")
     g.add_argument("--vocab", type=int, default=None, help="unigram tokenizer size (trained on the transcripts)")
     g = parser.add_argument_group("optimisation")
@@ -278,7 +281,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, features: FeatureConfig) -> F
         raise ConfigError(f"--n-heads {cfg.n_heads} must divide --d-model {cfg.d_model}")
     return FastConformerCTC(FastConformerConfig(
         vocab_size=vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
-        ff_expansion_factor=cfg.ff_expansion, subsampling_factor=8, subsampling_conv_channels=cfg.sub_channels,
+        ff_expansion_factor=cfg.ff_expansion, subsampling_factor=cfg.subsampling,
+        subsampling_conv_channels=cfg.sub_channels,
         conv_kernel_size=cfg.conv_kernel, conv_norm_type="layer_norm", att_context_sizes=DEFAULT_CONTEXTS,
         features=features,
     ))
@@ -348,7 +352,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
 
     targets = [tokenizer.encode(u.text) for u in train_utts]
     usable = [i for i, u in enumerate(train_utts)
-              if 0 < len(targets[i]) <= encoder_frames(u.features.shape[0], 8)]  # type: ignore[union-attr]
+              if 0 < len(targets[i]) <= encoder_frames(u.features.shape[0], cfg.subsampling)]  # type: ignore[union-attr]
     if not usable:
         raise ConfigError(f"{data}: no training utterance has a transcript that fits its audio")
     if len(usable) < len(train_utts) and not cfg.quiet:
