@@ -66,10 +66,10 @@ def dataset(tmp_path_factory):
 
 
 def tiny_cfg(data, out, **kw) -> TrainConfig:
-    base = dict(data=str(data), out=str(out), preset="tiny", d_model=64, n_layers=2, n_heads=4, ff_expansion=2,
-                sub_channels=32, conv_kernel=9, vocab=24, lr=5e-3, warmup=4, batch_seconds=12.0, steps=STEPS,
-                save_every=SAVE_EVERY, seed=0, device="cpu", quiet=True, short_first=0.5, short_first_steps=10,
-                grow_steps=20)
+    base = dict(data=str(data), out=str(out), preset="tiny", subsampling=8, d_model=64, n_layers=2, n_heads=4,
+                ff_expansion=2, sub_channels=32, conv_kernel=9, vocab=24, lr=5e-3, warmup=4, batch_seconds=12.0,
+                steps=STEPS, save_every=SAVE_EVERY, seed=0, device="cpu", quiet=True, short_first=0.5,
+                short_first_steps=10, grow_steps=20)
     return TrainConfig(**{**base, **kw})
 
 

@@ -73,14 +73,14 @@ def stream_transcript(asr: Any, audio: np.ndarray) -> str:
     return " ".join(t.strip() for t in items if t.strip())
 
 
-def offline_transcript(asr: Any, audio: np.ndarray, context: tuple[int, int]) -> str:
-    return asr.tokenizer.decode(asr.model.transcribe_offline(audio, context))
+def offline_transcript(model: Any, tokenizer: Any, audio: np.ndarray, context: tuple[int, int]) -> str:
+    return tokenizer.decode(model.transcribe_offline(audio, context))
 
 
 def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, Any]:
     from runtime.io.sample import demo_script, demo_speech
-    from runtime.models.asr.fastconformer.stream import FastConformerASR
-    from runtime.models.loading import configure_threads
+    from runtime.models.asr.fastconformer.stream import FastConformerASR, find_checkpoint, load_any
+    from runtime.models.loading import configure_threads, load_progress, torch_dtype
     from runtime.train.text_norm import cer, normalize, wer
 
     ref = getattr(args, "model", None) or DEFAULT_MODEL
@@ -93,20 +93,21 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
         rows = rows[:QUICK_UTTERANCES]
     audios = [_read(folder / row["audio"]) for row in rows]
     refs = [row["text"] for row in rows]
-    base = FastConformerASR.load(ASRConfig(backend="fastconformer", model=ref), device=args.device, dtype=dtype,
-                                 progress=status)
-    lookaheads = sorted(base.model.cfg.lookahead_ms(c) for c in base.model.cfg.att_context_sizes)
+    with load_progress(status, "asr", ref, args.device, dtype):  # no look-ahead yet: each is scored below
+        model, tokenizer = load_any(find_checkpoint(ref, status))
+        model.to_runtime(args.device, torch_dtype(dtype))
+    lookaheads = sorted(model.cfg.lookahead_ms(c) for c in model.cfg.att_context_sizes)
     started = time.perf_counter()
 
     status(f"offline, full context: {len(rows)} utterances ...")
-    offline = [offline_transcript(base, a, FULL_CONTEXT) for a in audios]
+    offline = [offline_transcript(model, tokenizer, a, FULL_CONTEXT) for a in audios]
     results: dict[str, Any] = {"offline_full_context": _scores(refs, offline, wer, cer)}
     streaming: dict[str, Any] = {}
     demo: dict[str, Any] = {}
     speech, script = demo_speech(), demo_script()
     for ms in lookaheads:
-        asr = FastConformerASR(base.model, base.tokenizer, ASRConfig(backend="fastconformer", model=ref,
-                                                                     lookahead_ms=ms), name=ref)
+        asr = FastConformerASR(model, tokenizer, ASRConfig(backend="fastconformer", model=ref, lookahead_ms=ms),
+                               name=ref)
         status(f"streaming at look-ahead {ms} ms: {len(rows)} utterances ...")
         hyps = [stream_transcript(asr, a) for a in audios]
         streaming[str(ms)] = _scores(refs, hyps, wer, cer)
