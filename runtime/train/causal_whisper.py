@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -34,6 +32,7 @@ from runtime.models.asr.causal_whisper.features import log_mel, mel_frames_for
 from runtime.models.asr.causal_whisper.lora import DEFAULT_RANK, add_lora, load_adapter
 from runtime.models.loading import resolve_checkpoint, torch_dtype
 from runtime.train.data import load_examples
+from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -144,24 +143,14 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(" " + text.strip(), add_special_tokens=False)
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    found = [(int(p.name.split("-")[1]), p) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
-    return max(found)[1] if found else None
-
-
 def _save_checkpoint(out: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Written to a temporary folder and renamed: a crash never leaves a half checkpoint as the latest."""
-    tmp, final = out / f".checkpoint-{step}.tmp", out / f"checkpoint-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "adapter")
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp / "adapter")
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step}))
+
+    write_checkpoint(out, step, fill)
 
 
 def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
@@ -172,7 +161,7 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
         raise ConfigError("--steps, --batch-size and --save-every must be >= 1")
     block_frames = block_frames_for(cfg.chunk_ms)
     out = Path(cfg.out).expanduser()
-    ckpt = latest_checkpoint(out) if out.is_dir() else None
+    ckpt = latest_checkpoint(out)
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{out} already holds {ckpt.name}: pass --resume to continue it, or a new --out")
     out.mkdir(parents=True, exist_ok=True)
@@ -199,13 +188,8 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
     if ckpt:
         start = json.loads((ckpt / "state.json").read_text())["step"]
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=cfg.device))
-        rng = torch.load(ckpt / "rng.pt", weights_only=False)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= start] \
-            if log_path.exists() else []
-        log_path.write_text("".join(line + "\n" for line in kept))
+        restore_rng(torch.load(ckpt / "rng.pt", weights_only=False))
+        truncate_log(log_path, start)
     elif log_path.exists():
         log_path.unlink()
 

@@ -7,8 +7,9 @@ Why it trains the way it does:
   equality). Padding cannot leak: each subsampling stage zeroes the frames past an utterance's own length (the
   offline forward's right padding is zeros) and attention never sees padded keys, so every utterance's valid
   frames equal its own unbatched forward (tested). What is learnt is what runs live.
-- **Several look-aheads at once.** Each batch draws one context from `att_context_sizes` (look-ahead 1040 /
-  480 / 80 / 0 ms by default), so one set of weights serves every `asr.lookahead_ms`.
+- **Several look-aheads at once.** Each batch draws one context from `att_context_sizes` ([70, 13] .. [70, 0]:
+  look-ahead 520 / 240 / 40 / 0 ms at the default 4x subsampling, twice that at 8x), so one set of weights
+  serves every `asr.lookahead_ms`.
 - **CTC** (blank = the last class), AdamW, linear warm-up then cosine decay, gradient clipping, cheap
   SpecAugment (frequency and time masks). Batches are buckets of similar length cut by total padded duration.
 - **Features once.** Log-mels are computed once per utterance with the model's own featurizer and kept in
@@ -32,8 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -72,6 +71,7 @@ from runtime.train.ctc_data import (
     spec_augment,
     step_generator,
 )
+from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
 from runtime.train.text_norm import cer, wer
 
 # Model sizes and the optimiser settings that go with them. `small` is the shipped demo model: 4 x 176 at 4x
@@ -247,34 +247,16 @@ def greedy_transcripts(model: FastConformerCTC, tokenizer: CTCTokenizer, utts: l
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------
-def latest_checkpoint(out: Path) -> Path | None:
-    found = [(int(p.name.split("-")[1]), p) for p in out.glob("checkpoint-*")
-             if p.is_dir() and p.name.split("-")[1].isdigit()]
-    return max(found)[1] if found else None
-
-
-def _rng_state() -> dict[str, Any]:
-    rng: dict[str, Any] = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
 def save_training_checkpoint(out: Path, step: int, model: FastConformerCTC, tokenizer: CTCTokenizer,
                              opt: torch.optim.Optimizer, total: int | None, training: dict[str, Any]) -> Path:
-    """`checkpoint-N/`: the loadable model directory + `trainer_state.pt`. Written to a temporary folder and
-    renamed, so a crash never leaves a half checkpoint as the latest; older ones beyond SAVE_KEEP are removed."""
-    tmp, final = out / f".checkpoint-{step}.tmp", out / f"checkpoint-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_checkpoint(model, tokenizer, tmp, training={**training, "steps": step})
-    torch.save({"step": step, "total_steps": total, "optimizer": opt.state_dict(), "rng": _rng_state()},
-               tmp / "trainer_state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    kept = sorted((int(p.name.split("-")[1]), p) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
-    for _, old in kept[:-SAVE_KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    """`checkpoint-N/`: the loadable model directory + `trainer_state.pt`; the newest SAVE_KEEP are kept."""
+
+    def fill(tmp: Path) -> None:
+        save_checkpoint(model, tokenizer, tmp, training={**training, "steps": step})
+        torch.save({"step": step, "total_steps": total, "optimizer": opt.state_dict(), "rng": rng_state()},
+                   tmp / "trainer_state.pt")
+
+    return write_checkpoint(out, step, fill, keep=SAVE_KEEP)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, features: FeatureConfig) -> FastConformerCTC:
@@ -325,7 +307,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     data, out = Path(cfg.data).expanduser(), Path(cfg.out).expanduser()
     if not data.is_dir():
         raise ConfigError(f"--data {data} is not a directory")
-    ckpt = latest_checkpoint(out) if out.is_dir() else None
+    ckpt = latest_checkpoint(out)
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{out} already holds {ckpt.name}: pass --resume to continue it, or a new --out")
     out.mkdir(parents=True, exist_ok=True)
@@ -378,13 +360,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         state = torch.load(ckpt / "trainer_state.pt", map_location=device, weights_only=False)
         start, total = int(state["step"]), state["total_steps"] if cfg.steps is None else cfg.steps
         opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        np.random.set_state(state["rng"]["numpy"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= start] \
-            if log_path.exists() else []
-        log_path.write_text("".join(line + "\n" for line in kept))
+        restore_rng(state["rng"])
+        truncate_log(log_path, start)
     elif log_path.exists():
         log_path.unlink()
 

@@ -4,8 +4,9 @@ Greedy CTC needs no search and no revision: a frame's label is final as soon as 
 token is emitted as stable text (`delta`) at once and `unstable` is always "". Repeats are collapsed across
 chunk boundaries by carrying the previous frame's label. An item is completed at a pause (`pause_s`, 0.8 s
 = 10 frames of consecutive blanks after some text) and at `finish()`; its start is the frame of its first
-token and its end the frame after its last token (80 ms per frame, from the stream's first sample).
-The look-ahead (`asr.lookahead_ms`: 0 | 80 | 480 | 1040) picks one of the model's trained [left, right]
+token and its end the frame after its last token (80 ms per frame at 8x subsampling, from the stream's first sample).
+The look-ahead (`asr.lookahead_ms`: 0 | 80 | 480 | 1040 for NVIDIA's 8x models, 0 | 40 | 240 | 520 for the
+4x demo model) picks one of the model's trained [left, right]
 attention contexts at run time; the same weights serve all of them.
 
 Item text is re-decoded from the item's tokens on each update (tokens -> text is not piecewise for byte
