@@ -25,7 +25,11 @@ def test_bench_serve_quick_json(capsys, monkeypatch):
         assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"] <= latency["max"]
         assert 0 <= result["loop_lag_ms"][n]["p99"] <= result["loop_lag_ms"][n]["max"]
         assert result["loop_lag_ms"][n]["samples"] > 0
-        assert result["rss_mb"][n] > 0 and result["rss_mb_per_session"][n] > 0
+        # Per-session growth is a difference of two RSS readings: with pages the warm-up freed and glibc kept,
+        # a short phase can read at or below the idle figure, so only the arithmetic is checked, not the sign.
+        assert result["rss_mb"][n] > 0 and result["rss_mb"]["idle_after_warmup"] > 0
+        expected = (result["rss_mb"][n] - result["rss_mb"]["idle_after_warmup"]) / int(n)
+        assert abs(result["rss_mb_per_session"][n] - expected) <= 0.06
         assert result["server_sessions_live"][n] == int(n)
         sessions = result["keeps_up"][n]["sessions"]
         assert len(sessions) == int(n) and all(s["sent_s"] == 3.0 for s in sessions)

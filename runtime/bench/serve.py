@@ -25,7 +25,8 @@ time (perf_counter) just before each chunk is handed to the socket is recorded. 
   as the last chunk of the phase has been sent (the window covers the streaming, not the setup).
 - `rss_mb_per_session` (per N): (server RSS with the N sessions live, read at the same moment) minus (idle
   server RSS after the warm-up session closed), divided by N. glibc keeps freed pages cached, so a later
-  phase reuses an earlier phase's pages: this is an upper bound on the per-session cost, not an exact one.
+  phase reuses an earlier phase's pages, and glibc may also hand pages back between readings: it is a noisy
+  estimate, not an exact cost, and on short phases (a few seconds) it can read zero or below.
 - `keeps_up` / `sessions_kept_realtime`: a session keeps up with real time when, 1 s (`GRACE_S`) after its
   last chunk was sent, its transcript events cover media to within one ASR block plus one chunk of what it
   sent (`behind_ms` <= asr.chunk_ms + audio_chunk_ms: perfectly on time it is up to one block behind, since
