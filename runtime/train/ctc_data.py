@@ -1,6 +1,6 @@
 """The data side of CTC training: utterances from a manifest or a folder, log-mels computed once and normalised
-with the training set's own statistics, length buckets, and the per-step randomness (batch choice, SpecAugment)
-as pure functions of (seed, step), which is what makes `--resume` exact.
+with the training set's own statistics, length buckets, and the per-step randomness (which bucket, the step's
+generator that augment.py draws from) as pure functions of (seed, step), which is what makes `--resume` exact.
 """
 
 from __future__ import annotations
@@ -139,22 +139,3 @@ def collate(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     for i, f in enumerate(feats):
         out[i, : f.shape[0]] = f
     return out, lengths
-
-
-def spec_augment(x: torch.Tensor, lengths: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Two frequency masks (<= 15 bins) and one time mask per 1.5 s (<= 5 % of the utterance, <= 40 frames)
-    per utterance, filled with 0 (the normalised mean). Cheap: index ranges, no copies per mask."""
-    x = x.clone()
-    mels = x.shape[2]
-    for b in range(x.shape[0]):
-        n = int(lengths[b])
-        for _ in range(2):
-            w = int(torch.randint(0, 16, (1,), generator=gen))
-            f0 = int(torch.randint(0, max(1, mels - w), (1,), generator=gen))
-            x[b, :n, f0 : f0 + w] = 0.0
-        width = max(1, min(40, n // 20))
-        for _ in range(n // 150 + 1):
-            w = int(torch.randint(0, width + 1, (1,), generator=gen))
-            t0 = int(torch.randint(0, max(1, n - w), (1,), generator=gen))
-            x[b, t0 : t0 + w] = 0.0
-    return x

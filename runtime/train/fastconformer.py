@@ -57,6 +57,7 @@ from runtime.models.asr.fastconformer.model import (
     ctc_collapse,
 )
 from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer, train_unigram
+from runtime.train.augment import VoiceWarp, spec_augment
 from runtime.train.ctc_data import (
     Utterance,
     batch_for_step,
@@ -68,7 +69,6 @@ from runtime.train.ctc_data import (
     make_batches,
     normalise_features,
     shortest_pool,
-    spec_augment,
     step_generator,
 )
 from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
@@ -115,6 +115,7 @@ class TrainConfig:
     weight_decay: float = 1e-3
     clip: float = 1.0
     spec_augment: bool = True
+    voice_warp: float = 0.0  # VTLP: frequency axis stretched by up to 1 +- this per utterance (0: off)
     short_first: float = 0.05  # the curriculum: share of the shortest buckets the first steps draw from
     short_first_steps: int = 1000  # steps on those alone
     grow_steps: int = 4000  # then the pool grows linearly to every bucket
@@ -150,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--clip", type=float, default=d.clip, help="gradient norm clip")
     g.add_argument("--no-spec-augment", dest="spec_augment", action="store_false", help="no time/frequency masks")
+    g.add_argument("--voice-warp", type=float, default=d.voice_warp,
+                   help="stretch each utterance's frequency axis by a factor in [1/(1+W), 1+W] (vocal tract "
+                        "length perturbation: unseen voices; 0: off)")
     g = parser.add_argument_group("curriculum: short clips first (CTC leaves its plateau far sooner on them)")
     g.add_argument("--short-first", type=float, default=d.short_first,
                    help="share of the length-sorted buckets the first steps draw from (1: no curriculum)")
@@ -300,6 +304,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         raise ConfigError("--steps, --save-every and --batch-seconds must be positive")
     if not 0.0 < cfg.short_first <= 1.0 or cfg.short_first_steps < 0 or cfg.grow_steps < 0:
         raise ConfigError("--short-first must be in (0, 1]; --short-first-steps and --grow-steps at least 0")
+    if not 0.0 <= cfg.voice_warp < 1.0:
+        raise ConfigError(f"--voice-warp must be in [0, 1), got {cfg.voice_warp}")
     started = time.monotonic()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -369,7 +375,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     training = {"preset": cfg.preset, "seed": cfg.seed, "data": str(data), "train_utterances": len(usable),
                 "train_hours": round(sum(train_utts[i].features.shape[0] for i in usable) / 100 / 3600, 3),
                 "parameters": n_params, "device": device, "batch_seconds": cfg.batch_seconds, "lr": cfg.lr,
-                "warmup": cfg.warmup, "curriculum": [cfg.short_first, cfg.short_first_steps, cfg.grow_steps]}
+                "warmup": cfg.warmup, "voice_warp": cfg.voice_warp,
+                "curriculum": [cfg.short_first, cfg.short_first_steps, cfg.grow_steps]}
     if not cfg.quiet:
         print(f"fastconformer: {n_params / 1e6:.2f} M parameters ({n_params * 4 / 1e6:.1f} MB fp32), "
               f"{tokenizer.vocab_size} tokens, {len(usable)} utterances in {len(batches)} batches/epoch, "
@@ -377,6 +384,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
               file=sys.stderr)
 
     contexts = model.cfg.att_context_sizes
+    warp = (VoiceWarp(featurizer, features.fixed_mean, features.fixed_std, cfg.voice_warp)
+            if cfg.voice_warp and features.fixed_mean is not None and features.fixed_std is not None else None)
     losses: list[float] = []
     calib_from, calib_time = None, 0.0
     bar = tqdm(total=total, initial=start, desc="train fastconformer", unit="step", file=sys.stderr,
@@ -390,6 +399,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             pool = shortest_pool(step, len(batches), cfg.short_first, cfg.short_first_steps, cfg.grow_steps)
             idx = batches[batch_for_step(step, len(batches), cfg.seed, pool)]
             feats, lengths = collate([train_utts[i].features for i in idx])  # type: ignore[misc]
+            if warp is not None:
+                feats = warp(feats, lengths, gen)
             if cfg.spec_augment:
                 feats = spec_augment(feats, lengths, gen)
             lr = lr_at(step, cfg.lr, cfg.warmup, total)
