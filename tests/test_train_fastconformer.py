@@ -23,8 +23,9 @@ from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models.asr.base import load_asr
 from runtime.models.asr.fastconformer.checkpoint import load_checkpoint
 from runtime.models.asr.fastconformer.stream import find_checkpoint
+from runtime.train.ctc_batched import encode_batch
 from runtime.train.ctc_data import batch_for_step, collate, load_split, make_batches, shortest_pool
-from runtime.train.fastconformer import TrainConfig, encode_batch, train_model
+from runtime.train.fastconformer import TrainConfig, train_model
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

@@ -41,25 +41,19 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from runtime.errors import ConfigError
 from runtime.models.asr.fastconformer.checkpoint import load_checkpoint, save_checkpoint
 from runtime.models.asr.fastconformer.features import FeatureConfig, MelFeaturizer
 from runtime.models.asr.fastconformer.model import (
     DEFAULT_CONTEXTS,
-    SUB_LEFT,
-    SUB_RIGHT,
-    ConformerEncoder,
     FastConformerConfig,
     FastConformerCTC,
-    chunked_limited_mask,
-    ctc_collapse,
 )
 from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer, train_unigram
 from runtime.train.augment import VoiceWarp, spec_augment
+from runtime.train.ctc_batched import ctc_loss, score_heldout
 from runtime.train.ctc_data import (
-    Utterance,
     batch_for_step,
     collate,
     compute_features,
@@ -72,7 +66,6 @@ from runtime.train.ctc_data import (
     step_generator,
 )
 from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
-from runtime.train.text_norm import cer, wer
 
 # Model sizes and the optimiser settings that go with them. `small` is the shipped demo model: 4 x 176 at 4x
 # subsampling (40 ms encoder steps) with 128 tokens, 3.04 M parameters, 12.2 MB as float32 safetensors; small
@@ -186,44 +179,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- the model's batched forward -------------------------------------------------------------------------------
-def encode_batch(
-    encoder: ConformerEncoder, feats: torch.Tensor, lengths: torch.Tensor, context: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ConformerEncoder.forward` over a padded batch: [B, T, mels], [B] -> [B, T', d], [B] encoder lengths.
-    Each utterance's valid frames equal its own unbatched forward: subsampling stages zero the frames past its
-    length (the offline right padding), attention masks keys past it, and the depthwise convs are causal."""
-    sub = encoder.pre_encode
-    x = feats.unsqueeze(1)
-    n = lengths.to(feats.device)
-    for i in range(len(sub.stage_slices)):
-        x = sub.stage(i, F.pad(x, (0, 0, SUB_LEFT, SUB_RIGHT)))
-        n = n // 2 + 1
-        keep = torch.arange(x.shape[2], device=x.device)[None, :] < n[:, None]
-        x = x * keep[:, None, :, None].to(x.dtype)
-    x = sub.project(x) * encoder.xscale
-    t = x.shape[1]
-    valid = torch.arange(t, device=x.device)[None, :] < n[:, None]
-    allowed = chunked_limited_mask(t, context, x.device)[None] & valid[:, None, :]
-    pos = encoder.pos_emb(t, x)
-    if pos.is_inference():  # cached by an earlier inference-mode call: autograd cannot save it
-        pos = pos.clone()
-    for layer in encoder.layers:
-        x = layer(x, pos, allowed)[0]
-    return x, n
-
-
-def ctc_loss(model: FastConformerCTC, feats: torch.Tensor, lengths: torch.Tensor, targets: list[list[int]],
-             context: tuple[int, int]) -> torch.Tensor:
-    """Mean over the batch of each utterance's CTC loss divided by its target length (torch's 'mean')."""
-    enc, enc_lengths = encode_batch(model.encoder, feats, lengths, context)
-    log_probs = model.decoder(enc)  # [B, T', V + 1] float32
-    flat = torch.tensor([t for ts in targets for t in ts], dtype=torch.long, device=log_probs.device)
-    target_lengths = torch.tensor([len(ts) for ts in targets], dtype=torch.long)
-    return F.ctc_loss(log_probs.transpose(0, 1), flat, enc_lengths.cpu(), target_lengths, blank=model.blank,
-                      reduction="mean", zero_infinity=True)
-
-
 def lr_at(step: int, peak: float, warmup: int, total: int | None) -> float:
     """Linear warm-up to `peak`, then cosine down to 5 % of it at `total` (a pure function: resume needs no
     scheduler state)."""
@@ -233,21 +188,6 @@ def lr_at(step: int, peak: float, warmup: int, total: int | None) -> float:
         return peak
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-@torch.no_grad()
-def greedy_transcripts(model: FastConformerCTC, tokenizer: CTCTokenizer, utts: list[Utterance],
-                       context: tuple[int, int], batch_frames: int) -> list[str]:
-    """Greedy CTC text of each utterance (batched like training, which equals the unbatched forward)."""
-    device = model.device
-    hyps = [""] * len(utts)
-    for idx in make_batches([u.features.shape[0] for u in utts], batch_frames):  # type: ignore[union-attr]
-        feats, lengths = collate([utts[i].features for i in idx])  # type: ignore[misc]
-        enc, n = encode_batch(model.encoder, feats.to(device), lengths, context)
-        labels = model.decoder(enc).argmax(-1).cpu()
-        for j, i in enumerate(idx):
-            hyps[i] = tokenizer.decode(ctc_collapse(labels[j, : int(n[j])].tolist(), model.blank))
-    return hyps
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------
@@ -451,11 +391,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         scored = heldout[: cfg.eval_limit] if cfg.eval_limit else heldout
         compute_features(scored, featurizer, "heldout", cfg.quiet)
         normalise_features(scored, features)
-        refs = [u.text for u in scored]
-        for context in contexts:
-            hyps = greedy_transcripts(model, tokenizer, scored, context, round(cfg.batch_seconds * 100))
-            metrics["heldout"][f"lookahead_{model.cfg.lookahead_ms(context)}ms"] = {
-                "wer": round(wer(refs, hyps), 4), "cer": round(cer(refs, hyps), 4), "utterances": len(scored)}
+        metrics["heldout"] = score_heldout(model, tokenizer, scored, round(cfg.batch_seconds * 100))
         if not cfg.quiet:
             for name, m in metrics["heldout"].items():
                 print(f"fastconformer: held-out {name}: WER {m['wer']:.1%} CER {m['cer']:.1%}", file=sys.stderr)
