@@ -1,11 +1,12 @@
 """Training-time augmentation of normalised log-mel batches: SpecAugment and a voice warp.
 
-Why a voice warp: the demo model learnt its training voices almost by heart (train CER 3 %, held-out 24 %,
-docs/training_fastconformer.md) and fails on voices it never heard. A speaker's vocal tract length moves every
-formant by roughly one factor, so stretching the frequency axis by a random factor per utterance (vocal tract
-length perturbation, Jaitly and Hinton 2013) turns each training voice into a family of voices. It runs on the
-log-mels the step already holds: the spectrum at frequency f is read from f / alpha, interpolated between the
-neighbouring filters' centres, in the un-normalised log domain so every bin keeps its own statistics.
+Why a voice warp: a speaker's vocal tract length moves every formant by roughly one factor, so stretching the
+frequency axis by a random factor per utterance (vocal tract length perturbation, Jaitly and Hinton 2013)
+turns each training voice into a family of voices. It runs on the log-mels the step already holds: the
+spectrum at frequency f is read from f / alpha, interpolated between the neighbouring filters' centres, in the
+un-normalised log domain so every bin keeps its own statistics. It is off by default: on the demo data unseen
+espeak-ng voices turned out not to be what the model lacked, and it did not lower the held-out error
+(docs/training_fastconformer.md, "Where the held-out error comes from").
 
 Both draw only from the step's own generator, so resume stays exact.
 """

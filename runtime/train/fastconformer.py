@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-spec-augment", dest="spec_augment", action="store_false", help="no time/frequency masks")
     g.add_argument("--voice-warp", type=float, default=d.voice_warp,
                    help="stretch each utterance's frequency axis by a factor in [1/(1+W), 1+W] (vocal tract "
-                        "length perturbation: unseen voices; 0: off)")
+                        "length perturbation; 0: off, the default)")
     g = parser.add_argument_group("curriculum: short clips first (CTC leaves its plateau far sooner on them)")
     g.add_argument("--short-first", type=float, default=d.short_first,
                    help="share of the length-sorted buckets the first steps draw from (1: no curriculum)")
