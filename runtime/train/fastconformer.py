@@ -324,8 +324,11 @@ def train_model(cfg: TrainConfig) -> TrainResult:
               file=sys.stderr)
 
     contexts = model.cfg.att_context_sizes
-    warp = (VoiceWarp(featurizer, features.fixed_mean, features.fixed_std, cfg.voice_warp)
-            if cfg.voice_warp and features.fixed_mean is not None and features.fixed_std is not None else None)
+    warp = None
+    if cfg.voice_warp:
+        if features.fixed_mean is None or features.fixed_std is None:
+            raise ConfigError(f"--voice-warp needs the checkpoint's fixed feature mean/std; {ckpt} has none")
+        warp = VoiceWarp(featurizer, features.fixed_mean, features.fixed_std, cfg.voice_warp)
     losses: list[float] = []
     calib_from, calib_time = None, 0.0
     bar = tqdm(total=total, initial=start, desc="train fastconformer", unit="step", file=sys.stderr,
