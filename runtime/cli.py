@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no status lines on stderr")
 
     p = sub.add_parser("train", help="train models: causal Whisper LoRA adapters, synthetic speech data, a small "
-                       "FastConformer",
+                       "FastConformer and its word LM",
                        description="Train models with the project's recipes.")
     recipes = p.add_subparsers(dest="recipe", required=True, metavar="RECIPE")
     r = recipes.add_parser("causal-whisper", help="LoRA adapters for Whisper's block-causal encoder",
@@ -177,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "and causal convolutions used at inference, several look-aheads at once, CTC loss and "
                            "its own unigram tokenizer. DATA: synth-speech's folder (train.jsonl, heldout.jsonl).")
     _train_recipe("fastconformer").add_arguments(r)
+    r = recipes.add_parser("word-lm", help="the word n-gram a FastConformer's beam search scores words with",
+                           description="Estimate an interpolated Kneser-Ney word n-gram from a synth-speech "
+                           "folder's training transcripts (never the held-out ones) and write it as ARPA, into a "
+                           "checkpoint directory as lm.arpa (used by asr.decoder = \"beam\") or to a .arpa path.")
+    _train_recipe("word_lm").add_arguments(r)
     return parser
 
 

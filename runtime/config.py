@@ -35,6 +35,14 @@ class ASRConfig:
     adapter: str = ""
     # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
     lookahead_ms: int = 1040
+    # fastconformer CTC decoding: greedy (each frame's argmax) | beam (prefix beam search scored with a word
+    # n-gram: `lm`, an ARPA file, else the checkpoint's own lm.arpa, else none; models/asr/ctc_beam.py).
+    decoder: str = "greedy"
+    lm: str = ""
+    beam: int = 32  # hypotheses kept per frame
+    lm_weight: float = 0.5  # ranking = ln P_ctc + lm_weight * ln P_lm + word_bonus * words - oov_penalty * OOV words
+    word_bonus: float = 1.0
+    oov_penalty: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -236,6 +244,11 @@ def validate(profile: Profile) -> Profile:
 
     if profile.pipeline.audio_chunk_ms <= 0 or profile.pipeline.audio_queue_chunks <= 0:
         raise ConfigError("pipeline.audio_chunk_ms and pipeline.audio_queue_chunks must be > 0")
+    asr = profile.asr
+    if asr.decoder not in ("greedy", "beam"):
+        raise ConfigError(f"asr.decoder={asr.decoder!r} is not greedy or beam")
+    if asr.beam < 1 or min(asr.lm_weight, asr.oov_penalty) < 0:
+        raise ConfigError("asr.beam must be >= 1, asr.lm_weight and asr.oov_penalty >= 0")
     if profile.lm.max_new_tokens <= 0 or profile.asr.max_new_tokens <= 0:
         raise ConfigError("max_new_tokens must be > 0")
     serve = profile.serve

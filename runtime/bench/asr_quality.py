@@ -8,7 +8,11 @@ else `--model REF`): error rates of random weights mean nothing, so a `tiny:` mo
   streamed through the runtime's own ASR stream in 100 ms chunks at each look-ahead the model offers;
 - the same audio offline with full context (every frame sees the whole utterance), the ceiling the streaming
   numbers are held to;
-- the demo sample (`runtime/io/assets/demo_speech.flac`) against its script.
+- the demo sample (`runtime/io/assets/demo_speech.flac`) against its script;
+
+each with both CTC decoders (`asr.decoder`): greedy, and the beam search scored with the checkpoint's word LM
+(`lm.arpa`, from `runtime train word-lm`; a plain beam when the checkpoint has none). The demo profile uses
+the beam.
 
 Texts are compared after `runtime.train.text_norm.normalize` (numbers spelled out, punctuation dropped), the
 form the model was trained to write. Targets (issue 7): held-out WER <= 15 % and CER <= 5 % at the smallest
@@ -21,6 +25,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +78,23 @@ def stream_transcript(asr: Any, audio: np.ndarray) -> str:
     return " ".join(t.strip() for t in items if t.strip())
 
 
-def offline_transcript(model: Any, tokenizer: Any, audio: np.ndarray, context: tuple[int, int]) -> str:
-    return tokenizer.decode(model.transcribe_offline(audio, context))
+def offline_logprobs(model: Any, audio: np.ndarray, context: tuple[int, int]) -> np.ndarray:
+    """CTC log-probabilities [T, V] of a whole signal in one forward."""
+    with torch.inference_mode():
+        return model.decoder(model.encode_offline(audio, context).unsqueeze(0))[0].float().cpu().numpy()
+
+
+def offline_text(asr: Any, logprobs: np.ndarray) -> str:
+    """The decoder of `asr` (greedy or beam) over a whole utterance's frames, as one item."""
+    text = asr.item_text()
+    for label, row in zip(logprobs.argmax(-1).tolist(), logprobs, strict=True):
+        text.push(label, row)
+    return text.finish()
 
 
 def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, Any]:
     from runtime.io.sample import demo_script, demo_speech
+    from runtime.models.asr.fastconformer.decoding import LM_FILE
     from runtime.models.asr.fastconformer.stream import FastConformerASR, find_checkpoint, load_any
     from runtime.models.loading import configure_threads, load_progress, torch_dtype
     from runtime.train.text_norm import cer, normalize, wer
@@ -94,38 +110,48 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     audios = [_read(folder / row["audio"]) for row in rows]
     refs = [row["text"] for row in rows]
     with load_progress(status, "asr", ref, args.device, dtype):  # no look-ahead yet: each is scored below
-        model, tokenizer = load_any(find_checkpoint(ref, status))
+        checkpoint = find_checkpoint(ref, status)
+        model, tokenizer = load_any(checkpoint)
         model.to_runtime(args.device, torch_dtype(dtype))
     lookaheads = sorted(model.cfg.lookahead_ms(c) for c in model.cfg.att_context_sizes)
     started = time.perf_counter()
-
     status(f"offline, full context: {len(rows)} utterances ...")
-    offline = [offline_transcript(model, tokenizer, a, FULL_CONTEXT) for a in audios]
-    results: dict[str, Any] = {"offline_full_context": _scores(refs, offline, wer, cer)}
-    streaming: dict[str, Any] = {}
-    demo: dict[str, Any] = {}
+    logprobs = [offline_logprobs(model, a, FULL_CONTEXT) for a in audios]
     speech, script = demo_speech(), demo_script()
-    for ms in lookaheads:
-        asr = FastConformerASR(model, tokenizer, ASRConfig(backend="fastconformer", model=ref, lookahead_ms=ms),
-                               name=ref)
-        status(f"streaming at look-ahead {ms} ms: {len(rows)} utterances ...")
-        hyps = [stream_transcript(asr, a) for a in audios]
-        streaming[str(ms)] = _scores(refs, hyps, wer, cer)
-        demo_hyp = stream_transcript(asr, speech)
-        demo[str(ms)] = {"wer": round(100 * wer([script], [demo_hyp]), 2), "transcript": normalize(demo_hyp)}
-    results["streaming"] = streaming
-    smallest = str(lookaheads[0])
-    off = results["offline_full_context"]
-    gap = streaming[smallest]["wer"] - off["wer"]
-    results.update(
-        demo_sample={"script": normalize(script), "by_lookahead_ms": demo},
-        targets={
-            "heldout_wer_at_smallest_lookahead": at_most(streaming[smallest]["wer"], 15.0),
-            "heldout_cer_at_smallest_lookahead": at_most(streaming[smallest]["cer"], 5.0),
-            "streaming_minus_offline_wer_points": at_most(round(gap, 2), 1.0),
-            "demo_sample_wer": at_most(demo[smallest]["wer"], 10.0),
-        },
-    )
+    results: dict[str, Any] = {}
+    for decoder in ("greedy", "beam"):
+        cfg = ASRConfig(backend="fastconformer", model=ref, decoder=decoder)
+        first = FastConformerASR(model, tokenizer, replace(cfg, lookahead_ms=lookaheads[0]), name=ref,
+                                 checkpoint=checkpoint)
+        offline = [offline_text(first, lp) for lp in logprobs]
+        part: dict[str, Any] = {"offline_full_context": _scores(refs, offline, wer, cer)}
+        if first.beam is not None:
+            own_lm = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / LM_FILE
+            part["word_lm"] = str(own_lm) if first.beam.lm is not None else None
+            part["options"] = asdict(first.beam.options)
+        streaming: dict[str, Any] = {}
+        demo: dict[str, Any] = {}
+        for ms in lookaheads:
+            asr = FastConformerASR(model, tokenizer, replace(cfg, lookahead_ms=ms), name=ref, checkpoint=checkpoint)
+            status(f"{decoder}, streaming at look-ahead {ms} ms: {len(rows)} utterances ...")
+            hyps = [stream_transcript(asr, a) for a in audios]
+            streaming[str(ms)] = _scores(refs, hyps, wer, cer)
+            demo_hyp = stream_transcript(asr, speech)
+            demo[str(ms)] = {"wer": round(100 * wer([script], [demo_hyp]), 2), "transcript": normalize(demo_hyp)}
+        smallest = str(lookaheads[0])
+        gap = streaming[smallest]["wer"] - part["offline_full_context"]["wer"]
+        part.update(
+            streaming=streaming,
+            demo_sample_by_lookahead_ms=demo,
+            targets={
+                "heldout_wer_at_smallest_lookahead": at_most(streaming[smallest]["wer"], 15.0),
+                "heldout_cer_at_smallest_lookahead": at_most(streaming[smallest]["cer"], 5.0),
+                "streaming_minus_offline_wer_points": at_most(round(gap, 2), 1.0),
+                "demo_sample_wer": at_most(demo[smallest]["wer"], 10.0),
+            },
+        )
+        results[decoder] = part
+    results["demo_script"] = normalize(script)
     return {
         "bench": "asr-quality", "quick": bool(args.quick), "model": ref, "utterances": len(rows),
         "heldout_hours": round(sum(len(a) for a in audios) / SAMPLE_RATE / 3600, 3), "data": str(folder),

@@ -1,16 +1,18 @@
 """`FastConformerASR`: the cache-aware FastConformer-CTC behind the `StreamingASR` interface.
 
-Greedy CTC needs no search and no revision: a frame's label is final as soon as its chunk has run, so every
-token is emitted as stable text (`delta`) at once and `unstable` is always "". Repeats are collapsed across
-chunk boundaries by carrying the previous frame's label. An item is completed at a pause (`pause_s`, 0.8 s
-= 10 frames of consecutive blanks after some text) and at `finish()`; its start is the frame of its first
-token and its end the frame after its last token (80 ms per frame at 8x subsampling, from the stream's first sample).
+What the frames spell is decoding.py's job (`asr.decoder`): greedy CTC needs no search and no revision, so
+every token is stable (`delta`) at once and `unstable` is always ""; the beam search with a word LM holds
+back the words its hypotheses still disagree on as the unstable tail. Where items end is decided here, from
+each frame's argmax label, the same for both decoders: an item is completed at a pause (`pause_s`, 0.8 s
+of consecutive blank argmax frames after a non-blank one) and at `finish()`; its start is the frame of its
+first non-blank label and its end the frame after its last (80 ms per frame at 8x subsampling, from the
+stream's first sample). Repeats are collapsed across chunk boundaries by carrying the previous frame's label.
 The look-ahead (`asr.lookahead_ms`: 0 | 80 | 480 | 1040 for NVIDIA's 8x models, 0 | 40 | 240 | 520 for the
 4x demo model) picks one of the model's trained [left, right]
 attention contexts at run time; the same weights serve all of them.
 
-Item text is re-decoded from the item's tokens on each update (tokens -> text is not piecewise for byte
-pieces); that costs microseconds per token and items end at pauses. The encoder's per-chunk work is flat.
+Item text is re-read from the decoder on each update (tokens -> text is not piecewise for byte pieces);
+that costs microseconds per token and items end at pauses. The encoder's per-chunk work is flat.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from runtime.models.asr.fastconformer.checkpoint import (
     is_checkpoint_dir,
     load_checkpoint,
 )
+from runtime.models.asr.fastconformer.decoding import DECODERS, BeamParts, GreedyText, ItemText, find_word_lm
 from runtime.models.asr.fastconformer.model import FastConformerCTC
 from runtime.models.asr.fastconformer.nemo import load_nemo
 from runtime.models.asr.fastconformer.streaming import EncoderStream
@@ -98,22 +101,35 @@ class FastConformerASR:
         *,
         name: str = "fastconformer",
         pause_s: float = PAUSE_S,
+        checkpoint: Path | None = None,
     ) -> None:
+        """`checkpoint` is where the model was read from: a beam decoder looks there for its lm.arpa."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.name = name
         self.context = context_for_lookahead(model, cfg.lookahead_ms)
         self.pause_frames = max(1, round(pause_s / model.cfg.frame_seconds))
+        if cfg.decoder not in DECODERS:
+            raise ConfigError(f"asr.decoder={cfg.decoder!r} is not one of {', '.join(DECODERS)}")
+        self.beam: BeamParts | None = None
+        if cfg.decoder == "beam":
+            lm = find_word_lm(cfg, checkpoint) if checkpoint is not None or cfg.lm else None
+            self.beam = BeamParts(tokenizer, model.blank, lm, cfg)
+
+    def item_text(self) -> ItemText:
+        """A fresh decoder of one stream's items (greedy or beam, per `asr.decoder`)."""
+        return self.beam.open() if self.beam is not None else GreedyText(self.tokenizer, self.model.blank)
 
     @classmethod
     def load(
         cls, cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str], None] | None = None
     ) -> FastConformerASR:
         with load_progress(progress, "asr", cfg.model, device, dtype):
-            model, tokenizer = load_any(find_checkpoint(cfg.model, progress))
+            checkpoint = find_checkpoint(cfg.model, progress)
+            model, tokenizer = load_any(checkpoint)
             model.to_runtime(device, torch_dtype(dtype))
-        return cls(model, tokenizer, cfg, name=cfg.model)
+            return cls(model, tokenizer, cfg, name=cfg.model, checkpoint=checkpoint)
 
     def open_stream(self) -> FastConformerStream:
         return FastConformerStream(self)
@@ -133,13 +149,15 @@ class FastConformerStream:
         self._previous: int | None = None  # label of the last frame: repeats collapse across chunks
         self._blank_run = 0
         self._state = "open"
-        self.token_ids: list[int] = []  # every final token so far, across items
+        self.token_ids: list[int] = []  # every greedy token so far, across items (what the argmax spells)
+        self._text = asr.item_text()
         self._new_item()
 
     def _new_item(self) -> None:
         self._item_id = new_id("item")
-        self._tokens: list[int] = []
+        self._heard = False  # a non-blank label since the item began
         self._emitted = ""
+        self._unstable = ""
         self._first_frame = 0
         self._last_frame = 0
 
@@ -165,7 +183,7 @@ class FastConformerStream:
             return []
         self._state = "finished"
         updates = self._decode(self._encoder.finish())
-        if self._tokens:
+        if self._heard:
             updates.append(self._complete())
         return updates
 
@@ -177,35 +195,39 @@ class FastConformerStream:
     def _decode(self, frames: torch.Tensor) -> list[TranscriptUpdate]:
         if frames.shape[0] == 0:
             return []
-        labels = self._asr.model.decoder(frames.unsqueeze(0))[0].argmax(-1).tolist()
+        logprobs = self._asr.model.decoder(frames.unsqueeze(0))[0].float().cpu()
+        labels = logprobs.argmax(-1).tolist()
+        rows = logprobs.numpy()
         updates: list[TranscriptUpdate] = []
-        for label in labels:
+        for label, row in zip(labels, rows, strict=True):
             frame = self._frames
             self._frames += 1
+            self._text.push(label, row)
             if label == self._blank:
                 self._blank_run += 1
             else:
                 self._blank_run = 0
+                if not self._heard:
+                    self._heard = True
+                    self._first_frame = frame
                 if label != self._previous:
-                    if not self._tokens:
-                        self._first_frame = frame
-                    self._tokens.append(label)
                     self.token_ids.append(label)
                 self._last_frame = frame
             self._previous = label
-            if self._tokens and self._blank_run >= self._asr.pause_frames:
+            if self._heard and self._blank_run >= self._asr.pause_frames:
                 updates.append(self._complete())
-        if self._tokens:
-            text = self._asr.tokenizer.decode(self._tokens).rstrip("\ufffd")  # a byte piece may complete later
+        if self._heard:
+            text, unstable = self._text.stable(), self._text.unstable()
             delta = text[len(self._emitted) :] if text.startswith(self._emitted) else ""
-            if delta:
+            if delta or unstable != self._unstable:
                 self._emitted += delta
+                self._unstable = unstable
                 start = self._time(self._first_frame)
-                updates.append(TranscriptUpdate(self._item_id, delta, "", start, self._time(self._frames)))
+                updates.append(TranscriptUpdate(self._item_id, delta, unstable, start, self._time(self._frames)))
         return updates
 
     def _complete(self) -> TranscriptUpdate:
-        text = self._asr.tokenizer.decode(self._tokens)
+        text = self._text.finish()
         transcript = text if text.startswith(self._emitted) else self._emitted
         update = TranscriptUpdate(
             self._item_id,
@@ -218,4 +240,3 @@ class FastConformerStream:
         )
         self._new_item()
         return update
-
