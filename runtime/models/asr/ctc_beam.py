@@ -1,16 +1,18 @@
 """CTC prefix beam search with a word language model, frame-synchronous so it streams.
 
 Why not greedy: greedy CTC takes each frame's argmax, so a word the model half-hears comes out half-spelt.
-The beam keeps the `beam` most likely transcripts (summing every CTC path that spells them, Graves' prefix
-search) and scores each completed word with a word n-gram (`word_lm.WordLM`): ranking = ln P_ctc(text) +
-`lm_weight` * ln P_lm(words) + `word_bonus` * words. A word outside the LM's vocabulary costs
-`oov_penalty` on top of the LM's <unk> probability; while a word is still being spelt, the best unigram
-of any vocabulary word it could become stands in for it (a look-ahead that only steers pruning).
+The beam keeps the `beam` most likely transcripts (summing every CTC path that spells them: CTC prefix
+beam search, as in Hannun et al. 2014) and scores each completed word with a word n-gram
+(`word_lm.WordLM`): ranking = ln P_ctc(text) + `lm_weight` * ln P_lm(words) + `word_bonus` * words. A word
+outside the LM's vocabulary costs `oov_penalty` on top of the LM's <unk> probability; while a word is still
+being spelt, the best unigram of any vocabulary word it could become stands in for it (a look-ahead that
+only steers pruning).
 
 Why here and not a library: the stream must say which words are final. Every future hypothesis extends one
 of the beams alive now, so the words all beams agree on are final the moment they agree: that is the
-stable text; the best beam's remaining words are the unstable tail. pyctcdecode has no incremental API and
-flashlight's decoder exposes only its best hypothesis, so neither can give that guarantee.
+stable text; the best beam's remaining words are the unstable tail. Pruning hypotheses more than
+`beam_prune` nats behind the best makes them agree sooner. pyctcdecode has no incremental API and
+flashlight's decoder exposes only its best hypothesis while decoding, so neither can give that guarantee.
 
 Hypotheses are keyed by their text (completed words + the word being spelt) and their last CTC label, so
 paths that spell the same text merge whatever pieces spelt it.
@@ -33,12 +35,14 @@ CACHE_ENTRIES = 200_000  # memoised (history, word) LM scores kept before the me
 
 @dataclass(frozen=True)
 class BeamOptions:
-    beam: int = 16
+    """The defaults are `asr.*`'s, chosen on a development set (docs/training_fastconformer.md)."""
+
+    beam: int = 32
     lm_weight: float = 0.5
     word_bonus: float = 1.0
-    oov_penalty: float = 10.0
+    oov_penalty: float = 20.0
     token_prune: float = 8.0  # only labels within this many nats of the frame's best are tried
-    beam_prune: float = 20.0  # hypotheses this many nats behind the best are dropped
+    beam_prune: float = 10.0  # hypotheses this many nats behind the best are dropped (so words turn stable sooner)
 
 
 Key = tuple[tuple[str, ...], str | None, int]  # (completed words, word being spelt or None, last label)
