@@ -37,6 +37,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
+from runtime.models.lm.decode_graph import DecodeGraph
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.transformer import Transformer
 from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
@@ -226,6 +227,7 @@ class EngineSession:
         self._target: list[int] = []  # the open answer's committed target ids: prompt tail, then answer
         self._next: torch.Tensor | None = None
         self._tree: tuple[list[int], torch.Tensor] | None = None
+        self._graph: DecodeGraph | None = None  # the CUDA-graph decode step, recorded on first use
 
     # -- source group ---------------------------------------------------------------------------------------
 
@@ -359,9 +361,16 @@ class EngineSession:
         if len(tokens) != len(parents):
             raise ValueError("tokens and parents differ in length")
         attend = self.cache.score_tree(parents)
-        logits = self._forward(tokens, attend, last_only=False)
+        graph = self._decode_graph() if len(tokens) == 1 and tokens[0] >= 0 else None
+        logits = graph.run(tokens[0], attend) if graph else self._forward(tokens, attend, last_only=False)
         self._tree = (list(tokens), logits)
         return logits
+
+    def _decode_graph(self) -> DecodeGraph | None:
+        """This session's recorded one-token step, on CUDA with `lm.cuda_graphs` (made on first use)."""
+        if self._graph is None and self.engine.cfg.cuda_graphs and self.cache.k.device.type == "cuda":
+            self._graph = DecodeGraph(self.engine.model, self.cache, graph=True)
+        return self._graph
 
     @torch.inference_mode()
     def commit(self, nodes: Sequence[int]) -> None:

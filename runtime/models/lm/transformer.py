@@ -69,6 +69,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def rotate_keys(ck: Tensor, kr: Tensor, rotate: Rotate) -> None:
+    """(Re)make one layer's rotated keys `kr` from its un-rotated keys `ck` at the slots `rotate` names."""
+    if rotate is not None:
+        where, cos, sin = rotate
+        kr[:, :, where] = apply_rope(ck[:, :, where], cos, sin)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -95,8 +102,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: Tensor, rope_q: Rope, mask: Tensor, cache: KV | None, slot: int, rotate: Rotate) -> Tensor:
-        """New tokens' queries attend over the cache's slots [0, S) after writing their own K/V at `slot`.
+    def forward(self, x: Tensor, rope_q: Rope, mask: Tensor, cache: KV | None, slot: int | Tensor,
+                rotate: Rotate) -> Tensor:
+        """New tokens' queries attend over the cache's slots [0, S) after writing their own K/V at `slot`
+        (an int: slots [slot, slot + n); a tensor of n slot indices: written with `index_copy_`, no host value
+        needed, as a CUDA graph requires).
 
         New queries and keys are rotated together at the query positions (`rope_q`: cos/sin [n, 1, d]); K/V go
         to the cache un-rotated and the rotated keys to the rotated-key buffer. `rotate` (None: nothing else)
@@ -110,12 +120,15 @@ class Attention(nn.Module):
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, :, h + self.n_kv :].transpose(1, 2)
         if cache is not None:
             ck, cv, kr = cache
-            ck[:, :, slot : slot + n] = qkv[:, :, h : h + self.n_kv].transpose(1, 2)
-            cv[:, :, slot : slot + n] = v
-            kr[:, :, slot : slot + n] = k
-            if rotate is not None:
-                where, cos, sin = rotate
-                kr[:, :, where] = apply_rope(ck[:, :, where], cos, sin)
+            if isinstance(slot, Tensor):
+                ck.index_copy_(2, slot, qkv[:, :, h : h + self.n_kv].transpose(1, 2))
+                cv.index_copy_(2, slot, v)
+                kr.index_copy_(2, slot, k)
+            else:
+                ck[:, :, slot : slot + n] = qkv[:, :, h : h + self.n_kv].transpose(1, 2)
+                cv[:, :, slot : slot + n] = v
+                kr[:, :, slot : slot + n] = k
+            rotate_keys(ck, kr, rotate)
             size = mask.shape[-1]
             k, v = kr[:, :, :size], cv[:, :, :size]
         q = q.reshape(1, self.n_kv, -1, self.head_dim)  # [1, kv_heads, group * n, d]: a view when n == 1
@@ -145,7 +158,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope_q: Rope, mask: Tensor, cache: KV | None, slot: int, rotate: Rotate) -> Tensor:
+    def forward(self, x: Tensor, rope_q: Rope, mask: Tensor, cache: KV | None, slot: int | Tensor,
+                rotate: Rotate) -> Tensor:
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope_q, mask, cache, slot, rotate)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
@@ -268,6 +282,25 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return linear(self.model.norm.forward(x), self.lm_head)[0].float()
+
+    @torch.inference_mode()
+    def forward_fixed(self, tokens: Tensor, rope_q: Rope, mask: Tensor, cache: CacheBuffers, slot: Tensor) -> Tensor:
+        """One token's cached forward with every shape and address fixed and no host synchronisation, the form
+        a CUDA graph can record (decode_graph.py): `tokens` [1], `rope_q` its cos/sin [1, 1, d], `mask` [1, S]
+        over all S cache slots, `slot` [1] where its K/V go. Keys the caller has not rotated at their
+        positions must not be under the mask (`rerotate` first). Logits [1, vocab] float32."""
+        x = self.model.embed_tokens(tokens)[None]
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward(x, rope_q, mask, (cache[0][i], cache[1][i], cache[2][i]), slot, None)
+        return linear(self.model.norm.forward(x), self.lm_head)[0].float()
+
+    @torch.inference_mode()
+    def rerotate(self, cache: CacheBuffers, q_pos: Tensor, k_pos: Tensor, slot: int) -> None:
+        """What `forward` does first outside the layers: re-rotate the keys whose position changed, in every
+        layer (`_rotation` decides which, and records the new positions in the cache's `rot_pos`)."""
+        rotate = self._rotation(cache[3], q_pos, k_pos, slot)
+        for ck, kr in zip(cache[0], cache[2], strict=True):
+            rotate_keys(ck, kr, rotate)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
