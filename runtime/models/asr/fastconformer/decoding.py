@@ -87,8 +87,7 @@ class BeamParts:
     """What every `BeamText` of one loaded model shares: the pieces, the LM and its memoised scores."""
 
     def __init__(self, tokenizer: CTCTokenizer, blank: int, lm: WordLM | None, cfg: ASRConfig) -> None:
-        pieces = [tokenizer.tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
-        self.pieces = Pieces(pieces, blank)
+        self.pieces = Pieces(tokenizer.pieces(), blank)
         self.options = BeamOptions(beam=cfg.beam, lm_weight=cfg.lm_weight, word_bonus=cfg.word_bonus,
                                    oov_penalty=cfg.oov_penalty)
         self.lm = lm

@@ -156,6 +156,10 @@ class CTCTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def pieces(self) -> list[str]:
+        """Each id's vocabulary entry as spelt there ('▁' marks a word start), what a beam search reads."""
+        return [self.tokenizer.id_to_token(i) or "" for i in range(self.vocab_size)]
+
     def to_json(self) -> str:
         return self.tokenizer.to_str()
 
