@@ -26,6 +26,7 @@ from runtime.models.asr.fastconformer.stream import find_checkpoint
 from runtime.train.ctc_batched import encode_batch
 from runtime.train.ctc_data import batch_for_step, collate, load_split, make_batches, shortest_pool
 from runtime.train.fastconformer import TrainConfig, train_model
+from runtime.train.fastconformer_config import lookahead_weights
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -226,3 +227,23 @@ def test_a_4x_subsampled_model_trains_and_streams_exactly(dataset, tmp_path):
         stream.accept(AudioChunk(audio[pos : pos + 1234], pos))
     stream.finish()
     assert offline and stream.token_ids == offline
+
+
+def test_lookahead_weights_are_parsed_against_the_trained_lookaheads():
+    offered = [1040, 480, 80, 0]
+    assert lookahead_weights("", offered) is None  # uniform: the draw earlier runs made
+    assert lookahead_weights("0=3", offered) == [1.0, 1.0, 1.0, 3.0]
+    assert lookahead_weights(" 1040=0, 80=0.5 ", offered) == [0.0, 1.0, 0.5, 1.0]
+    for bad in ("240=2", "0=3,0=1", "0=-1", "0", "zero=1", "0=nan", "1040=0,480=0,80=0,0=0"):
+        with pytest.raises(ConfigError, match="--lookahead-weights"):
+            lookahead_weights(bad, offered)
+
+
+def test_lookahead_weights_decide_which_lookaheads_train(dataset, tmp_path):
+    with pytest.raises(ConfigError, match=r"\[1040, 480, 80, 0\]"):  # before any feature is computed
+        train_model(tiny_cfg(dataset, tmp_path / "bad", lookahead_weights="240=1"))
+    train_model(tiny_cfg(dataset, tmp_path / "w", steps=40, save_every=40, lookahead_weights="1040=0,480=0,0=3"))
+    drawn = [json.loads(line)["lookahead_ms"] for line in (tmp_path / "w" / "log.jsonl").read_text().splitlines()]
+    assert set(drawn) == {80, 0} and drawn.count(0) > drawn.count(80)  # 3 : 1 expected over 40 steps
+    config = json.loads((tmp_path / "w" / "model" / "config.json").read_text())
+    assert config["training"]["lookahead_weights"] == "1040=0,480=0,0=3"

@@ -70,6 +70,7 @@ from runtime.train.fastconformer_config import (  # noqa: F401  (add_arguments: 
     TrainConfig,
     add_arguments,
     config_from_args,
+    lookahead_weights,
 )
 from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
 
@@ -173,6 +174,11 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         tokenizer = train_unigram([u.text for u in train_utts], cfg.vocab)
         features = FeatureConfig()
         model = None
+    # the look-ahead weights are checked before the features pass (minutes on a large set), against the
+    # contexts the model has or will have
+    arch = model.cfg if model is not None else FastConformerConfig(1, subsampling_factor=cfg.subsampling)
+    weights = lookahead_weights(cfg.lookahead_weights, [arch.lookahead_ms(c) for c in arch.att_context_sizes])
+    context_probs = None if weights is None else torch.tensor(weights, dtype=torch.float64)
     raw = replace(features, fixed_mean=None, fixed_std=None)
     featurizer = MelFeaturizer(raw)
     compute_features(train_utts, featurizer, "train", cfg.quiet)
@@ -219,6 +225,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
                 "train_hours": round(sum(train_utts[i].features.shape[0] for i in usable) / 100 / 3600, 3),
                 "parameters": n_params, "device": device, "batch_seconds": cfg.batch_seconds, "lr": cfg.lr,
                 "warmup": cfg.warmup, "voice_warp": cfg.voice_warp,
+                "lookahead_weights": cfg.lookahead_weights,
                 "curriculum": [cfg.short_first, cfg.short_first_steps, cfg.grow_steps]}
     if not cfg.quiet:
         print(f"fastconformer: {n_params / 1e6:.2f} M parameters ({n_params * 4 / 1e6:.1f} MB fp32), "
@@ -241,7 +248,10 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     with log_path.open("a") as log:
         while total is None or step < total:
             gen = step_generator(cfg.seed, step)
-            context = contexts[int(torch.randint(0, len(contexts), (1,), generator=gen))]
+            if context_probs is None:  # uniform: the draw every earlier run made, kept so they reproduce
+                context = contexts[int(torch.randint(0, len(contexts), (1,), generator=gen))]
+            else:
+                context = contexts[int(torch.multinomial(context_probs, 1, generator=gen))]
             pool = shortest_pool(step, len(batches), cfg.short_first, cfg.short_first_steps, cfg.grow_steps)
             idx = batches[batch_for_step(step, len(batches), cfg.seed, pool)]
             feats, lengths = collate([train_utts[i].features for i in idx])  # type: ignore[misc]

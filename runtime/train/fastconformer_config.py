@@ -51,6 +51,7 @@ class TrainConfig:
     clip: float = 1.0
     spec_augment: bool = True
     voice_warp: float = 0.0  # VTLP: frequency axis stretched by up to 1 +- this per utterance (0: off)
+    lookahead_weights: str = ""  # "0=3,240=1": how often each look-ahead is drawn (unnamed: 1; empty: uniform)
     short_first: float = 0.05  # the curriculum: share of the shortest buckets the first steps draw from
     short_first_steps: int = 1000  # steps on those alone
     grow_steps: int = 4000  # then the pool grows linearly to every bucket
@@ -89,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--voice-warp", type=float, default=d.voice_warp,
                    help="stretch each utterance's frequency axis by a factor in [1/(1+W), 1+W] (vocal tract "
                         "length perturbation; 0: off, the default)")
+    g.add_argument("--lookahead-weights", default=d.lookahead_weights, metavar="MS=W,...",
+                   help="relative frequency of each trained look-ahead in ms, e.g. 0=3 to train the 0 ms one "
+                        "three times as often as each other (NeMo's att_context_probs); unnamed ones: 1; "
+                        "default: all equally")
     g = parser.add_argument_group("curriculum: short clips first (CTC leaves its plateau far sooner on them)")
     g.add_argument("--short-first", type=float, default=d.short_first,
                    help="share of the length-sorted buckets the first steps draw from (1: no curriculum)")
@@ -115,3 +120,30 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+
+
+def lookahead_weights(spec: str, offered_ms: list[int]) -> list[float] | None:
+    """--lookahead-weights as one weight per trained context (in `offered_ms` order), or None for uniform.
+
+    A look-ahead the model does not train, a repeated one, or a weight that is negative or not a number is a
+    ConfigError naming what is offered."""
+    from runtime.errors import ConfigError
+
+    if not spec.strip():
+        return None
+    weights = dict.fromkeys(offered_ms, 1.0)
+    named: set[int] = set()
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        try:
+            ms, w = int(key), float(value)
+        except ValueError:
+            ms, w = -1, -1.0
+        if not sep or ms not in weights or ms in named or not w >= 0.0:
+            raise ConfigError(f"--lookahead-weights: bad item {item.strip()!r}; expected MS=W with MS one of "
+                              f"the trained look-aheads {offered_ms} (each once) and W >= 0")
+        weights[ms] = w
+        named.add(ms)
+    if sum(weights.values()) <= 0.0:
+        raise ConfigError("--lookahead-weights: at least one weight must be positive")
+    return [weights[ms] for ms in offered_ms]
