@@ -8,8 +8,8 @@ Why it trains the way it does:
   offline forward's right padding is zeros) and attention never sees padded keys, so every utterance's valid
   frames equal its own unbatched forward (tested). What is learnt is what runs live.
 - **Several look-aheads at once.** Each batch draws one context from `att_context_sizes` ([70, 13] .. [70, 0]:
-  look-ahead 520 / 240 / 40 / 0 ms at the default 4x subsampling, twice that at 8x), so one set of weights
-  serves every `asr.lookahead_ms`.
+  look-ahead 520 / 240 / 40 / 0 ms at the default 4x subsampling, twice that at 8x; equally often, or as
+  `--lookahead-weights` says), so one set of weights serves every `asr.lookahead_ms`.
 - **CTC** (blank = the last class), AdamW, linear warm-up then cosine decay, gradient clipping, cheap
   SpecAugment (frequency and time masks). Batches are buckets of similar length cut by total padded duration.
 - **Features once.** Log-mels are computed once per utterance with the model's own featurizer and kept in

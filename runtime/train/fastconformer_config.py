@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from runtime.errors import ConfigError
+
 # Model sizes and the optimiser settings that go with them. `small` is the shipped demo model: 4 x 176 at 4x
 # subsampling (40 ms encoder steps) with 128 tokens, 3.04 M parameters, 12.2 MB as float32 safetensors; small
 # batches (24 s of padded audio) for many updates. `tiny` exists for tests.
@@ -127,8 +129,6 @@ def lookahead_weights(spec: str, offered_ms: list[int]) -> list[float] | None:
 
     A look-ahead the model does not train, a repeated one, or a weight that is negative or not a number is a
     ConfigError naming what is offered."""
-    from runtime.errors import ConfigError
-
     if not spec.strip():
         return None
     weights = dict.fromkeys(offered_ms, 1.0)
