@@ -234,7 +234,7 @@ def test_lookahead_weights_are_parsed_against_the_trained_lookaheads():
     assert lookahead_weights("", offered) is None  # uniform: the draw earlier runs made
     assert lookahead_weights("0=3", offered) == [1.0, 1.0, 1.0, 3.0]
     assert lookahead_weights(" 1040=0, 80=0.5 ", offered) == [0.0, 1.0, 0.5, 1.0]
-    for bad in ("240=2", "0=3,0=1", "0=-1", "0", "zero=1", "0=nan", "1040=0,480=0,80=0,0=0"):
+    for bad in ("240=2", "0=3,0=1", "0=-1", "0", "zero=1", "0=nan", "0=inf", "1040=0,480=0,80=0,0=0"):
         with pytest.raises(ConfigError, match="--lookahead-weights"):
             lookahead_weights(bad, offered)
 

@@ -7,6 +7,7 @@ flags, with their help and defaults, read as one list.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -122,12 +123,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-
-
 def lookahead_weights(spec: str, offered_ms: list[int]) -> list[float] | None:
     """--lookahead-weights as one weight per trained context (in `offered_ms` order), or None for uniform.
 
-    A look-ahead the model does not train, a repeated one, or a weight that is negative or not a number is a
+    A look-ahead the model does not train, a repeated one, or a weight that is negative, infinite or not a number is a
     ConfigError naming what is offered."""
     if not spec.strip():
         return None
@@ -139,7 +138,7 @@ def lookahead_weights(spec: str, offered_ms: list[int]) -> list[float] | None:
             ms, w = int(key), float(value)
         except ValueError:
             ms, w = -1, -1.0
-        if not sep or ms not in weights or ms in named or not w >= 0.0:
+        if not sep or ms not in weights or ms in named or not 0.0 <= w < math.inf:
             raise ConfigError(f"--lookahead-weights: bad item {item.strip()!r}; expected MS=W with MS one of "
                               f"the trained look-aheads {offered_ms} (each once) and W >= 0")
         weights[ms] = w
