@@ -15,7 +15,7 @@ from runtime.train.data import load_examples
 from runtime.train.synth_speech import Settings, generate
 from runtime.train.synthesizers import MAX_SECONDS, MIN_SECONDS, Voice, find_voices, render
 from runtime.train.text_norm import cer, expand, normalize, number_to_words, wer
-from runtime.train.texts import TextSource, is_heldout
+from runtime.train.texts import WORDS_FILE, TextSource, build_wordnet_words, is_heldout
 
 
 def _need(tool: str, package: str) -> None:
@@ -75,6 +75,26 @@ def test_text_source_vocabulary_and_split() -> None:
         for _ in range(200):
             kind, text = src.draw(rng, heldout)
             assert is_heldout(text) == heldout and 1 <= len(normalize(text).split()) <= 16
+
+
+def test_wordnet_words_come_from_definitions_only(tmp_path: Path) -> None:
+    # Two synsets in WordNet's data-file layout: offsets and pointers, then " | " and the gloss.
+    (tmp_path / "data.noun").write_text(
+        "  1 This software and database is being provided | license header\n"
+        '00001 03 n 01 slide 0 000 | a Well-Known toy that slides; e.g. 3 kids "the slides stay wet"\n'
+        '00002 03 n 01 stay 0 000 | the act of staying; stays; the children\'s \'time\' "examples vanish"\n')
+    for pos in ("verb", "adj", "adv"):
+        (tmp_path / f"data.{pos}").write_text("")
+    words = build_wordnet_words(tmp_path)
+    assert words == sorted(["act", "children's", "kids", "known", "of", "slides", "staying", "stays", "that",
+                            "the", "three", "time", "toy", "well"])  # no "e"/"g"/"a", no "wet"/"vanish"
+    assert build_wordnet_words(tmp_path, min_count=2) == ["the"]
+
+
+def test_shipped_word_list_is_normalised_words() -> None:
+    words = [w for w in WORDS_FILE.read_text(encoding="utf-8").splitlines() if not w.startswith("#")]
+    assert len(words) > 30_000 and words == sorted(set(words))
+    assert all(normalize(w) == w and len(w) > 1 for w in words)
 
 
 def test_voice_split() -> None:

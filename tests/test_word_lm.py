@@ -20,9 +20,9 @@ def corpus(n: int, seed: int = 0) -> list[list[str]]:
     return [[rng.choice(WORDS) for _ in range(rng.randint(1, 7))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("order", [1, 2, 3, 4])
-def test_every_history_gets_a_distribution_that_sums_to_one(order):
-    lm = WordLM.fit(corpus(300), order=order)
+@pytest.mark.parametrize(("order", "listed"), [(1, ()), (2, ()), (3, ()), (4, ()), (3, ("lamp", "sofa", "cat"))])
+def test_every_history_gets_a_distribution_that_sums_to_one(order, listed):
+    lm = WordLM.fit(corpus(300), order=order, listed=listed, listed_weight=0.25)
     outcomes = [*sorted(lm.vocabulary), EOS, UNK]
     histories = [(), (BOS,), ("the",), (BOS, "the"), ("cat", "sat"), ("rug", "rug", "rug"), ("never", "seen")]
     for history in histories:
@@ -36,6 +36,19 @@ def test_kneser_ney_unigrams_count_contexts_not_occurrences():
     lm = WordLM.fit(sentences, order=2)
     assert lm.logp(("zebra",), "cat") > lm.logp(("zebra",), "francisco")  # unseen history: the continuation
     assert lm.logp(("san",), "francisco") > lm.logp(("san",), "cat")  # the seen bigram still wins
+
+
+def test_listed_words_get_their_weighted_share_of_the_unseen_mass():
+    plain = WordLM.fit(corpus(300), order=3)
+    lm = WordLM.fit(corpus(300), order=3, listed=["lamp", "sofa", "cat"], listed_weight=0.25)
+    assert lm.vocabulary == plain.vocabulary | {"lamp", "sofa"}  # "cat" was seen: listing it changes nothing
+    for history in [(), ("the",), ("cat", "sat")]:
+        assert lm.logp(history, "lamp") == pytest.approx(lm.logp(history, UNK) + math.log(0.25))
+        assert lm.logp(history, "lamp") < min(lm.logp(history, w) for w in plain.vocabulary)
+        for word in plain.vocabulary:  # the seen words keep almost all of their probability
+            assert lm.logp(history, word) == pytest.approx(plain.logp(history, word), abs=0.05)
+    with pytest.raises(ValueError, match="listed_weight"):
+        WordLM.fit(corpus(10), listed=["lamp"], listed_weight=0.0)
 
 
 def test_arpa_round_trip_is_exact_to_the_printed_digits(tmp_path):
@@ -78,12 +91,32 @@ def test_train_word_lm_writes_lm_arpa_into_a_checkpoint_directory(capsys, tmp_pa
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     code, out, _ = run_cli(capsys, "train", "word-lm", "--data", str(folder), "--out", str(checkpoint),
-                           "--order", "2")
+                           "--order", "2", "--words", "none")
     assert code == 0
     summary = json.loads(out)
     assert summary["sentences"] == len(texts) and summary["order"] == 2 and summary["heldout_perplexity"] > 1
     lm = WordLM.load_arpa(checkpoint / "lm.arpa")
     assert lm.order == 2 and lm.vocabulary == {w for t in texts for w in t.split()}
+
+
+def test_train_word_lm_lists_words_beyond_the_training_texts(capsys, tmp_path):
+    folder = _synth_folder(tmp_path, [t for t in ("the cat sat", "a dog ran", "the big mat") if not is_heldout(t)])
+    seen = {w for line in (folder / "train.jsonl").read_text().splitlines() for w in json.loads(line)["text"].split()}
+    words = tmp_path / "words.txt"
+    words.write_text("# a comment line\nLamps\nsofa's, cat\n")
+    code, out, _ = run_cli(capsys, "train", "word-lm", "--data", str(folder), "--out", str(tmp_path / "w.arpa"),
+                           "--words", str(words), "--words-weight", "0.5")
+    assert code == 0 and json.loads(out)["listed_words_added"] == 2
+    assert WordLM.load_arpa(tmp_path / "w.arpa").vocabulary == seen | {"lamps", "sofa's"}
+    code, out, _ = run_cli(capsys, "train", "word-lm", "--data", str(folder), "--out", str(tmp_path / "d.arpa"))
+    assert code == 0 and json.loads(out)["listed_words_added"] > 30_000  # the shipped WordNet list by default
+    assert {"slides", "stays"} <= WordLM.load_arpa(tmp_path / "d.arpa").vocabulary
+    for flags, message in [(["--words", str(tmp_path / "nope.txt")], "no such file"),
+                           (["--words-weight", "0"], "--words-weight"), (["--words-weight", "1.5"], "--words-weight")]:
+        code, _, err = run_cli(capsys, "train", "word-lm", "--data", str(folder), "--out", str(tmp_path / "x.arpa"),
+                               *flags)
+        assert code != 0 and message in one_error_line(err)
+    assert not (tmp_path / "x.arpa").exists()
 
 
 def test_train_word_lm_refuses_held_out_texts_and_missing_folders(capsys, tmp_path):

@@ -34,6 +34,7 @@ from runtime.train.text_norm import normalize
 
 ASSETS = Path(__file__).with_name("assets")
 SENTENCES_FILE = ASSETS / "wordnet_examples.txt"
+WORDS_FILE = ASSETS / "wordnet_words.txt"
 WORDNET_DIR = Path("/usr/share/wordnet")
 VOCAB_SIZE = 5000
 HELDOUT_MODULUS = 20  # 1 text in 20 is held out
@@ -133,17 +134,25 @@ def _usable(sentence: str) -> bool:
     return not any(sum(c.isupper() for c in w) > 1 for w in sentence.split())
 
 
-def build_wordnet_examples(wordnet_dir: Path = WORDNET_DIR, vocab_size: int = VOCAB_SIZE) -> list[str]:
-    """WordNet's quoted usage examples, filtered by `_usable`, restricted to sentences whose every normalised
-    word is among the `vocab_size` most frequent words of all usable examples; deduplicated, sorted."""
-    examples = []
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def _glosses(wordnet_dir: Path) -> list[str]:
+    """Every synset's gloss: its definition, then its quoted usage examples."""
+    glosses = []
     for pos in ("noun", "verb", "adj", "adv"):
         with open(wordnet_dir / f"data.{pos}", encoding="latin-1") as f:
             for line in f:
                 if line.startswith("  ") or " | " not in line:  # the license header lines start with spaces
                     continue
-                gloss = line.split(" | ", 1)[1]
-                examples += [s.strip() for s in re.findall(r'"([^"]+)"', gloss)]
+                glosses.append(line.split(" | ", 1)[1])
+    return glosses
+
+
+def build_wordnet_examples(wordnet_dir: Path = WORDNET_DIR, vocab_size: int = VOCAB_SIZE) -> list[str]:
+    """WordNet's quoted usage examples, filtered by `_usable`, restricted to sentences whose every normalised
+    word is among the `vocab_size` most frequent words of all usable examples; deduplicated, sorted."""
+    examples = [s.strip() for gloss in _glosses(wordnet_dir) for s in _QUOTED.findall(gloss)]
     usable = [s for s in examples if _usable(s)]
     counts = Counter(w for s in usable for w in normalize(s).split())
     vocab = {w for w, _ in counts.most_common(vocab_size)}
@@ -153,6 +162,16 @@ def build_wordnet_examples(wordnet_dir: Path = WORDNET_DIR, vocab_size: int = VO
         if norm and all(w in vocab for w in norm.split()):
             kept.setdefault(norm, s)
     return sorted(kept.values(), key=lambda s: (normalize(s), s))
+
+
+def build_wordnet_words(wordnet_dir: Path = WORDNET_DIR, min_count: int = 1) -> list[str]:
+    """The words WordNet's definitions (not its usage examples) use at least `min_count` times, normalised
+    as transcripts are, single letters left out: a general English vocabulary of some 40,000 words, with the
+    inflected forms a definition uses ("slides", "stays"), for a word LM to list beyond its training texts.
+    The examples are left out so that a development set made of examples can measure how often this list
+    covers words it was not built from."""
+    counts = Counter(w for gloss in _glosses(wordnet_dir) for w in normalize(_QUOTED.sub(" ", gloss)).split())
+    return sorted(w for w, c in counts.items() if c >= min_count and len(w) > 1 and w.strip("'") == w)
 
 
 @dataclass
@@ -198,9 +217,10 @@ class TextSource:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m runtime.train.texts --build-assets`: rewrite the sentence asset from `wordnet-base`."""
+    """`python -m runtime.train.texts --build-assets`: rewrite the sentence and word assets from `wordnet-base`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--build-assets", action="store_true", help="rebuild assets/wordnet_examples.txt")
+    p.add_argument("--build-assets", action="store_true",
+                   help="rebuild assets/wordnet_examples.txt and assets/wordnet_words.txt")
     p.add_argument("--wordnet", default=str(WORDNET_DIR), help="WordNet dict folder (Debian: wordnet-base)")
     args = p.parse_args(argv)
     if not args.build_assets:
@@ -208,12 +228,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(src.sentences)} sentences ({len(src.split_sentences[True])} held out), "
               f"{len(src.vocabulary)} words")
         return 0
-    sentences = build_wordnet_examples(Path(args.wordnet))
-    header = ("# Usage examples from WordNet 3.0 (Debian package wordnet-base), filtered by runtime.train.texts.\n"
-              "# WordNet 3.0 Copyright 2006 by Princeton University. All rights reserved. License: see "
+    notice = ("# WordNet 3.0 Copyright 2006 by Princeton University. All rights reserved. License: see "
               "WORDNET_LICENSE.txt.\n")
-    SENTENCES_FILE.write_text(header + "\n".join(sentences) + "\n", encoding="utf-8")
+    sentences = build_wordnet_examples(Path(args.wordnet))
+    SENTENCES_FILE.write_text("# Usage examples from WordNet 3.0 (Debian package wordnet-base), filtered by "
+                              "runtime.train.texts.\n" + notice + "\n".join(sentences) + "\n", encoding="utf-8")
     print(f"wrote {len(sentences)} sentences to {SENTENCES_FILE}")
+    words = build_wordnet_words(Path(args.wordnet))
+    WORDS_FILE.write_text("# The words of the definitions of WordNet 3.0 (Debian package "
+                          "wordnet-base), normalised by runtime.train.texts.\n" + notice + "\n".join(words) + "\n",
+                          encoding="utf-8")
+    print(f"wrote {len(words)} words to {WORDS_FILE}")
     return 0
 
 

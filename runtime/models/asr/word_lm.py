@@ -53,10 +53,19 @@ class WordLM:
 
     # -- estimation ---------------------------------------------------------------------------------------
     @classmethod
-    def fit(cls, sentences: Iterable[list[str]], order: int = 3) -> WordLM:
-        """Interpolated Kneser-Ney over sentences (lists of words); lower orders use continuation counts."""
+    def fit(cls, sentences: Iterable[list[str]], order: int = 3, listed: Iterable[str] = (),
+            listed_weight: float = 1.0) -> WordLM:
+        """Interpolated Kneser-Ney over sentences (lists of words); lower orders use continuation counts.
+
+        `listed` words join the vocabulary without being seen: the unigram level's uniform floor becomes a
+        weighted one, in which a seen word (and <unk>) weighs 1 and a listed word `listed_weight`, so a listed
+        word gets that share of the floor's mass, the beam can write it without the out-of-vocabulary penalty,
+        and every history's distribution still sums to one.
+        """
         if order < 1:
             raise ValueError(f"n-gram order must be at least 1, got {order}")
+        if not 0.0 < listed_weight <= 1.0:
+            raise ValueError(f"listed_weight must be in (0, 1], got {listed_weight}")
         raw: list[Counter[tuple[str, ...]]] = [Counter() for _ in range(order + 1)]
         for words in sentences:
             tokens = (BOS, *words, EOS)
@@ -77,6 +86,8 @@ class WordLM:
         logprob: dict[tuple[str, ...], float] = {}
         backoff: dict[tuple[str, ...], float] = {}
         vocab = {g[0] for g in counts[1]} | {UNK}
+        unseen = set(listed) - vocab - {BOS, EOS}
+        floor_mass = len(vocab) + listed_weight * len(unseen)  # the weighted floor's normaliser
         for n in range(1, order + 1):
             discount = _discount(counts[n])
             total: dict[tuple[str, ...], int] = defaultdict(int)
@@ -87,11 +98,13 @@ class WordLM:
             for gram, c in counts[n].items():
                 history, word = gram[:-1], gram[-1]
                 gamma = discount * types[history] / total[history]
-                lower = 1.0 / len(vocab) if n == 1 else math.exp(_query(logprob, backoff, history[1:], word, 0.0))
+                lower = 1.0 / floor_mass if n == 1 else math.exp(_query(logprob, backoff, history[1:], word, 0.0))
                 logprob[gram] = math.log((c - discount) / total[history] + gamma * lower)
             if n == 1:
                 gamma = discount * types[()] / total[()]
-                logprob[(UNK,)] = math.log(gamma / len(vocab))
+                logprob[(UNK,)] = math.log(gamma / floor_mass)
+                for word in unseen:
+                    logprob[(word,)] = math.log(gamma * listed_weight / floor_mass)
             else:
                 for history in total:
                     backoff[history] = math.log(discount * types[history] / total[history])
