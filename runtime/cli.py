@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "folder's training transcripts (never the held-out ones) and write it as ARPA, into a "
                            "checkpoint directory as lm.arpa (used by asr.decoder = \"beam\") or to a .arpa path.")
     _train_recipe("word_lm").add_arguments(r)
+    r = recipes.add_parser("average", help="one FastConformer checkpoint: the mean of several of one run",
+                           description="Average the weights of two or more FastConformer checkpoints of one run "
+                           "(same architecture, features and tokenizer) into a new checkpoint directory.")
+    _train_recipe("average").add_arguments(r)
     return parser
 
 
