@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import os
 import signal
 import sys
@@ -19,9 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from runtime import __version__, bench
+from runtime import __version__, bench, train
 from runtime.config import Profile, available_profiles, load_profile
 from runtime.errors import UserError
 from runtime.events import Event
@@ -64,11 +62,6 @@ class Console:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-
-def _train_recipe(name: str) -> Any:
-    """Training recipes import their own heavy dependencies; load one only when it is used."""
-    return importlib.import_module(f"runtime.train.{name}")
 
 
 # -- argument parsing ----------------------------------------------------------------------------------------
@@ -162,30 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train models: causal Whisper LoRA adapters, synthetic speech data, a small "
                        "FastConformer and its word LM",
                        description="Train models with the project's recipes.")
-    recipes = p.add_subparsers(dest="recipe", required=True, metavar="RECIPE")
-    r = recipes.add_parser("causal-whisper", help="LoRA adapters for Whisper's block-causal encoder",
-                           description="Train LoRA adapters (q/k/v/out of encoder self-attention, decoder self- "
-                           "and cross-attention) so Whisper works with the block-causal encoder mask. DATA holds "
-                           "audio files, each with a same-named .txt transcript.")
-    _train_recipe("causal_whisper").add_arguments(r)
-    r = recipes.add_parser("synth-speech", help="(audio, text) pairs from offline speech synthesisers",
-                           description="Synthesise English speech with espeak-ng (and flite/festival when "
-                           "installed), augmented, 16 kHz FLAC + .txt, with a fixed held-out set.")
-    _train_recipe("synth_speech").add_arguments(r)
-    r = recipes.add_parser("fastconformer", help="a small streaming FastConformer-CTC from scratch",
-                           description="Train a cache-aware FastConformer-CTC with the streaming attention mask "
-                           "and causal convolutions used at inference, several look-aheads at once, CTC loss and "
-                           "its own unigram tokenizer. DATA: synth-speech's folder (train.jsonl, heldout.jsonl).")
-    _train_recipe("fastconformer").add_arguments(r)
-    r = recipes.add_parser("word-lm", help="the word n-gram a FastConformer's beam search scores words with",
-                           description="Estimate an interpolated Kneser-Ney word n-gram from a synth-speech "
-                           "folder's training transcripts (never the held-out ones) and write it as ARPA, into a "
-                           "checkpoint directory as lm.arpa (used by asr.decoder = \"beam\") or to a .arpa path.")
-    _train_recipe("word_lm").add_arguments(r)
-    r = recipes.add_parser("average", help="one FastConformer checkpoint: the mean of several of one run",
-                           description="Average the weights of two or more FastConformer checkpoints of one run "
-                           "(same architecture, features and tokenizer) into a new checkpoint directory.")
-    _train_recipe("average").add_arguments(r)
+    train.add_arguments(p)
     return parser
 
 
@@ -396,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             return bench.run(args, console.status)
         if args.command == "train":
-            return _train_recipe(args.recipe.replace("-", "_")).run(args)
+            return train.run(args)
         return _run(args, console)
     except UserError as err:
         console.close()

@@ -1,3 +1,51 @@
-"""Training entry points behind `runtime train <what>`: each module exposes `add_arguments(parser)` and
-`run(args) -> int`. They import torch and the model code at import time, so import one only when its
-subcommand is chosen."""
+"""Training entry points behind `runtime train <recipe>`: each recipe module exposes `add_arguments(parser)`
+and `run(args) -> int`. They import torch and the model code at import time, so a recipe module is imported
+only when the command line is built or its subcommand runs, never by `import runtime.train`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from types import ModuleType
+
+# recipe name on the command line: (module in runtime.train, help, description)
+RECIPES: dict[str, tuple[str, str, str]] = {
+    "causal-whisper": (
+        "causal_whisper", "LoRA adapters for Whisper's block-causal encoder",
+        "Train LoRA adapters (q/k/v/out of encoder self-attention, decoder self- and cross-attention) so Whisper "
+        "works with the block-causal encoder mask. DATA holds audio files, each with a same-named .txt transcript."),
+    "synth-speech": (
+        "synth_speech", "(audio, text) pairs from offline speech synthesisers",
+        "Synthesise English speech with espeak-ng (and flite/festival when installed), augmented, 16 kHz FLAC + "
+        ".txt, with a fixed held-out set."),
+    "fastconformer": (
+        "fastconformer", "a small streaming FastConformer-CTC from scratch",
+        "Train a cache-aware FastConformer-CTC with the streaming attention mask and causal convolutions used at "
+        "inference, several look-aheads at once, CTC loss and its own unigram tokenizer. DATA: synth-speech's "
+        "folder (train.jsonl, heldout.jsonl)."),
+    "word-lm": (
+        "word_lm", "the word n-gram a FastConformer's beam search scores words with",
+        "Estimate an interpolated Kneser-Ney word n-gram from a synth-speech folder's training transcripts (never "
+        "the held-out ones), with a word list beyond them, and write it as ARPA, into a checkpoint directory as "
+        "lm.arpa (used by asr.decoder = \"beam\") or to a .arpa path."),
+    "average": (
+        "average", "one FastConformer checkpoint: the mean of several of one run",
+        "Average the weights of two or more FastConformer checkpoints of one run (same architecture, features "
+        "and tokenizer) into a new checkpoint directory."),
+}
+
+
+def recipe(name: str) -> ModuleType:
+    """The module behind `runtime train <name>`."""
+    return importlib.import_module(f"runtime.train.{RECIPES[name][0]}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One subcommand per recipe, each with the recipe module's own flags."""
+    recipes = parser.add_subparsers(dest="recipe", required=True, metavar="RECIPE")
+    for name, (_, summary, description) in RECIPES.items():
+        recipe(name).add_arguments(recipes.add_parser(name, help=summary, description=description))
+
+
+def run(args: argparse.Namespace) -> int:
+    return recipe(args.recipe).run(args)
