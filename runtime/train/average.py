@@ -62,11 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if any(out.resolve() == d.resolve() for d in directories):
         raise ConfigError(f"--out {out} is one of the checkpoints being averaged; write the mean elsewhere")
     model, tokenizer = average_checkpoints(directories)
-    sources = []
-    for directory in directories:
-        training = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get("training") or {}
-        sources.append({"checkpoint": str(directory), "steps": training.get("steps")})
-    last = json.loads((directories[-1] / CONFIG_FILE).read_text(encoding="utf-8")).get("training") or {}
-    save_checkpoint(model, tokenizer, out, training={**last, "averaged": sources})
+    trainings = [json.loads((d / CONFIG_FILE).read_text(encoding="utf-8")).get("training") or {} for d in directories]
+    sources = [{"checkpoint": str(d), "steps": t.get("steps")} for d, t in zip(directories, trainings, strict=True)]
+    save_checkpoint(model, tokenizer, out, training={**trainings[-1], "averaged": sources})
     print(json.dumps({"out": str(out), "averaged": sources}))
     return 0
