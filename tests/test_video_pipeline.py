@@ -59,7 +59,7 @@ async def test_question_while_frames_arrive_and_frames_after_it_land(models, wor
     events = []
     collector = asyncio.create_task(_collect(session, events))
     await push_seconds(session, 0, 6)
-    await wait_for(lambda: session.video.encoded >= 6)
+    await wait_for(lambda: session.video.encoded + session.video_in.stats.dropped >= 6)
     memory = session.video_memory
     assert memory is not None
     await session.ask("what was on screen?", media_time=6.0)
@@ -71,10 +71,14 @@ async def test_question_while_frames_arrive_and_frames_after_it_land(models, wor
     assert len(done) == 1 and done[0].response["status"] in ("completed", "incomplete")
     assert "selected_segments" in done[0].response["video"]
     snap = memory.snapshot()
-    assert snap.frames_seen == 12 > seen_at_question
+    # the frame queue holds 2 and drops the oldest when full (while the worker decodes, on a loaded machine):
+    # every frame is either in memory or counted as dropped, and the newest one is never lost
+    dropped = session.video_in.stats.dropped
+    assert snap.frames_seen + dropped == 12 and snap.frames_seen > seen_at_question
     assert snap.tokens == memory.sizes.budget()
     metrics = [e for e in events if e.type == "metrics"][-1].metrics["video"]
-    assert metrics["encoded"] == 12 and metrics["memory_tokens"] == memory.sizes.budget()
+    assert metrics["encoded"] == snap.frames_seen and metrics["dropped_full"] == dropped
+    assert metrics["memory_tokens"] == memory.sizes.budget()
     assert session.prefiller.prefilled_tokens > memory.sizes.budget()  # the memory was prefilled as it came
 
 
