@@ -168,3 +168,57 @@ def test_optional_engines(engine: str, tool: str, package: str) -> None:
     voice = next(v for v in find_voices([engine]) if not v.heldout)
     audio, info = render(voice, "The train leaves at 5:30 on Monday.", np.random.default_rng(0))
     assert MIN_SECONDS * 16000 <= len(audio) <= MAX_SECONDS * 16000 and float(np.abs(audio).max()) > 0.05
+
+
+def _pitch_hz(x: np.ndarray, rate: int = 16000) -> float:
+    """Median autocorrelation pitch of the loud 40 ms frames."""
+    found = []
+    for i in range(0, len(x) - 640, 320):
+        frame = x[i:i + 640] * np.hanning(640)
+        if np.sqrt(np.mean(frame**2)) < 0.02 * np.abs(x).max():
+            continue
+        ac = np.correlate(frame, frame, "full")[639:]
+        lag = rate // 400 + int(np.argmax(ac[rate // 400: rate // 60]))
+        if ac[lag] > 0.4 * ac[0]:
+            found.append(rate / lag)
+    return float(np.median(found))
+
+
+def _centroid_hz(x: np.ndarray, rate: int = 16000) -> float:
+    power = np.abs(np.fft.rfft(x)) ** 2
+    f = np.fft.rfftfreq(len(x), 1 / rate)
+    low = f < 5000
+    return float((power[low] * f[low]).sum() / power[low].sum())
+
+
+def test_formant_shift_moves_the_spectrum_and_keeps_pitch_and_tempo() -> None:
+    """flite asked for 1/alpha the pitch and alpha the duration, then read at alpha times its rate: the same
+    pitch and length as the plain clip, a spectral envelope moved with alpha."""
+    _need("flite", "flite")
+    from runtime.train.synthesizers import resample, synthesize
+
+    voice = Voice("flite", "slt")
+    text = "the quick brown fox jumps over the lazy dog"
+    clips = {}
+    for alpha in (1 / 1.15, 1.0, 1.15):
+        raw, rate, _ = synthesize(voice, text, np.random.default_rng(0), alpha)
+        clips[alpha] = resample(raw, round(rate * alpha))
+    plain = clips[1.0]
+    for alpha in (1 / 1.15, 1.15):
+        assert abs(len(clips[alpha]) / len(plain) - 1) < 0.03
+        assert abs(_pitch_hz(clips[alpha]) / _pitch_hz(plain) - 1) < 0.06
+    assert _centroid_hz(clips[1 / 1.15]) < 0.9 * _centroid_hz(plain) < 0.9**2 * _centroid_hz(clips[1.15])
+
+
+def test_formant_shift_draws_only_for_flite() -> None:
+    _need("flite", "flite")
+    flite = Voice("flite", "awb")
+    _, info = render(flite, "a short test sentence", np.random.default_rng(1), formant_shift=0.15)
+    assert 1 / 1.15 - 1e-3 <= info["formant"] <= 1.15 + 1e-3
+    _, plain = render(flite, "a short test sentence", np.random.default_rng(1))
+    assert "formant" not in plain
+    espeak = Voice("espeak", "en-us+m3")
+    a, info = render(espeak, "a short test sentence", np.random.default_rng(2), formant_shift=0.15)
+    b, _ = render(espeak, "a short test sentence", np.random.default_rng(2))
+    assert "formant" not in info
+    np.testing.assert_array_equal(a, b)  # nothing drawn: an espeak clip is the clip it was without the option

@@ -61,6 +61,7 @@ class Task:
     seed: int
     out: str
     voices: tuple[Voice, ...]  # this split's voices
+    formant_shift: float = 0.0  # see synthesizers.render; never for the held-out set
 
 
 _TEXTS: TextSource | None = None
@@ -92,7 +93,7 @@ def make_utterance(task: Task) -> dict[str, Any]:
         engine = engines[int(rng.choice(len(engines), p=weights / weights.sum()))]
         voice = by_engine[engine][int(rng.integers(len(by_engine[engine])))]
         kind, text = _texts().draw(rng, heldout, max_words=max_words)
-        audio, info = render(voice, text, rng)
+        audio, info = render(voice, text, rng, task.formant_shift)
         if len(audio) <= MAX_SECONDS * SAMPLE_RATE:
             break
         max_words = max(3, max_words - 3)
@@ -120,6 +121,7 @@ class Settings:
     jobs: int = 0  # 0: one per CPU core
     engines: tuple[str, ...] = ()  # (): every installed one
     quiet: bool = False
+    formant_shift: float = 0.0  # 0: off (the default, and what every dataset before the option was made with)
 
 
 def _progress_entries(out: Path, fingerprint: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -165,7 +167,9 @@ def generate(settings: Settings) -> dict[str, Any]:
                     "heldout": tuple(v for v in voices if v.heldout)}
     if not split_voices["heldout"]:
         raise ConfigError("no held-out voice installed: espeak-ng's variants are needed")
-    fingerprint = {"seed": settings.seed, "voices": [v.id for v in voices]}
+    fingerprint: dict[str, Any] = {"seed": settings.seed, "voices": [v.id for v in voices]}
+    if settings.formant_shift:  # only when used, so folders made before the option still resume
+        fingerprint["formant_shift"] = settings.formant_shift
     done = _progress_entries(out, fingerprint)
     jobs = settings.jobs or os.cpu_count() or 1
     # fork where there is one: spawn would re-import the `runtime` CLI (and torch) in every worker, seconds each
@@ -193,7 +197,7 @@ def generate(settings: Settings) -> dict[str, Any]:
             bar = tqdm(total=round(target), unit="s", desc="train (s of audio)", disable=settings.quiet,
                        file=sys.stderr)
             while total < target:
-                tasks = [Task("train", i, settings.seed, str(out), split_voices["train"])
+                tasks = [Task("train", i, settings.seed, str(out), split_voices["train"], settings.formant_shift)
                          for i in range(index, index + batch)]
                 index += batch
                 for entry in _results(tasks, done, pool):
@@ -254,6 +258,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=d.jobs, help="worker processes (default: one per CPU core)")
     parser.add_argument("--engines", default="", help="comma-separated synthesisers among espeak,flite,festival "
                         "(default: every installed one)")
+    parser.add_argument("--formant-shift", type=float, default=d.formant_shift, metavar="F",
+                        help="move each flite training clip's formants by a factor in [1/(1+F), 1+F], pitch and "
+                        "tempo kept: new speakers from flite's few voices (default: 0, off; never the held-out set)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -261,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     if args.hours <= 0 or args.heldout < 0:
         raise ConfigError("--hours must be > 0 and --heldout >= 0")
-    summary = generate(Settings(args.out, args.hours, args.heldout, args.seed, args.jobs, engines, args.quiet))
+    if not 0 <= args.formant_shift <= 0.5:
+        raise ConfigError(f"--formant-shift must be in [0, 0.5] (a factor of at most 1.5), got {args.formant_shift}")
+    summary = generate(Settings(args.out, args.hours, args.heldout, args.seed, args.jobs, engines, args.quiet,
+                                args.formant_shift))
     print(json.dumps(summary))
     return 0

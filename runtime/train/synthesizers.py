@@ -4,6 +4,12 @@ Which voices are installed (espeak-ng's English accents x variants, flite's and 
 voices), which of them are held out, one utterance spoken by one voice with random prosody, and what every clip
 then goes through: speed perturbation, resampling to 16 kHz, silence trimming, room reverb and noise. Pure
 functions of their inputs and the generator passed in, so a dataset is a function of its seed.
+
+Why a formant shift (flite only, off unless asked): flite has four training voices, and a model trained on them
+meets its held-out voice (rms) as a stranger. Reading a clip at `alpha` times its rate moves every formant by
+`alpha`, like a shorter or longer vocal tract; asking flite for `1/alpha` times the pitch and `alpha` times the
+duration first cancels what the same reading does to pitch and tempo. Each shift is a new speaker of the same
+recorded voice, where plain speed perturbation moves pitch, tempo and formants together.
 """
 
 from __future__ import annotations
@@ -96,8 +102,10 @@ def _installed(engine: str) -> bool:
 
 
 # -- synthesis ----------------------------------------------------------------------------------------------
-def synthesize(voice: Voice, text: str, rng: np.random.Generator) -> tuple[np.ndarray, int, dict[str, float]]:
-    """(float32 mono samples, sample rate, the prosody drawn) for `text` as said by `voice`."""
+def synthesize(voice: Voice, text: str, rng: np.random.Generator,
+               formant: float = 1.0) -> tuple[np.ndarray, int, dict[str, float]]:
+    """(float32 mono samples, sample rate, the prosody drawn) for `text` as said by `voice`. `formant` (flite
+    only) pre-compensates a later reading at `formant` times the rate: pitch / formant, duration x formant."""
     with tempfile.TemporaryDirectory(prefix="synth-") as tmp:
         wav = Path(tmp) / "out.wav"
         if voice.engine == "espeak":
@@ -112,8 +120,9 @@ def synthesize(voice: Voice, text: str, rng: np.random.Generator) -> tuple[np.nd
             f0 = 105.0 if voice.name in ("kal", "kal16", "awb", "rms") else 175.0
             text_file = Path(tmp) / "in.txt"
             text_file.write_text(text, encoding="utf-8")
-            proc = _run(["flite", "-voice", voice.name, "--setf", f"duration_stretch={params['duration_stretch']}",
-                         "--setf", f"int_f0_target_mean={f0 * params['f0_scale']:.1f}", "-f", str(text_file),
+            proc = _run(["flite", "-voice", voice.name,
+                         "--setf", f"duration_stretch={params['duration_stretch'] * formant:.4f}",
+                         "--setf", f"int_f0_target_mean={f0 * params['f0_scale'] / formant:.1f}", "-f", str(text_file),
                          "-o", str(wav)])
         elif voice.engine == "festival":
             params = {"duration_stretch": round(float(rng.uniform(0.8, 1.3)), 3)}
@@ -188,12 +197,19 @@ def noise(x: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, dict[str
     return (x + n).astype(np.float32), {"noise": color, "snr_db": round(snr, 1)}
 
 
-def render(voice: Voice, text: str, rng: np.random.Generator) -> tuple[np.ndarray, dict[str, Any]]:
+def render(voice: Voice, text: str, rng: np.random.Generator,
+           formant_shift: float = 0.0) -> tuple[np.ndarray, dict[str, Any]]:
     """The finished clip: synthesis, speed perturbation to 16 kHz, trimming, padding to 1 s, reverb, noise,
-    level."""
-    raw, rate, params = synthesize(voice, expand(text), rng)
+    level. `formant_shift` F > 0 moves a flite clip's formants by a factor drawn log-uniformly in
+    [1/(1+F), 1+F], pitch and tempo kept (the module docstring says why); 0 draws nothing, so datasets made
+    without it are unchanged."""
+    formant = 1.0
+    if formant_shift > 0 and voice.engine == "flite":
+        formant = float(np.exp(rng.uniform(-np.log1p(formant_shift), np.log1p(formant_shift))))
+    raw, rate, params = synthesize(voice, expand(text), rng, formant)
     speed = float(rng.uniform(0.9, 1.1))
-    x = _trim(resample(raw, round(rate * speed)), rng)  # read at rate*speed: faster and higher when speed > 1
+    # read at rate*speed*formant: faster and higher when > 1 (the formant part was pre-compensated)
+    x = _trim(resample(raw, round(rate * speed * formant)), rng)
     if float(np.abs(x).max() if len(x) else 0.0) < 1e-4:
         raise MediaError(f"{voice.id} produced silence for {text!r}")
     short = int(MIN_SECONDS * SAMPLE_RATE) - len(x)
@@ -201,6 +217,8 @@ def render(voice: Voice, text: str, rng: np.random.Generator) -> tuple[np.ndarra
         lead = int(rng.integers(short + 1))
         x = np.concatenate([np.zeros(lead, np.float32), x, np.zeros(short - lead, np.float32)])
     info: dict[str, Any] = {**params, "speed": round(speed, 3)}
+    if formant != 1.0:
+        info["formant"] = round(formant, 3)
     if rng.random() < 0.5:
         x, room = reverb(x, rng)
         info.update(room)
