@@ -79,3 +79,35 @@ def test_unknown_builtin_checkpoints_name_the_shipped_ones():
 
     with pytest.raises(CheckpointNotFound, match="no such built-in checkpoint"):
         resolve_checkpoint("builtin:no-such-model", role="asr")
+
+
+def test_asr_quality_on_a_folder_splits_scores_by_engine(capsys, tmp_path):
+    """The shipped model over a two-row `--data` folder: the demo recording labelled espeak with its script, and
+    the same audio labelled flite with the wrong words. The espeak row is the demo sample itself, so its
+    streamed WER must equal the demo sample's; the flite row must be far worse; the pooled rate sits between."""
+    import soundfile
+    from cli_common import run_cli
+
+    from runtime.io.sample import demo_script, demo_speech
+    from runtime.train.text_norm import normalize
+
+    soundfile.write(tmp_path / "demo.flac", demo_speech(), 16000, subtype="PCM_16")
+    wrong = "none of these words were said in the recording at all"
+    rows = [{"audio": "demo.flac", "text": normalize(demo_script()), "engine": "espeak"},
+            {"audio": "demo.flac", "text": wrong, "engine": "flite"}]
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--data", str(tmp_path), "--json",
+                             "--threads", "1")
+    assert code == 0, err
+    result = json.loads(out)
+    smallest = str(result["lookaheads_ms"][0])
+    for decoder in ("greedy", "beam"):
+        part = result[decoder]
+        split = part["by_engine"][f"streaming_{smallest}_ms"]
+        assert {name: s["utterances"] for name, s in split.items()} == {"espeak": 1, "flite": 1}
+        assert split["espeak"]["wer"] == part["demo_sample_by_lookahead_ms"][smallest]["wer"]
+        assert split["flite"]["wer"] > 80 > split["espeak"]["wer"]
+        words = [len(rows[0]["text"].split()), len(wrong.split())]
+        pooled = (split["espeak"]["wer"] * words[0] + split["flite"]["wer"] * words[1]) / sum(words)
+        assert abs(part["streaming"][smallest]["wer"] - pooled) < 0.05
+        assert set(part["by_engine"]["offline_full_context"]) == {"espeak", "flite"}
