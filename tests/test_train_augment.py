@@ -1,5 +1,6 @@
 """The voice warp (VTLP on log-mels): identity at alpha 1, a tone's energy lands where the factor says, padding
-and the step's generator are respected."""
+and the step's generator are respected. The tempo stretch: lengths follow the drawn factor, a ramp stays the
+same ramp, padding is zero, the generator decides everything."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from runtime.chunks import SAMPLE_RATE
 from runtime.models.asr.fastconformer.features import FeatureConfig, MelFeaturizer
-from runtime.train.augment import VoiceWarp, filter_centres_hz, spec_augment
+from runtime.train.augment import VoiceWarp, filter_centres_hz, spec_augment, tempo_stretch
 
 MELS = 80
 
@@ -77,3 +78,31 @@ def test_spec_augment_masks_only_valid_frames():
     x[1, 200:] = 0
     out = spec_augment(x, torch.tensor([300, 200]), torch.Generator().manual_seed(0))
     assert bool((out[1, 200:] == 0).all()) and 0 < float((out == 0).float().mean()) < 0.5
+
+
+def test_tempo_stretch_resamples_each_utterance_in_time():
+    lengths = torch.tensor([50, 31, 2])
+    x = torch.zeros(3, 50, 4)
+    for b, n in enumerate(lengths.tolist()):  # a linear ramp in time per bin: interpolation must keep it one
+        x[b, :n] = torch.linspace(-1, 1, n)[:, None] * torch.arange(1, 5)[None, :]
+    out, new = tempo_stretch(x, lengths, torch.Generator().manual_seed(3), 0.25)
+    again, same = tempo_stretch(x, lengths, torch.Generator().manual_seed(3), 0.25)
+    torch.testing.assert_close(out, again)
+    assert torch.equal(new, same)
+    rates = torch.exp((torch.rand(3, generator=torch.Generator().manual_seed(3)) * 2 - 1) * np.log1p(0.25))
+    assert new.tolist() == [max(1, round(n * float(r))) for n, r in zip(lengths.tolist(), rates, strict=True)]
+    assert out.shape == (3, int(new.max()), 4)
+    for b, m in enumerate(new.tolist()):
+        torch.testing.assert_close(out[b, :m], torch.linspace(-1, 1, m)[:, None] * torch.arange(1, 5)[None, :])
+        assert not out[b, m:].any()
+    assert any(m != n for m, n in zip(new.tolist(), lengths.tolist(), strict=True))
+
+
+def test_tempo_stretch_off_and_out_of_range():
+    x, lengths = torch.randn(2, 10, 4), torch.tensor([10, 7])
+    gen = torch.Generator().manual_seed(0)
+    out, new = tempo_stretch(x, lengths, gen, 0.0)
+    assert out is x and new is lengths
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(0).get_state())  # nothing drawn
+    with pytest.raises(ValueError, match="max_stretch"):
+        tempo_stretch(x, lengths, gen, 1.0)

@@ -71,7 +71,7 @@ def tiny_cfg(data, out, **kw) -> TrainConfig:
     base = dict(data=str(data), out=str(out), preset="tiny", subsampling=8, d_model=64, n_layers=2, n_heads=4,
                 ff_expansion=2, sub_channels=32, conv_kernel=9, vocab=24, lr=5e-3, warmup=4, batch_seconds=12.0,
                 steps=STEPS, save_every=SAVE_EVERY, seed=0, device="cpu", quiet=True, short_first=0.5,
-                short_first_steps=10, grow_steps=20, voice_warp=0.05)
+                short_first_steps=10, grow_steps=20, voice_warp=0.05, tempo=0.1)
     return TrainConfig(**{**base, **kw})
 
 
@@ -212,6 +212,8 @@ def test_curriculum_flags_are_checked(dataset, tmp_path):
         train_model(tiny_cfg(dataset, tmp_path / "out", short_first=0.0))
     with pytest.raises(ConfigError, match="--voice-warp"):
         train_model(tiny_cfg(dataset, tmp_path / "out", voice_warp=1.0))
+    with pytest.raises(ConfigError, match="--tempo"):
+        train_model(tiny_cfg(dataset, tmp_path / "out", tempo=-0.1))
 
 
 def test_a_4x_subsampled_model_trains_and_streams_exactly(dataset, tmp_path):

@@ -51,7 +51,7 @@ from runtime.models.asr.fastconformer.model import (
     FastConformerCTC,
 )
 from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer, train_unigram
-from runtime.train.augment import VoiceWarp, spec_augment
+from runtime.train.augment import VoiceWarp, spec_augment, tempo_stretch
 from runtime.train.ctc_batched import ctc_loss, score_heldout
 from runtime.train.ctc_data import (
     batch_for_step,
@@ -150,6 +150,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         raise ConfigError("--short-first must be in (0, 1]; --short-first-steps and --grow-steps at least 0")
     if not 0.0 <= cfg.voice_warp < 1.0:
         raise ConfigError(f"--voice-warp must be in [0, 1), got {cfg.voice_warp}")
+    if not 0.0 <= cfg.tempo < 1.0:
+        raise ConfigError(f"--tempo must be in [0, 1), got {cfg.tempo}")
     started = time.monotonic()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -224,7 +226,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     training = {"preset": cfg.preset, "seed": cfg.seed, "data": str(data), "train_utterances": len(usable),
                 "train_hours": round(sum(train_utts[i].features.shape[0] for i in usable) / 100 / 3600, 3),
                 "parameters": n_params, "device": device, "batch_seconds": cfg.batch_seconds, "lr": cfg.lr,
-                "warmup": cfg.warmup, "voice_warp": cfg.voice_warp,
+                "warmup": cfg.warmup, "voice_warp": cfg.voice_warp, "tempo": cfg.tempo,
                 "lookahead_weights": cfg.lookahead_weights,
                 "curriculum": [cfg.short_first, cfg.short_first_steps, cfg.grow_steps]}
     if not cfg.quiet:
@@ -257,6 +259,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             feats, lengths = collate([train_utts[i].features for i in idx])  # type: ignore[misc]
             if warp is not None:
                 feats = warp(feats, lengths, gen)
+            if cfg.tempo:  # drawn only when on, so runs without it keep their generator stream
+                feats, lengths = tempo_stretch(feats, lengths, gen, cfg.tempo)
             if cfg.spec_augment:
                 feats = spec_augment(feats, lengths, gen)
             lr = lr_at(step, cfg.lr, cfg.warmup, total)

@@ -54,6 +54,7 @@ class TrainConfig:
     clip: float = 1.0
     spec_augment: bool = True
     voice_warp: float = 0.0  # VTLP: frequency axis stretched by up to 1 +- this per utterance (0: off)
+    tempo: float = 0.0  # time axis stretched by up to 1 +- this per utterance (0: off)
     lookahead_weights: str = ""  # "0=3,240=1": how often each look-ahead is drawn (unnamed: 1; empty: uniform)
     short_first: float = 0.05  # the curriculum: share of the shortest buckets the first steps draw from
     short_first_steps: int = 1000  # steps on those alone
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--voice-warp", type=float, default=d.voice_warp,
                    help="stretch each utterance's frequency axis by a factor in [1/(1+W), 1+W] (vocal tract "
                         "length perturbation; 0: off, the default)")
+    g.add_argument("--tempo", type=float, default=d.tempo, metavar="S",
+                   help="stretch each utterance's time axis by a factor in [1/(1+S), 1+S]: slower and faster "
+                        "speech, pitch and formants kept (0: off, the default)")
     g.add_argument("--lookahead-weights", default=d.lookahead_weights, metavar="MS=W,...",
                    help="relative frequency of each trained look-ahead in ms, e.g. 0=3 to train the 0 ms one "
                         "three times as often as each other (NeMo's att_context_probs); unnamed ones: 1; "
