@@ -12,7 +12,8 @@ Why a tempo stretch: the synthesisers' rate settings bound how slow or fast the 
 voice outside that range fails badly (flite's held-out rms speaks about a fifth slower than awb; stretching its
 features by 1.15 raised the demo model's CER on it from 29.5 to 32.5 %, compressing them by 0.85 lowered it to
 27.6). Resampling each utterance's frames in time makes it slower or faster with its pitch and formants kept,
-which the waveform speed perturbation cannot do, and with fresh factors every epoch.
+which the waveform speed perturbation cannot do, and with fresh factors every epoch. Off by default: 8,000
+steps with it (0.25) did not lower the demo model's rms error (docs/training_fastconformer.md).
 
 All three draw only from the step's own generator, so resume stays exact.
 """
