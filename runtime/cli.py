@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,6 +25,7 @@ from runtime.feed import ScheduledQuestion, feed
 from runtime.io.printers import JsonLinesPrinter, TextPrinter
 from runtime.io.source import Source
 from runtime.session import Models, Session, load_models
+from runtime.stop_signals import on_stop_signals, remove_stop_signals, terminate_like_ctrl_c
 from runtime.worker import DeviceWorker
 
 DEMO_QUESTION = "What did the red ball do?"
@@ -211,9 +210,7 @@ async def _run_session(
     consumer = asyncio.create_task(_consume(session, write))
     progress = console.progress_bar(source.duration, source.description) if args.speed != 1.0 else None
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        loop.add_signal_handler(signal.SIGINT, stop.set)
+    on_stop_signals(stop.set)
     feeding = asyncio.create_task(feed(source, session, questions, progress))
     waiters = [feeding, asyncio.create_task(stop.wait())]
     if interactive:
@@ -230,8 +227,7 @@ async def _run_session(
         await asyncio.gather(*waiters, return_exceptions=True)
         await source.aclose()
         console.close()
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.remove_signal_handler(signal.SIGINT)
+        remove_stop_signals()
         await session.finish()
         await consumer
         printer.close()
@@ -316,6 +312,9 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
     worker, models = _setup(profile, console)
 
     async def main() -> None:
+        stop = asyncio.Event()
+        if source is None:  # before the "serving" line: a signal sent after it always stops cleanly
+            on_stop_signals(stop.set)
         try:
             server = await RealtimeServer(profile, models, worker, host=args.host, port=args.port,
                                           max_sessions=args.max_sessions, token=token,
@@ -331,9 +330,6 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
                                + f"; watch it at http://{args.host}:{server.port}/?watch=1")
                 await _run_session(profile, models, worker, source, args, console, (), True, server.local.publish)
             else:
-                stop = asyncio.Event()
-                with contextlib.suppress(NotImplementedError, RuntimeError):
-                    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
                 await stop.wait()
         finally:
             await server.stop()
@@ -361,6 +357,7 @@ def _live_source(args: argparse.Namespace, profile: Profile) -> Source:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    terminate_like_ctrl_c()
     console = Console(getattr(args, "quiet", False))
     try:
         if args.command == "bench":

@@ -46,6 +46,7 @@ import soundfile
 
 from runtime.chunks import SAMPLE_RATE
 from runtime.errors import ConfigError, MediaError
+from runtime.stop_signals import worker_process_defaults
 from runtime.train.synthesizers import ENGINE_WEIGHTS, ENGINES, MAX_SECONDS, Voice, find_voices, render
 from runtime.train.text_norm import normalize
 from runtime.train.texts import TextSource
@@ -174,7 +175,7 @@ def generate(settings: Settings) -> dict[str, Any]:
     jobs = settings.jobs or os.cpu_count() or 1
     # fork where there is one: spawn would re-import the `runtime` CLI (and torch) in every worker, seconds each
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = multiprocessing.get_context(method).Pool(jobs) if jobs > 1 else None
+    pool = multiprocessing.get_context(method).Pool(jobs, initializer=worker_process_defaults) if jobs > 1 else None
     manifests: dict[str, list[dict[str, Any]]] = {"train": [], "heldout": []}
     try:
         with open(out / ".progress.jsonl", "a", encoding="utf-8") as progress:
