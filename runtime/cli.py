@@ -187,8 +187,9 @@ async def _questions_from_stdin(session: Session, console: Console, stop: asynci
             break
         elif line.strip():
             await session.ask(line)
-    else:  # end of input: Ctrl-D at a terminal ends the session; a closed pipe only ends the questions
-        if not sys.stdin.isatty():
+    else:  # end of input: Ctrl-D at a terminal ends the session; a closed pipe only ends the questions, so
+        if not sys.stdin.isatty():  # wait here (no question comes) until the source ends or a signal stops us
+            await stop.wait()
             return
     stop.set()
 

@@ -94,6 +94,7 @@ class Session:
         self.questions: BlockingChannel[Question] = BlockingChannel(pipe.question_queue, "questions")
         self.events: BlockingChannel[Event] = BlockingChannel(pipe.event_queue, "events")
         self.sampler = FrameSampler(profile.video.fps)
+        self.rate_limited: dict[str, int] = {}  # messages a transport's rate bounds dropped, by kind (web/limits.py)
         self.memory = TranscriptMemory()
         self._asr_stream = models.asr.open_stream()
         self.prefiller: ContextPrefiller | None = None
@@ -277,6 +278,7 @@ class Session:
             "answers": {"answered": self.answers.answered,
                         "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0},
             "worker": self.worker.stats(),
+            "rate_limited": dict(self.rate_limited),
         }
 
     def _video_metrics(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from cli_common import one_error_line, run_cli
 
 from runtime.cli import main
 from runtime.events import parse_event
+from runtime.io.sample import demo_speech
 
 
 def test_help_lists_every_command(capsys):
@@ -117,6 +118,10 @@ def test_serve_with_a_file_source_takes_questions_on_stdin(demo_file):
     created = [e for e in events if e.type == "response.created"]
     assert [e.response["question"] for e in created] == ["what is the red ball doing?"]
     assert any(e.type == "response.done" for e in events)
+    # stdin closed after the question (a pipe, as under systemd or nohup): only the questions end, the file
+    # plays to its end
+    heard = [e for e in events if e.type == "metrics"][-1].metrics["asr"]["pushed_until"]
+    assert heard == pytest.approx(len(demo_speech()) / 16000, abs=0.05)
 
 
 def test_transcribe_text_output(demo_file):

@@ -52,3 +52,13 @@ def test_audio_faster_than_the_bound_is_refused_after_the_burst():
     assert limits.admit_audio(second) and limits.admit_audio(second) and not limits.admit_audio(second)
     message = limits.report("audio")
     assert message is not None and "2x real time" in message and "2 in all" in message
+
+
+def test_frame_timestamps_are_bounded_by_the_pace_and_one_message_by_the_burst():
+    clock = Clock()
+    limits = SessionLimits(ServeConfig(max_audio_speed=2.0, audio_burst_s=10.0), clock)
+    assert limits.media_horizon() == 10.0  # at the start: the burst alone
+    clock.now += 5.0
+    assert limits.media_horizon() == 20.0  # then two media seconds per wall second
+    assert limits.max_audio_message_s == 10.0  # a longer single message could never be admitted
+    assert limits.admit_audio(10 * 16000) and not limits.admit_audio(10 * 16000 + 1)

@@ -81,6 +81,14 @@ def test_other_commands():
     assert parse_event({"type": "session.updated", "session": {}}).type == "session.updated"
 
 
+def test_escaped_surrogate_pairs_and_plain_unicode_are_text():
+    pair = parse_client_event('{"type": "conversation.item.create", "event_id": "c1", "item": {"content": '
+                              '[{"type": "input_text", "text": "caf\\u00e9 \\ud83d\\ude00 \\u00fc"}]}}')
+    assert pair == CreateItem("c1", "caf\u00e9 \U0001f600 \u00fc")
+    assert parse_client_event(msg("session.update", session={"modalities": ["text", "audio"]})) == UpdateSession(
+        "c1", {"modalities": ["text", "audio"]})
+
+
 @pytest.mark.parametrize("message, code", [
     ("{not json", "invalid_json"),
     ("[1, 2]", "invalid_event"),
@@ -100,6 +108,16 @@ def test_other_commands():
     (msg("session.update", session={"voice": "alloy"}), "unsupported_field"),
     (msg("session.update", session={"input_audio_format": "g711_ulaw"}), "invalid_value"),
     (msg("response.cancel", response_id=3), "invalid_value"),
+    ('{"event_id": "c1"}', "missing_field"),
+    # half a UTF-16 pair, escaped: json.loads takes it, but it can be neither tokenized nor sent back as UTF-8
+    ('{"type": "nope", "event_id": "c1", "x": "\\ud800"}', "invalid_json"),
+    ('{"type": "conversation.item.create", "event_id": "c1", "item": {"content": [{"type": "input_text", '
+     '"text": "hi \\udfff"}]}}', "invalid_json"),
+    ('{"type": "response.create", "event_id": "c1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "invalid_json"),
+    (msg("session.update", session={"modalities": "text"}), "invalid_value"),
+    (msg("session.update", session={"modalities": ["audio"]}), "invalid_value"),
+    (msg("session.update", session={"modalities": ["text", {}]}), "invalid_value"),
+    (msg("session.update", session={"modalities": ["text", "text"]}), "invalid_value"),
     ('{"type": "response.create", "event_id": "c1", "pad": "' + "x" * MAX_MESSAGE_BYTES + '"}',
      "message_too_large"),
 ])

@@ -121,6 +121,9 @@ async def test_media_over_the_rate_bounds_is_refused_and_the_session_goes_on(tin
     assert "conversation.item.input_audio_transcription.completed" in types and "response.done" in types
     final = events[-1].metrics
     assert 2 <= final["video"]["frames_in"] < 8 and 1.0 <= final["asr"]["pushed_until"] < 3.0
+    # every drop is in the metrics, also those no error reported (at most one error a second per kind)
+    assert final["rate_limited"]["image"] == 8 - final["video"]["frames_in"] > len(by_kind["image"])
+    assert final["rate_limited"]["audio"] >= len(by_kind["audio"]) and final["rate_limited"]["audio"] > 0
 
 
 @pytest.mark.asyncio
@@ -198,7 +201,13 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
                  "input_audio_buffer.clear", "conversation.item.delete", "response.cancelled", "input_video_frame",
                  "input_text", "error", None, 5, ["response.create"], {"name": "response.create"}, True):
         add({"type": kind}, "unknown_event_type")
-    add({}, "unknown_event_type")
+    add({}, "missing_field")
+    # Half a UTF-16 pair (json.loads takes it; it could be neither tokenized nor sent back) and deep nesting.
+    cases.append(('{"type": "response.create", "event_id": "sur1", "x": "\\ud800"}', "sur1", "invalid_json"))
+    cases.append(('{"event_id": "sur2", "type": "conversation.item.create", "item": {"content": [{"type": '
+                  '"input_text", "text": "why \\udc00"}]}}', "sur2", "invalid_json"))
+    cases.append(('{"event_id": "deep", "type": "response.create", "x": ' + "[" * 5000 + "]" * 5000 + "}", "deep",
+                  "invalid_json"))
     # session.update
     add({"type": "session.update"}, "missing_field")
     for session in ("pcm16", [], None, 1):
@@ -207,6 +216,8 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
         add({"type": "session.update", "session": session}, "unsupported_field")
     for fmt in ("g711_ulaw", None, 16000):
         add({"type": "session.update", "session": {"input_audio_format": fmt}}, "invalid_value")
+    for modalities in ({"not": "a list"}, "text", ["audio"], ["text", 1], ["text", "text"]):
+        add({"type": "session.update", "session": {"modalities": modalities}}, "invalid_value")
     # input_audio_buffer.append: field, base64, PCM
     append = "input_audio_buffer.append"
     add({"type": append}, "missing_field")
@@ -225,7 +236,8 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
         add({"type": frame, "image": image, "timestamp": 0.5}, "invalid_value")
     for text in ("%%%", "not base64!"):
         add({"type": frame, "image": text, "timestamp": 0.5}, "invalid_base64")
-    for timestamp in ("0.5", None, [0.5], True, {}, -1, -0.001, math.nan, math.inf, -math.inf):
+    for timestamp in ("0.5", None, [0.5], True, {}, -1, -0.001, math.nan, math.inf, -math.inf,
+                      1e6, 1e12):  # the last two: far beyond any media time the session can have reached
         add({"type": frame, "image": b64(jpeg), "timestamp": timestamp}, "invalid_value")
     garbage = np.random.default_rng(0).integers(0, 256, 64, dtype=np.uint8).tobytes()
     for raw in (b"", garbage, b"\x89PNG\r\n\x1a\n" + garbage, b"\xff\xd8\xff" + bytes(500), b"GIF89a" + bytes(30),
@@ -269,7 +281,10 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
                            (9, binary_frame(9, -1.0, jpeg), "invalid_value"),
                            (10, binary_frame(10, math.nan, jpeg), "invalid_value"),
                            (11, binary_frame(11, 0.5, b"")[:9], "invalid_binary_header"),
-                           (12, b"Q" + (12).to_bytes(4, "little") + jpeg, "invalid_binary_header")):
+                           (12, b"Q" + (12).to_bytes(4, "little") + jpeg, "invalid_binary_header"),
+                           (13, binary_frame(13, 1e9, jpeg), "invalid_value"),
+                           # under the size limit but longer than the audio burst (120 s): never admissible
+                           (14, binary_audio(14, bytes(2 * 16000 * 125)), "message_too_large")):
         cases.append((raw, f"bin-{seq}", code))
     return cases
 
@@ -295,6 +310,8 @@ async def test_a_hundred_malformed_messages_each_get_an_error_and_the_session_st
     assert all(e.error["message"] and e.error["code"] in DOCUMENTED_CODES for e in errors)
     late_errors = [e for e in errors if e.error["event_id"] in late]
     check_round_trip([e for e in events if all(e is not x for x in late_errors)])
+    video = events[-1].metrics["video"]  # no refused frame moved the clock: the demo's three frames all count
+    assert (video["frames_in"], video["fps_skipped"]) == (3, 0)
 
 
 @pytest.mark.asyncio
@@ -400,6 +417,45 @@ async def test_stream_file_sends_audio_and_jpeg_frames(tiny, demo_file):
     assert "conversation.item.input_audio_transcription.completed" in types and "response.done" in types
     assert events[-1].metrics["video"]["frames_in"] >= int(reached) - 1
     assert events[-1].metrics["asr"]["pushed_until"] == pytest.approx(reached, abs=0.5)  # video may outlast audio
+
+
+async def http(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One raw HTTP exchange (the server closes after answering): status, headers, body as sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.mark.asyncio
+async def test_http_methods_head_and_bad_queries(tiny):
+    async with RealtimeServer(*tiny, port=0) as server:
+        port = server.port
+        status, headers, body = await http(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 200 and len(body) == int(headers["content-length"]) > 0
+        for path in ("/", "/healthz"):  # HEAD: GET's status and length, no body
+            status, headers, head_body = await http(port, f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert status == 200 and head_body == b"" and int(headers["content-length"]) > 0
+        for request, allowed in ((b"DELETE /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "GET, HEAD"),
+                                 (b"OPTIONS / HTTP/1.1\r\nHost: x\r\n\r\n", "GET, HEAD"),
+                                 (b"PUT / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello", "GET, HEAD"),
+                                 (b"GET /v1/webrtc/offer HTTP/1.1\r\nHost: x\r\n\r\n", "POST"),
+                                 (b"POST /v1/realtime HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", "GET")):
+            status, headers, body = await http(port, request)
+            assert (status, headers["allow"]) == (405, allowed), request
+            assert json.loads(body)["error"]["code"] == "method_not_allowed"
+        status, _, body = await http(port, b"PATCH /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+        for window in ("nan", "inf", "-inf", "abc"):
+            status, _, body = await http(port, f"GET /healthz?window={window} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert status == 400 and b"window" in body
+        status, _, body = await http(port, b"GET /healthz?window=1e9 HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 200 and json.loads(body)["status"] == "ok"  # clamped, and valid JSON
 
 
 async def refused(uri: str, **kwargs) -> tuple[int, str]:

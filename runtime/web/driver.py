@@ -49,6 +49,7 @@ class SessionDriver:
         self.session, self.profile = session, profile
         self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
         self.limits = SessionLimits(profile.serve)
+        session.rate_limited = self.limits.dropped  # the session's metrics report what the bounds dropped
         self.pending_text: list[str] = []
         self.finishing: asyncio.Task[None] | None = None
         self.started = asyncio.Event()  # set once the session runs: media may be pushed from then on
@@ -112,6 +113,11 @@ class SessionDriver:
             except ProtocolError as e:
                 await self._reply_error(e, send)
                 continue
+            except Exception as e:  # parsing has no state to lose: a bug there costs one message, not the session
+                log.exception("session %s: parsing a client event failed", self.session.id)
+                await self._reply_error(ProtocolError(f"the event could not be parsed ({type(e).__name__})",
+                                                      code="invalid_event"), send)
+                continue
             try:
                 await self._apply(command)
             except ProtocolError as e:
@@ -136,11 +142,22 @@ class SessionDriver:
             raise ProtocolError("the input was committed; this session takes no more events",
                                 code="input_committed")
         if isinstance(command, AppendAudio):
+            seconds, most = len(command.samples) / SAMPLE_RATE, self.limits.max_audio_message_s
+            if seconds > most:
+                raise ProtocolError(f"one audio message of {seconds:.1f} s exceeds the {most:g} s burst "
+                                    "(serve.audio_burst_s); send it in shorter messages",
+                                    code="message_too_large", param="audio")
             if not self.limits.admit_audio(len(command.samples)):
                 return self._rate_limited("audio")
             await self.push_audio(command.samples)
         elif isinstance(command, AppendFrame):
             assert command.frame is not None
+            horizon = self.limits.media_horizon()
+            if command.frame.time > horizon:
+                raise ProtocolError(f"timestamp {command.frame.time:g} s is beyond any media time this session can "
+                                    f"have reached ({horizon:.0f} s: serve.audio_burst_s plus serve.max_audio_speed "
+                                    "times the wall time since it began); timestamps are media seconds from the "
+                                    "stream's start", code="invalid_value", param="timestamp")
             if not self.limits.admit_frame():
                 return self._rate_limited("image")
             session.push_video(command.frame)

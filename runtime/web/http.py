@@ -2,14 +2,15 @@
 
 The websockets library serves HTTP only as far as its opening handshake needs: GET requests, answered from
 `process_request`. WebRTC signalling is a `POST` with a JSON body, so `PostConnection` (given to `serve` as
-its connection class) looks at the first bytes of each connection: a `POST` is read here, head and body within
-fixed limits, and handed to `process_request` as a websockets `Request` with `method="POST"` and the body on
-`connection.body`; anything else goes to websockets untouched. The answer then travels the same path as any
-refused handshake, so the server has one routing function and one port.
+its connection class) looks at the first bytes of each connection: a request of any method but GET and HEAD
+is read here, head and body within fixed limits, and handed to `process_request` as a websockets `Request`
+with its method and the body on `connection.body`; GET and HEAD go to websockets untouched. The answer then
+travels the same path as any refused handshake, so the server has one routing function and one port.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mimetypes
 from http import HTTPStatus
@@ -23,6 +24,7 @@ from websockets.http11 import Request, Response
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_HEAD_BYTES = 16 * 1024
 MAX_BODY_BYTES = 256 * 1024  # an SDP offer is a few KiB
+MAX_METHOD_BYTES = 16  # longer than any HTTP method
 
 
 class PostConnection(ServerConnection):
@@ -44,9 +46,13 @@ class PostConnection(ServerConnection):
                 self._read_post()
             return None
         self._buffer += data
-        if len(self._buffer) < 5 and b" " not in self._buffer:
+        if b" " not in self._buffer[:MAX_METHOD_BYTES + 1]:
+            if len(self._buffer) > MAX_METHOD_BYTES:  # no method at all: websockets' parser refuses it
+                self._mode, pending = "websocket", bytes(self._buffer)
+                self._buffer.clear()
+                return super().data_received(pending)
             return None  # not enough to tell the method yet
-        if not self._buffer.startswith(b"POST "):
+        if self._buffer.startswith((b"GET ", b"HEAD ")):
             self._mode, pending = "websocket", bytes(self._buffer)
             self._buffer.clear()
             return super().data_received(pending)
@@ -67,10 +73,10 @@ class PostConnection(ServerConnection):
             name, sep, value = line.partition(":")
             if sep and name.strip():
                 headers[name.strip()] = value.strip()
-        request = Request(parts[1] if len(parts) == 3 else "/", headers, method="POST")
+        request = Request(parts[1] if len(parts) == 3 else "/", headers, method=parts[0])
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             return self._deliver(request, error=HTTPStatus.BAD_REQUEST)
-        length = headers.get("Content-Length", "")
+        length = headers.get("Content-Length", "" if request.method == "POST" else "0")
         if not length.isdigit():
             return self._deliver(request, error=HTTPStatus.LENGTH_REQUIRED)
         if int(length) > MAX_BODY_BYTES:
@@ -88,6 +94,11 @@ class PostConnection(ServerConnection):
         self._buffer.clear()
         self.request = request
         self.request_rcvd.set_result(None)
+
+
+def without_body(response: Response) -> Response:
+    """The answer to HEAD: GET's status and headers (Content-Length included, as RFC 9110 allows), no body."""
+    return dataclasses.replace(response, body=b"")
 
 
 def _with_type(response: Response, kind: str, cache: str) -> Response:

@@ -4,7 +4,10 @@ Backpressure already keeps a fast client from queueing work without bound, but i
 keeping the device busy with media nobody could be watching in real time (a flood of frames, an hour of audio
 in a second). A token bucket per kind admits a sustained rate plus a burst; what exceeds it is dropped and
 counted. Refusals are reported at most once per second per kind (with the count since the last report), so a
-flood of refused messages does not become a flood of error events.
+flood of refused messages does not become a flood of error events; the totals are in the session's `metrics`.
+The same pace bounds frame timestamps: no client can have reached a media time beyond the audio burst plus
+`max_audio_speed` times the wall time since the session began, so a frame stamped later is refused rather
+than allowed to move the session's clock (and its frame sampler) far ahead of everything else.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class SessionLimits:
         self.frames = TokenBucket(config.max_frames_per_s, max(1.0, config.max_frames_per_s), clock)
         audio_rate = config.max_audio_speed * SAMPLE_RATE
         self.audio = TokenBucket(audio_rate, max(audio_rate, config.audio_burst_s * SAMPLE_RATE), clock)
+        self.started = clock()
         self.dropped = {"audio": 0, "image": 0}
         self._unreported = {"audio": 0, "image": 0}
         self._last_report = {"audio": -1e9, "image": -1e9}
@@ -58,6 +62,15 @@ class SessionLimits:
 
     def admit_frame(self) -> bool:
         return self._count(self.frames.take(1.0), "image")
+
+    def media_horizon(self) -> float:
+        """The latest media second a client streaming at the bounded pace can have reached by now."""
+        return self.config.audio_burst_s + self.config.max_audio_speed * (self.clock() - self.started)
+
+    @property
+    def max_audio_message_s(self) -> float:
+        """The longest audio message the bucket can ever admit (its capacity); a longer one is never taken."""
+        return self.audio.capacity / SAMPLE_RATE
 
     def _count(self, admitted: bool, kind: str) -> bool:
         if not admitted:

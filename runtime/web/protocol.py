@@ -33,6 +33,9 @@ from runtime.io.file_source import scaled_size
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a client message larger than this is answered with an error
 MAX_IMAGE_PIXELS = 4096 * 4096  # a decoded frame larger than this is refused before conversion to RGB
 _EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,128})"')
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
+_SURROGATE = re.compile("[\ud800-\udfff]")
+MODALITIES = {"text", "audio"}
 ALLOWED_SESSION_FIELDS = {"input_audio_format", "modalities"}
 BINARY_AUDIO, BINARY_FRAME = b"A"[0], b"V"[0]
 BINARY_HEADER = struct.Struct("<BI")  # kind, sequence number
@@ -104,11 +107,23 @@ def parse_client_event(message: str | bytes, *, max_side: int = 640) -> Command:
         data = json.loads(message)
     except json.JSONDecodeError as e:
         raise ProtocolError(f"invalid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        found = _EVENT_ID.search(message[:1024])
+        raise ProtocolError("invalid JSON: nested too deeply", code="invalid_json",
+                            event_id=found.group(1) if found else None) from None
     if not isinstance(data, dict):
         raise ProtocolError("a client event is a JSON object", code="invalid_event")
     event_id = data.get("event_id")
+    if _SURROGATE_ESCAPE.search(message) and _holds_lone_surrogate(data):
+        # JSON may escape half a UTF-16 pair; such a string cannot be tokenized, nor sent back as UTF-8
+        clean_id = isinstance(event_id, str) and not _holds_lone_surrogate(event_id)
+        raise ProtocolError("a string holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape)",
+                            code="invalid_json", event_id=event_id if clean_id else None)
     if event_id is not None and not isinstance(event_id, str):
         raise ProtocolError("event_id must be a string", code="invalid_value", param="event_id")
+    if "type" not in data:
+        raise ProtocolError(f"a client event needs a 'type', one of {sorted(_PARSERS)}", code="missing_field",
+                            param="type", event_id=event_id)
     kind = data.get("type")
     parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     if parser is None:
@@ -119,6 +134,23 @@ def parse_client_event(message: str | bytes, *, max_side: int = 640) -> Command:
     except ProtocolError as e:
         e.event_id = event_id
         raise
+
+
+def _holds_lone_surrogate(data: Any) -> bool:
+    """Whether any key or string value of parsed JSON holds a surrogate code point (json.loads joins escaped
+    pairs into one character, so what is left is unpaired). A loop, not recursion: the nesting is the client's."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
 
 
 def binary_audio(seq: int, pcm16: bytes) -> bytes:
@@ -186,6 +218,11 @@ def _session_update(data: dict[str, Any], event_id: str | None, _max_side: int) 
         if key == "input_audio_format" and value != "pcm16":
             raise ProtocolError("input_audio_format must be 'pcm16' (16 kHz mono little-endian)",
                                 code="invalid_value", param="session.input_audio_format")
+        if key == "modalities" and not (isinstance(value, list) and all(isinstance(m, str) for m in value)
+                                        and "text" in value and set(value) <= MODALITIES
+                                        and len(set(value)) == len(value)):
+            raise ProtocolError("modalities must be a list holding 'text' (and optionally 'audio', each once); "
+                                "this server answers in text", code="invalid_value", param="session.modalities")
     return UpdateSession(event_id, dict(session))
 
 

@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs
@@ -34,7 +35,7 @@ from runtime.metrics import LoopLagMonitor, rss_mb
 from runtime.session import Models, Session
 from runtime.web.broadcast import Broadcast
 from runtime.web.driver import SessionDriver
-from runtime.web.http import PostConnection, error_response, json_response, static_response
+from runtime.web.http import PostConnection, error_response, json_response, static_response, without_body
 from runtime.web.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -110,20 +111,35 @@ class RealtimeServer:
         }
 
     async def _route(self, connection: ServerConnection, request: Request) -> Response | None:
+        response = await self._answer(connection, request)
+        return without_body(response) if response is not None and request.method == "HEAD" else response
+
+    async def _answer(self, connection: ServerConnection, request: Request) -> Response | None:
         path, _, query = request.path.partition("?")
+        pages = path in ("/", "/index.html", "/healthz") or path.startswith("/static/")
+        allowed = "GET, HEAD" if pages else "POST" if path == OFFER_PATH else "GET" if path in (
+            REALTIME_PATH, WATCH_PATH) else None  # None: no such path, whatever the method (404 below)
+        if allowed is not None and request.method not in allowed.split(", "):
+            response = error_response(connection, 405, f"{request.method} is not served at {path}; use {allowed}",
+                                      "method_not_allowed")
+            response.headers["Allow"] = allowed
+            return response
         if isinstance(connection, PostConnection) and connection.body is not None:
             if connection.post_error is not None:
                 return error_response(connection, connection.post_error.value, connection.post_error.phrase,
                                       "bad_http_request")
             if path != OFFER_PATH:
-                return error_response(connection, 404, f"nothing to POST at {path}; WebRTC offers go to "
-                                                       f"{OFFER_PATH}", "not_found")
+                return error_response(connection, 404, f"nothing to {request.method} at {path}; WebRTC offers "
+                                                       f"are POSTed to {OFFER_PATH}", "not_found")
             return self._admit(connection, request, query) or await self._offer(connection, connection.body)
         if path == "/healthz":
             try:
-                window = min(max(float(parse_qs(query).get("window", ["10"])[0]), 0.1), 3600.0)
+                window = float(parse_qs(query).get("window", ["10"])[0])
             except ValueError:
+                window = math.nan
+            if not math.isfinite(window):
                 return connection.respond(400, "window must be a number of seconds\n")
+            window = min(max(window, 0.1), 3600.0)
             return json_response(connection, 200, self.health(window))
         if path in ("/", "/index.html") or path.startswith("/static/"):
             page = static_response(connection, "index.html" if path in ("/", "/index.html") else path[8:])
