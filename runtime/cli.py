@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 import threading
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from runtime import __version__, bench, train
-from runtime.config import Profile, available_profiles, load_profile
+from runtime.config import Profile, available_profiles, load_profile, require_device
 from runtime.errors import UserError
 from runtime.events import Event
 from runtime.feed import ScheduledQuestion, feed
@@ -38,6 +39,12 @@ class Console:
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
         self._bar = None
+        if quiet or not sys.stderr.isatty():  # the libraries' own bars too, as ours
+            from huggingface_hub.utils import disable_progress_bars
+            from transformers.utils import logging as transformers_logging
+
+            disable_progress_bars()
+            transformers_logging.disable_progress_bar()  # "Loading weights"
 
     def status(self, line: str) -> None:
         if not self.quiet:
@@ -78,8 +85,25 @@ def _common(p: argparse.ArgumentParser, profile: str = "tiny") -> None:
     o.add_argument("-q", "--quiet", action="store_true", help="no status lines or progress on stderr")
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number >= 0 (float() alone takes nan, inf and negatives)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not (text.isdigit() and 0 <= int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {text!r}")
+    return int(text)
+
+
 def _speed(p: argparse.ArgumentParser, default: float, what: str) -> None:
-    p.add_argument("--speed", type=float, default=default, metavar="N",
+    p.add_argument("--speed", type=_seconds, default=default, metavar="N",
                    help=f"play media N times faster than real time; 0 = as fast as the pipeline takes it "
                         f"(default: {default:g}, {what})")
 
@@ -107,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN", dest="allow_origins",
                    help="a browser origin admitted to the websocket, e.g. https://app.example.com (repeatable; "
                    "default: the demo page's own, http://127.0.0.1:PORT and http://localhost:PORT)")
-    p.add_argument("--port", type=int, default=8765, help="port (default: 8765; 0 = any free port)")
+    p.add_argument("--port", type=_port, default=8765, help="port (default: 8765; 0 = any free port)")
     p.add_argument("--max-sessions", type=int, default=8, metavar="N",
                    help="websocket sessions admitted at once; the next is refused with server_busy (default: 8)")
     p.add_argument("--camera", default=None, metavar="N|PATH", help="caption a local camera: index or device "
@@ -126,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "mid-stream.")
     _speed(p, 1.0, "real time")
     p.add_argument("--question", default=DEMO_QUESTION, help=f"the scripted question (default: {DEMO_QUESTION!r})")
-    p.add_argument("--at", type=float, metavar="SECONDS", help="media time to ask at (default: 60%% through)")
+    p.add_argument("--at", type=_seconds, metavar="SECONDS", help="media time to ask at (default: 60%% through)")
     _common(p, profile="demo")  # the shipped ASR trained on synthetic speech: captions that match the script
 
     p = sub.add_parser("transcribe", help="stream a file through the ASR and print the live transcript",
@@ -141,13 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "the end), and print the streamed answer.")
     p.add_argument("file", type=Path)
     p.add_argument("question")
-    p.add_argument("--at", type=float, metavar="SECONDS", help="media time to ask at (default: the end)")
+    p.add_argument("--at", type=_seconds, metavar="SECONDS", help="media time to ask at (default: the end)")
     _speed(p, 0.0, "as fast as possible")
     _common(p)
 
-    p = sub.add_parser("bench", help="shape-true benchmarks printing one JSON object",
-                       description="Shape-true benchmarks: real architectures' configs with random weights, so "
-                       "speed and memory are real and accuracy is not reported. Prints one JSON object.")
+    p = sub.add_parser("bench", help="benchmarks printing one JSON object",
+                       description="Shape-true benchmarks (real architectures' configs with random weights, so "
+                       "speed and memory are real and accuracy is not reported), and asr-quality, which scores a "
+                       "trained checkpoint's accuracy. Prints one JSON object.")
     bench.add_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no status lines on stderr")
 
@@ -198,12 +223,16 @@ async def _run_session(
     profile: Profile, models: Models, worker: DeviceWorker, source: Source, args: argparse.Namespace,
     console: Console, questions: Sequence[ScheduledQuestion] = (), interactive: bool = False,
     publish: Callable[[Event], None] | None = None,
-) -> None:
-    """`publish`: also hand every event to it (serve's browser watchers), after the printer."""
+) -> int:
+    """Returns how many `error` events the session emitted. `publish`: also hand every event to it (serve's
+    browser watchers), after the printer."""
     printer = _printer(args)
     session = await Session(profile, models, worker).start()
+    errors = 0
 
     def write(event: Event) -> None:
+        nonlocal errors
+        errors += event.type == "error"
         printer.write(event)
         if publish is not None:
             publish(event)
@@ -232,27 +261,24 @@ async def _run_session(
         await session.finish()
         await consumer
         printer.close()
+    return errors
 
 
-def _setup(profile: Profile, console: Console) -> tuple[DeviceWorker, Models]:
+def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[DeviceWorker, Models]:
+    """The worker and the profile's models; `answers=False` (transcribe) loads the ASR alone."""
     random = [(role, ref) for role, ref in (("asr", profile.asr.model), ("lm", profile.lm.model))
-              if ref.startswith("tiny:")]
+              if ref.startswith("tiny:") and (answers or role == "asr")]
     if random:
         noise = " and ".join({"asr": "captions", "lm": "answers"}[role] for role, _ in random)
         models = ", ".join(f"{role} {ref}" for role, ref in random)
         verb = "has" if len(random) == 1 else "have"
         console.status(f"profile '{profile.name}': {models} {verb} random, untrained weights, so its {noise} are "
                        "noise; for real models run with --profile cpu or --profile gpu (see README)")
-    if profile.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError(f"device {profile.device} requested but no CUDA GPU is visible to torch; "
-                            "use --device cpu")
+    require_device(profile.device)
     worker = DeviceWorker(max_pending=profile.pipeline.worker_queue).start()
     started = time.perf_counter()
     try:
-        models = load_models(profile, worker, progress=console.status)
+        models = load_models(profile, worker, progress=console.status, answers=answers)
     except BaseException:
         worker.stop()
         raise
@@ -260,39 +286,41 @@ def _setup(profile: Profile, console: Console) -> tuple[DeviceWorker, Models]:
     return worker, models
 
 
-def _file_source(path: Path, speed: float, profile: Profile) -> Source:
+def _file_source(path: Path, speed: float, profile: Profile, video: bool = True) -> Source:
     from runtime.io.file_source import FileSource
 
-    return FileSource(path, chunk_ms=profile.pipeline.audio_chunk_ms, speed=speed,
+    return FileSource(path, chunk_ms=profile.pipeline.audio_chunk_ms, speed=speed, video=video,
                       max_side=profile.video.max_side)
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    if args.speed < 0:
-        raise UserError("--speed must be >= 0")
     # Open the source first: a bad file or a missing camera fails before any model loads.
     profile = load_profile(args.profile, overrides=args.overrides, device=args.device, dtype=args.dtype)
     questions: list[ScheduledQuestion] = []
     interactive = False
+    if args.command in ("demo", "ask") and not args.question.strip():
+        raise UserError("the question is empty")
     if args.command == "demo":
         from runtime.io.sample import ensure_demo_file
 
         source = _file_source(ensure_demo_file(), args.speed, profile)
         at = args.at if args.at is not None else round((source.duration or 0.0) * 0.6, 1)
         questions = [ScheduledQuestion(args.question, at)]
-    elif args.command in ("transcribe", "ask"):
-        source = _file_source(args.file, args.speed, profile)
+    elif args.command in ("transcribe", "ask"):  # transcribe needs no frames: a file without audio is an error
+        source = _file_source(args.file, args.speed, profile, video=args.command == "ask")
         if args.command == "ask":
             questions = [ScheduledQuestion(args.question, args.at)]
     else:  # serve
         return _serve(args, profile, console)
-    worker, models = _setup(profile, console)
+    worker, models = _setup(profile, console, answers=args.command != "transcribe")
     console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else " unpaced"))
     try:
-        asyncio.run(_run_session(profile, models, worker, source, args, console, questions, interactive))
+        errors = asyncio.run(_run_session(profile, models, worker, source, args, console, questions, interactive))
     finally:
         worker.stop()
-    return 0
+    if errors:  # each was printed as it happened; a script must not take a failed run for a good one
+        print(f"runtime: the session reported {errors} error(s)", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:

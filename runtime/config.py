@@ -7,6 +7,7 @@ keys are errors, so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
@@ -182,6 +183,8 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
         raise ConfigError(f"{where} must be a {kind.__name__}, got {value!r}")
     if kind is float and isinstance(value, int):
         return float(value)
+    if kind is float and isinstance(value, float) and not math.isfinite(value):  # TOML reads nan and inf
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
     if isinstance(value, kind):
         return value
     raise ConfigError(f"{where} must be a {kind.__name__}, got {value!r}")
@@ -257,6 +260,22 @@ def validate(profile: Profile) -> Profile:
     if min(serve.max_frames_per_s, serve.max_audio_speed, serve.audio_burst_s, serve.webrtc_audio_buffer_s) <= 0:
         raise ConfigError("serve.* bounds must be > 0")
     return profile
+
+
+def require_device(device: str) -> None:
+    """A ConfigError unless `device` is cpu, cuda[:N] or mps and this machine has it (checked before models
+    load, so a missing GPU is one line, not torch's assertion from deep inside the first `.to()`)."""
+    import torch  # lazy: profiles load without torch
+
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+        raise ConfigError(f"device {device!r} is not cpu, cuda, cuda:N or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device} requested but no CUDA GPU is visible to torch; use --device cpu")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"device {device} requested but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device mps requested but this torch has no MPS backend; use --device cpu")
 
 
 def check_memory_fits(profile: Profile) -> None:

@@ -23,7 +23,12 @@ async def feed(
     questions: Sequence[ScheduledQuestion] = (),
     progress: Callable[[float], None] | None = None,
 ) -> float:
-    """Push all of `source` into `session`; returns the media time reached. Does not finish the session."""
+    """Push all of `source` into `session`; returns the media time reached. Does not finish the session.
+
+    Paced (a live-like stream), media keeps flowing while a question is answered, as it would from a camera.
+    Unpaced (`speed` 0), nothing more is pushed until the answer ends: otherwise the ASR would race ahead of
+    the question's media time and the answer would read words spoken after it, differently on every machine."""
+    wait = getattr(source, "speed", 1.0) == 0
     timed = sorted((q for q in questions if q.at is not None), key=lambda q: q.at or 0.0)
     at_end = [q for q in questions if q.at is None]
     reached = 0.0
@@ -36,7 +41,7 @@ async def feed(
             reached = max(reached, item.time)
         while timed and (timed[0].at or 0.0) <= reached:
             q = timed.pop(0)
-            await session.ask(q.text, media_time=q.at)
+            await session.ask(q.text, media_time=q.at, wait=wait)
         if progress is not None:
             progress(reached)
     for q in [*timed, *at_end]:  # asked past the end of the media: ask at the end

@@ -183,6 +183,7 @@ class Question:
     client_event_id: str | None = None
     response_id: str = field(default_factory=lambda: new_id("resp"))
     asked_wall: float = field(default_factory=time.perf_counter)
+    answered: asyncio.Event = field(default_factory=asyncio.Event, compare=False)  # set once its answer ended
 
 
 class QuestionProcessor:
@@ -221,6 +222,7 @@ class QuestionProcessor:
                 self.current = None
                 self._cancelled.discard(question.response_id)
                 self.answered += 1
+                question.answered.set()
 
     async def _answer(self, q: Question) -> None:
         item_id = new_id("item")

@@ -25,7 +25,7 @@ from runtime.memory.transcript import TranscriptMemory
 from runtime.memory.video import VideoMemory
 from runtime.metrics import LoopLagMonitor
 from runtime.models.asr.base import StreamingASR, load_asr
-from runtime.models.lm.answerer import AnswerBackend, load_answerer
+from runtime.models.lm.answerer import AnswerBackend, NoAnswerer, load_answerer
 from runtime.models.lm.weights import is_vlm
 from runtime.models.loading import configure_threads, resolve_checkpoint
 from runtime.models.vlm.llava_onevision import VisionEncoder
@@ -43,11 +43,15 @@ class Models:
     vision: VisionEncoder | None = None  # the VLM's vision half, when the language model can see
 
 
-def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str], None] | None = None) -> Models:
-    """Load the profile's models on the worker thread (the thread that will run them)."""
+def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str], None] | None = None, *,
+                answers: bool = True) -> Models:
+    """Load the profile's models on the worker thread (the thread that will run them). `answers=False` loads
+    the ASR alone (`runtime transcribe`: no question comes, so neither the language model nor its vision)."""
     opts: dict[str, Any] = {"device": profile.device, "dtype": profile.dtype, "progress": progress}
     worker.call(Priority.CONTROL, configure_threads, profile.threads)
     asr = worker.call(Priority.CONTROL, load_asr, profile.asr, **opts)
+    if not answers:
+        return Models(asr=asr, answerer=NoAnswerer())
     answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, seed=profile.seed, **opts)
     vision = None
     if profile.video.memory:
@@ -213,9 +217,12 @@ class Session:
         return True
 
     async def ask(
-        self, text: str, *, media_time: float | None = None, client_event_id: str | None = None
+        self, text: str, *, media_time: float | None = None, client_event_id: str | None = None,
+        wait: bool = False,
     ) -> str | None:
-        """Queue a question; returns its response id, or None after emitting an `error` event."""
+        """Queue a question; returns its response id, or None after emitting an `error` event. `wait`: return
+        only once the answer has ended (a file played unpaced asks this way, so that no audio after the
+        question's media time reaches the context its answer reads)."""
         at = self.media_time if media_time is None else media_time
         if not text.strip():
             await self.emit(error_event("the question is empty", code="empty_question", param="text",
@@ -232,6 +239,8 @@ class Session:
             await self.questions.put(question)
         except ChannelClosed:
             return None
+        if wait:
+            await question.answered.wait()
         return question.response_id
 
     def _transcript_changed(self) -> None:
@@ -262,7 +271,8 @@ class Session:
             "dtype": p.dtype,
             "random_weights": p.random_weights,
             "asr": {"backend": p.asr.backend, "model": p.asr.model, "language": p.asr.language},
-            "lm": {"backend": p.lm.backend, "model": p.lm.model, "max_new_tokens": p.lm.max_new_tokens},
+            "lm": {"backend": p.lm.backend, "model": p.lm.model, "max_new_tokens": p.lm.max_new_tokens}
+            if not isinstance(self._models.answerer, NoAnswerer) else {"backend": "none"},  # transcribe: no LM
             "video": {"fps": p.video.fps, "max_side": p.video.max_side,
                       "memory_tokens": self.video_memory.sizes.budget() if self.video_memory else 0},
         }

@@ -56,3 +56,15 @@ def test_checkpoints_of_different_runs_or_too_few_are_refused(capsys, three, tmp
         code, _, err = run_cli(capsys, "train", "average", *map(str, args), "--out", str(out_dir))
         assert code != 0 and message in one_error_line(err), err
     assert not (tmp_path / "mean").exists()
+
+
+def test_an_out_that_cannot_be_a_folder_is_one_line(capsys, three, tmp_path):
+    _, paths = three
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, message in [(afile, f"--out {afile} is a file, not a folder"),
+                         (afile / "sub", f"{afile} is a file, not a folder"),
+                         ("/proc/nope", "cannot create --out /proc/nope: ")]:
+        code, _, err = run_cli(capsys, "train", "average", *map(str, paths[:2]), "--out", str(out))
+        assert code != 0 and message in one_error_line(err) and "Traceback" not in err
+    assert afile.read_text() == "x"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from cli_common import one_error_line, run_cli
 from transformers import AutoTokenizer, WhisperForConditionalGeneration
 
 from runtime.config import ASRConfig
@@ -146,3 +147,23 @@ def test_resume_continues_the_same_trajectory(data_dir: Path, tmp_path: Path) ->
     resumed = [json.loads(line)["loss"] for line in log.read_text().splitlines()][5:]
     assert resumed == straight[5:]
     assert [json.loads(line)["loss"] for line in log.read_text().splitlines()] == straight
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--rank", "0"], "--rank must be at least 1"), (["--steps", "0"], "--steps must be at least 1"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"), (["--save-every", "-1"], "--save-every"),
+    (["--chunk-ms", "30"], "--chunk-ms must be a positive multiple of 20"), (["--chunk-ms", "0"], "--chunk-ms"),
+    (["--lr", "0"], "--lr must be a finite number > 0"), (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr")])
+def test_bad_numbers_are_one_line_before_the_model_loads(capsys, tmp_path: Path, flags: list[str],
+                                                          message: str) -> None:
+    code, _, err = run_cli(capsys, "train", "causal-whisper", "--base", "tiny:whisper", "--data",
+                           str(tmp_path / "no-data"), "--out", str(tmp_path / "out"), *flags)
+    assert code != 0 and message in one_error_line(err) and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_is_one_line(capsys, data_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run_cli(capsys, "train", "causal-whisper", "--base", "tiny:whisper", "--data", str(data_dir),
+                           "--out", str(tmp_path / "afile"))
+    assert code != 0 and "is a file, not a folder" in one_error_line(err) and "Traceback" not in err

@@ -166,3 +166,72 @@ def test_synth_speech_workers_end_quietly(tmp_path):
         pytest.skip("espeak-ng is not installed")
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr
+
+
+def test_bad_numbers_and_questions_are_refused_before_any_model_loads(capsys, demo_file):
+    for argv in (["demo", "--speed", "nan"], ["ask", str(demo_file), "what?", "--at", "-3"],
+                 ["ask", str(demo_file), "what?", "--at", "inf"], ["serve", "--port", "99999"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and "must be" in capsys.readouterr().err
+    started = time.perf_counter()
+    for argv in (["ask", str(demo_file), "   "], ["demo", "--question", ""]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 1 and "the question is empty" in one_error_line(err)
+    code, _, err = run_cli(capsys, "transcribe", str(demo_file), "--set", "asr.lm_weight=nan")
+    assert code == 1 and "asr.lm_weight must be a finite number" in one_error_line(err)
+    code, _, err = run_cli(capsys, "bench", "asr", "--quick", "--device", "cuda:x")
+    assert code == 1 and "cuda:x" in one_error_line(err)
+    assert time.perf_counter() - started < 10
+
+
+def test_transcribe_needs_audio_and_loads_the_asr_alone(capsys, demo_file, tmp_path):
+    from runtime.io.sample import render_frame, write_media_file
+
+    silent_film = write_media_file(tmp_path / "v.mp4", None, [(i / 2, render_frame(i / 2, 64, 48)) for i in range(4)])
+    code, _, err = run_cli(capsys, "transcribe", str(silent_film))
+    assert code == 1 and "no audio stream" in one_error_line(err)
+    # no language model is loaded to transcribe, so a missing one does not matter
+    code, out, err = run_cli(capsys, "transcribe", str(demo_file), "--json", "--set", "lm.model=/nonexistent")
+    assert code == 0, err
+    created = parse_event(json.loads(out.splitlines()[0]))
+    assert created.type == "session.created" and created.session["lm"] == {"backend": "none"}
+    assert "loading lm" not in err
+
+
+def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, demo_file):
+    """A run whose ASR failed on every chunk printed errors; its exit status must say so to a script."""
+    from runtime import cli
+    from runtime.session import Models
+
+    class BrokenStream:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def accept(self, chunk):
+            raise RuntimeError("broken on purpose")
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    class BrokenASR:
+        def __init__(self, asr):
+            self.asr = asr
+
+        def open_stream(self):
+            return BrokenStream(self.asr.open_stream())
+
+        def __getattr__(self, name):
+            return getattr(self.asr, name)
+
+    real = cli.load_models
+    monkeypatch.setattr(cli, "load_models", lambda *a, **k: (lambda m: Models(BrokenASR(m.asr), m.answerer,
+                                                                               m.vision))(real(*a, **k)))
+    code, _, err = run_cli(capsys, "transcribe", str(demo_file), "-q")
+    assert code == 1 and "error: " in err
+    assert "runtime: the session reported" in err.splitlines()[-1]
+
+
+def test_quiet_means_nothing_on_stderr(demo_file):
+    result = _subprocess("transcribe", str(demo_file), "-q")
+    assert result.returncode == 0 and result.stderr == "", result.stderr

@@ -4,12 +4,14 @@ engine, the answer from the transcript prefilled as it streamed equals one from 
 time (greedy)."""
 
 import asyncio
+import time
 
 import pytest
 
 from runtime.config import load_profile
 from runtime.feed import ScheduledQuestion, feed
 from runtime.io.file_source import FileSource
+from runtime.memory.transcript import TranscriptMemory
 from runtime.session import Models, Session, load_models
 from runtime.worker import DeviceWorker
 
@@ -34,7 +36,7 @@ async def test_session_equals_direct_model_calls(tiny, demo_file):
     events: list = []
     consumer = asyncio.create_task(_drain(session, events))
     await feed(FileSource(demo_file, speed=0, chunk_ms=profile.pipeline.audio_chunk_ms), session,
-               [ScheduledQuestion("what moved?", at=5.0)])
+               [ScheduledQuestion("what moved?", at=2.0)])
     await session.finish()
     await consumer
     assert asyncio.all_tasks() == {asyncio.current_task()}
@@ -50,6 +52,15 @@ async def test_session_equals_direct_model_calls(tiny, demo_file):
     # The answer equals the answerer run directly (one prefill) on the context and video memory it was given.
     ((context, suffix),) = spy.contexts
     assert context.startswith("[00:00.0] ")  # what was heard before the question, stamped
+    # ...which is exactly what the audio up to the question's media time says: the file plays unpaced, and no
+    # later word may reach the answer however far the ASR could have raced ahead meanwhile
+    heard, replay = TranscriptMemory(), models.asr.open_stream()
+    for chunk in await _chunks(demo_file, profile):
+        if chunk.end > 2.0:
+            break
+        for update in replay.accept(chunk):
+            heard.apply(update)
+    assert context == heard.context()
     state = models.answerer.start(context, "what moved?", suffix=list(suffix))
     expected, tokens, steps = [], 0, 0
     while True:
@@ -68,19 +79,23 @@ async def test_session_equals_direct_model_calls(tiny, demo_file):
 
 
 class ContextSpy:
-    """The real answerer, recording the context the session hands it."""
+    """The real answerer, recording the context the session hands it. Its prefill steps are slowed, so that
+    an ASR left to race ahead of a question would surely be transcribing later audio while it prefills."""
 
     def __init__(self, answerer):
         self.answerer, self.contexts = answerer, []
 
     def open_session(self):
-        return self.answerer.open_session()
+        stream = self.answerer.open_session()
+        return None if stream is None else SlowPrefill(stream)
 
     def start(self, context, question, **kwargs):
-        state = self.answerer.start(context, question, **kwargs)
         stream = kwargs.get("session")
+        if stream is not None:
+            kwargs["session"] = stream.stream
+        state = self.answerer.start(context, question, **kwargs)
         if stream is not None:  # a question (video notes use pooled streams, without one)
-            self.contexts.append(stream.session.answered_from)  # transcript and video memory it saw
+            self.contexts.append(stream.stream.session.answered_from)  # transcript and video memory it saw
         return state
 
     def step(self, state):
@@ -91,6 +106,20 @@ class ContextSpy:
 
     def stats(self, state):
         return self.answerer.stats(state)
+
+
+class SlowPrefill:
+    """An answerer's stream whose every prefill step takes 20 ms longer (on the worker, like the real ones)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def set_context(self, *args):
+        return self.stream.set_context(*args)
+
+    def prefill_step(self):
+        time.sleep(0.02)
+        return self.stream.prefill_step()
 
 
 async def _drain(session, sink):

@@ -4,6 +4,7 @@ shutdown, and one-line errors for files that cannot be played."""
 import asyncio
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -195,3 +196,35 @@ async def test_aclose_from_another_task_ends_a_waiting_consumer(tmp_path: Path) 
     await source.aclose()
     await asyncio.wait_for(task, 1.0)
     assert 1 <= len(received) <= 4 and not source_threads()
+
+
+def write_late_audio_mkv(path: Path, audio: np.ndarray, late_s: float) -> Path:
+    """A Matroska file whose only audio stream starts at `late_s` (as an MP3's encoder delay, or a track that
+    begins after the video): PCM frames with their pts shifted."""
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("pcm_s16le", rate=SAMPLE_RATE, layout="mono")
+        pcm = (audio * 32767).astype(np.int16)
+        for i in range(0, len(pcm), 1600):
+            frame = av.AudioFrame.from_ndarray(pcm[None, i : i + 1600], format="s16", layout="mono")
+            frame.sample_rate, frame.pts = SAMPLE_RATE, round(late_s * SAMPLE_RATE) + i
+            frame.time_base = stream.time_base = Fraction(1, SAMPLE_RATE)
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return path
+
+
+@pytest.mark.asyncio
+async def test_audio_that_starts_late_is_silence_until_then(tmp_path: Path) -> None:
+    audio = tone(1.0)
+    path = write_late_audio_mkv(tmp_path / "late.mkv", audio, 0.5)
+    chunks, _ = split(await collect(FileSource(path, speed=0)))
+    assert chunks[0].start_sample == 0  # what a session requires of the first chunk
+    assert all(a.end_sample == b.start_sample for a, b in zip(chunks, chunks[1:], strict=False))
+    decoded = np.concatenate([c.samples for c in chunks])
+    assert len(decoded) == pytest.approx(1.5 * SAMPLE_RATE, abs=2)
+    assert not decoded[:7990].any()  # the first half second is silence
+    np.testing.assert_allclose(decoded[8000:], audio[: len(decoded) - 8000], atol=2 / 32768)

@@ -105,6 +105,19 @@ def test_interleaved_lines_and_fallbacks() -> None:
     ]
 
 
+def test_a_transcript_line_cut_by_an_answer_goes_on_without_a_double_space() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, error_stream=io.StringIO())
+    item = dict(item_id="t", start=0.1, end=1.0)
+    printer.write(TranscriptionDelta(delta="the", **item))
+    printer.write(ResponseCreated(response={"id": "r", "question": "what?"}))  # ends the transcript line
+    printer.write(ResponseDone(response={"id": "r", "status": "completed"}))
+    printer.write(TranscriptionDelta(delta=" red ball", **item))  # the item goes on, on a new line
+    printer.write(TranscriptionDelta(delta=" rolls", **item))
+    printer.close()
+    assert out.getvalue().splitlines() == ["[00:00.1] the", "Q: what?", "A: ", "[00:00.1] red ball rolls"]
+
+
 def test_timestamp() -> None:
     assert timestamp(0) == "[00:00.0]"
     assert timestamp(59.96) == "[01:00.0]"

@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+from cli_common import one_error_line, run_cli
 
+from runtime.errors import ConfigError
 from runtime.train.data import load_examples
-from runtime.train.synth_speech import Settings, generate
+from runtime.train.synth_speech import Settings, _progress_entries, generate
 from runtime.train.synthesizers import MAX_SECONDS, MIN_SECONDS, Voice, find_voices, render
 from runtime.train.text_norm import cer, expand, normalize, number_to_words, wer
 from runtime.train.texts import WORDS_FILE, TextSource, build_wordnet_words, is_heldout
@@ -222,3 +224,41 @@ def test_formant_shift_draws_only_for_flite() -> None:
     b, _ = render(espeak, "a short test sentence", np.random.default_rng(2))
     assert "formant" not in info
     np.testing.assert_array_equal(a, b)  # nothing drawn: an espeak clip is the clip it was without the option
+
+
+# -- refused settings: one line, before any synthesis -------------------------------------------------------
+@pytest.mark.parametrize("hours", ["0", "-1", "nan", "inf"])
+def test_hours_must_be_a_finite_positive_number(capsys, tmp_path: Path, hours: str) -> None:
+    code, _, err = run_cli(capsys, "train", "synth-speech", "--out", str(tmp_path / "s"), "--hours", hours)
+    assert code != 0 and "--hours must be a finite number > 0" in one_error_line(err) and "Traceback" not in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_negative_jobs_are_one_line(capsys, tmp_path: Path) -> None:
+    code, _, err = run_cli(capsys, "train", "synth-speech", "--out", str(tmp_path / "s"), "--jobs", "-1")
+    assert code != 0 and "--jobs must be at least 0" in one_error_line(err) and "Traceback" not in err
+
+
+def test_an_out_that_cannot_be_a_folder_is_one_line(capsys, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, message in [(afile, f"--out {afile} is a file, not a folder"),
+                         (afile / "sub", f"cannot create --out {afile / 'sub'}: {afile} is a file"),
+                         ("/proc/nope", "cannot create --out /proc/nope: No such file or directory")]:
+        code, _, err = run_cli(capsys, "train", "synth-speech", "--out", str(out), "--hours", "0.01")
+        assert code != 0 and message in one_error_line(err) and "Traceback" not in err
+
+
+def test_a_folder_made_with_other_settings_names_only_what_differs(tmp_path: Path) -> None:
+    voices = [f"espeak:en+v{i}" for i in range(800)]
+    (tmp_path / ".config.json").write_text(json.dumps({"seed": 0, "voices": voices}))
+    with pytest.raises(ConfigError) as refused:
+        _progress_entries(tmp_path, {"seed": 5, "voices": voices})
+    assert str(refused.value) == (f"{tmp_path} was generated with other settings: seed 0 (this run: 5); use a new "
+                                  "--out folder or the same settings")
+    with pytest.raises(ConfigError) as refused:
+        _progress_entries(tmp_path, {"seed": 0, "voices": [*voices[:7], "flite:rms"], "formant_shift": 0.1})
+    message = str(refused.value)
+    assert len(message) < 300 and "espeak:en+v9" not in message, message
+    assert 'formant_shift unset (this run: 0.1), voices: 800 items (this run: 8), item 8 "espeak:en+v7" (this ' \
+        'run: "flite:rms")' in message

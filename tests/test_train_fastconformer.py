@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from cli_common import one_error_line, run_cli
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.cli import build_parser, main
@@ -249,3 +250,34 @@ def test_lookahead_weights_decide_which_lookaheads_train(dataset, tmp_path):
     assert set(drawn) == {80, 0} and drawn.count(0) > drawn.count(80)  # 3 : 1 expected over 40 steps
     config = json.loads((tmp_path / "w" / "model" / "config.json").read_text())
     assert config["training"]["lookahead_weights"] == "1040=0,480=0,0=3"
+
+
+@pytest.mark.parametrize("flags", [
+    ["--hours", "0"], ["--hours", "-1"], ["--hours", "nan"], ["--hours", "inf"], ["--vocab", "1"],
+    ["--vocab", "0"], ["--threads", "-1"], ["--lr", "-1"], ["--lr", "0"], ["--lr", "nan"], ["--d-model", "0"],
+    ["--d-model", "66"], ["--d-model", "63", "--n-heads", "3"], ["--n-layers", "0"], ["--weight-decay", "-1"],
+    ["--weight-decay", "nan"], ["--clip", "0"], ["--clip", "nan"], ["--batch-seconds", "nan"],
+    ["--eval-limit", "-1"], ["--warmup", "-1"]])
+def test_bad_numbers_are_one_line_before_any_data_is_read(capsys, tmp_path, flags):
+    # --data does not exist: the flag must be refused before the data is looked at, and nothing written
+    code, _, err = run_cli(capsys, "train", "fastconformer", "--data", str(tmp_path / "no-data"), "--out",
+                           str(tmp_path / "out"), *flags)
+    flag = "--n-heads" if flags == ["--d-model", "66"] else flags[0]
+    assert code != 0 and one_error_line(err).startswith(f"runtime: error: {flag} "), err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_vocab_too_small_for_the_transcripts_says_the_minimum(dataset, tmp_path):
+    # the tone words use 11 letters, plus the word boundary: the unigram trainer needs 12 pieces
+    with pytest.raises(ConfigError, match="--vocab 11 is too small.* at least 12"):
+        train_model(tiny_cfg(dataset, tmp_path / "out", vocab=11))
+
+
+def test_an_out_that_cannot_be_a_folder_is_one_line(capsys, dataset, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, message in [(afile, "is a file, not a folder"), (afile / "sub", "afile is a file, not a folder"),
+                         ("/proc/nope", "cannot create --out /proc/nope: ")]:
+        code, _, err = run_cli(capsys, "train", "fastconformer", "--data", str(dataset), "--out", str(out),
+                               "--preset", "tiny", "--steps", "1", "--quiet", "--device", "cpu")
+        assert code != 0 and message in one_error_line(err) and "Traceback" not in err

@@ -128,3 +128,14 @@ def test_train_word_lm_refuses_held_out_texts_and_missing_folders(capsys, tmp_pa
     assert not (tmp_path / "x.arpa").exists()
     code, _, err = run_cli(capsys, "train", "word-lm", "--data", str(folder), "--out", str(tmp_path / "nope"))
     assert code != 0 and "no such directory" in one_error_line(err)
+
+
+def test_train_word_lm_refuses_an_out_that_cannot_be_written(capsys, tmp_path):
+    folder = _synth_folder(tmp_path, [t for t in ("the cat sat", "a dog ran") if not is_heldout(t)])
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "dir.arpa").mkdir()
+    for out, message in [(afile / "lm.arpa", f"--out's folder {afile} is a file, not a folder"),
+                         (tmp_path / "dir.arpa", "is a folder; give a .arpa file path")]:
+        code, _, err = run_cli(capsys, "train", "word-lm", "--data", str(folder), "--out", str(out), "--words", "none")
+        assert code != 0 and message in one_error_line(err) and "Traceback" not in err

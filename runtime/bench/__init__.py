@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from runtime.config import require_device
+
 # name -> (module, one-line description); each module has `run(args) -> dict`.
 BENCHES: dict[str, tuple[str, str]] = {
     "asr": ("runtime.bench.asr", "streaming ASR: exactness, per-chunk cost, RTF, cost growth, buffered peer"),
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
     if args.name not in BENCHES:
         print(f"runtime: error: unknown benchmark {args.name!r} (known: {', '.join(BENCHES)})", file=sys.stderr)
         return 2
+    require_device(args.device)  # a missing GPU is one line here, not torch's assertion mid-benchmark
     module = importlib.import_module(BENCHES[args.name][0])
     result: dict[str, Any] = module.run(args, status)
     print(json.dumps(result, indent=None if args.json else 2, sort_keys=False))

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import av
+import numpy as np
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.errors import MediaError
@@ -113,7 +114,11 @@ class FileSource(ThreadedSource):
                     if rechunker is None:
                         first = round((frame.time or 0.0) * SAMPLE_RATE) if frame is not None else 0
                         skip = max(0, -first)
-                        rechunker = AudioRechunker(self.chunk_samples, max(0, first))
+                        rechunker = AudioRechunker(self.chunk_samples)
+                        # audio that starts late (an MP3 encoder's delay, a track that begins after the video)
+                        # is silence until then: the stream starts at 0 and stays in step with the frames
+                        for at in range(0, max(0, first), SAMPLE_RATE):
+                            yield from rechunker.push(np.zeros(min(SAMPLE_RATE, first - at), np.float32))
                     if skip:
                         dropped = min(skip, len(samples))
                         samples, skip = samples[dropped:], skip - dropped

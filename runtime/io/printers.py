@@ -121,13 +121,13 @@ class TextPrinter:
         printed = self._stable.get(item, "")
         if not event.delta and not self.tty and self._line != f"item:{item}":
             return  # nothing stable to add, and an unstable tail is not shown off a terminal
-        self._open(f"item:{item}", f"{timestamp(self._starts[item])} ")
+        opened = self._open(f"item:{item}", f"{timestamp(self._starts[item])} ")  # again, after an interruption
         self._clear_tail()
-        delta = event.delta.lstrip() if not printed else event.delta
+        delta = event.delta.lstrip() if not printed or opened else event.delta
         self._out(delta)
         self._stable[item] = printed + delta
         if self.tty and event.unstable:
-            unstable = event.unstable.lstrip() if not self._stable[item] else event.unstable
+            unstable = event.unstable.lstrip() if not self._stable[item] or (opened and not delta) else event.unstable
             self._out(f"{DIM}{unstable}{RESET}")
             self._tail = len(unstable)
 

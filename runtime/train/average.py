@@ -24,6 +24,7 @@ from runtime.models.asr.fastconformer.checkpoint import (
 )
 from runtime.models.asr.fastconformer.model import FastConformerCTC
 from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer
+from runtime.train.outputs import out_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     if any(out.resolve() == d.resolve() for d in directories):
         raise ConfigError(f"--out {out} is one of the checkpoints being averaged; write the mean elsewhere")
+    out_folder(out, create=False)  # made only once the checkpoints are known to average
     model, tokenizer = average_checkpoints(directories)
     trainings = [json.loads((d / CONFIG_FILE).read_text(encoding="utf-8")).get("training") or {} for d in directories]
     sources = [{"checkpoint": str(d), "steps": t.get("steps")} for d, t in zip(directories, trainings, strict=True)]
-    save_checkpoint(model, tokenizer, out, training={**trainings[-1], "averaged": sources})
+    save_checkpoint(model, tokenizer, out_folder(out), training={**trainings[-1], "averaged": sources})
     print(json.dumps({"out": str(out), "averaged": sources}))
     return 0

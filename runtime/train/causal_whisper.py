@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -27,11 +28,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperForCondi
 
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.decoder import prompt_ids
-from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_frames_for
+from runtime.models.asr.causal_whisper.encoder import FRAME_MS, CausalWhisperEncoder, block_frames_for
 from runtime.models.asr.causal_whisper.features import log_mel, mel_frames_for
 from runtime.models.asr.causal_whisper.lora import DEFAULT_RANK, add_lora, load_adapter
 from runtime.models.loading import resolve_checkpoint, torch_dtype
 from runtime.train.data import load_examples
+from runtime.train.outputs import out_folder
 from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
 
 
@@ -153,18 +155,30 @@ def _save_checkpoint(out: Path, step: int, model: torch.nn.Module, opt: torch.op
     write_checkpoint(out, step, fill)
 
 
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse numbers the run cannot use before the base model is loaded, naming the flag (peft and torch would
+    fail later with their own tracebacks, or train nothing useful with a NaN learning rate)."""
+    for flag, value in {"--rank": cfg.rank, "--steps": cfg.steps, "--batch-size": cfg.batch_size,
+                        "--save-every": cfg.save_every}.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if cfg.chunk_ms <= 0 or cfg.chunk_ms % FRAME_MS:
+        raise ConfigError(f"--chunk-ms must be a positive multiple of {FRAME_MS}, got {cfg.chunk_ms}")
+    if not 0.0 < cfg.lr < math.inf:
+        raise ConfigError(f"--lr must be a finite number > 0, got {cfg.lr}")
+
+
 def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
     """Train (or resume) and save; returns the trained peft model and the losses of the steps run here."""
     from tqdm import tqdm
 
-    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.save_every < 1:
-        raise ConfigError("--steps, --batch-size and --save-every must be >= 1")
+    check_config(cfg)
     block_frames = block_frames_for(cfg.chunk_ms)
     out = Path(cfg.out).expanduser()
     ckpt = latest_checkpoint(out)
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{out} already holds {ckpt.name}: pass --resume to continue it, or a new --out")
-    out.mkdir(parents=True, exist_ok=True)
+    out_folder(out)
     torch.manual_seed(cfg.seed)
 
     path = resolve_checkpoint(cfg.base, role="asr")

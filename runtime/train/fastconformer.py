@@ -54,6 +54,7 @@ from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer, train_unigr
 from runtime.train.augment import VoiceWarp, spec_augment, tempo_stretch
 from runtime.train.ctc_batched import ctc_loss, score_heldout
 from runtime.train.ctc_data import (
+    Utterance,
     batch_for_step,
     collate,
     compute_features,
@@ -69,10 +70,18 @@ from runtime.train.fastconformer_config import (  # noqa: F401  (add_arguments: 
     DEFAULT_STEPS,
     TrainConfig,
     add_arguments,
+    check_config,
     config_from_args,
     lookahead_weights,
 )
-from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
+from runtime.train.outputs import out_folder
+from runtime.train.run_state import (
+    latest_checkpoint,
+    restore_rng,
+    rng_state,
+    truncate_log,
+    write_checkpoint,
+)
 
 SAVE_KEEP = 2  # periodic checkpoints kept (the newest)
 
@@ -119,6 +128,16 @@ def build_model(cfg: TrainConfig, vocab_size: int, features: FeatureConfig) -> F
     ))
 
 
+def vocab_floor(utts: list[Utterance], vocab: int) -> int:
+    """`vocab`, checked against the transcripts: the unigram trainer must fit every distinct character (the
+    word boundary "▁" included) and otherwise fails with a library error that does not name the flag."""
+    needed = len(set("▁" + "".join(u.text for u in utts).replace(" ", "▁")))
+    if vocab < needed:
+        raise ConfigError(f"--vocab {vocab} is too small: the transcripts use {needed} distinct characters "
+                          f"(the word boundary included), so --vocab must be at least {needed}")
+    return vocab
+
+
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,14 +163,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     """The whole recipe; returns the trained model as well (tests compare it with what was saved)."""
     from tqdm import tqdm
 
-    if (cfg.steps is not None and cfg.steps < 1) or cfg.save_every < 1 or cfg.batch_seconds <= 0:
-        raise ConfigError("--steps, --save-every and --batch-seconds must be positive")
-    if not 0.0 < cfg.short_first <= 1.0 or cfg.short_first_steps < 0 or cfg.grow_steps < 0:
-        raise ConfigError("--short-first must be in (0, 1]; --short-first-steps and --grow-steps at least 0")
-    if not 0.0 <= cfg.voice_warp < 1.0:
-        raise ConfigError(f"--voice-warp must be in [0, 1), got {cfg.voice_warp}")
-    if not 0.0 <= cfg.tempo < 1.0:
-        raise ConfigError(f"--tempo must be in [0, 1), got {cfg.tempo}")
+    check_config(cfg)
     started = time.monotonic()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -162,7 +174,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     ckpt = latest_checkpoint(out)
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{out} already holds {ckpt.name}: pass --resume to continue it, or a new --out")
-    out.mkdir(parents=True, exist_ok=True)
+    out_folder(out)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
 
@@ -173,7 +185,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         model, tokenizer = load_checkpoint(ckpt)
         features = model.cfg.features
     else:
-        tokenizer = train_unigram([u.text for u in train_utts], cfg.vocab)
+        tokenizer = train_unigram([u.text for u in train_utts], vocab_floor(train_utts, cfg.vocab))
         features = FeatureConfig()
         model = None
     # the look-ahead weights are checked before the features pass (minutes on a large set), against the
@@ -211,7 +223,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
-    start, total = 0, cfg.steps if cfg.steps is not None else (None if cfg.hours else DEFAULT_STEPS)
+    start, total = 0, cfg.steps if cfg.steps is not None else (None if cfg.hours is not None else DEFAULT_STEPS)
     log_path = out / "log.jsonl"
     if ckpt is not None:
         state = torch.load(ckpt / "trainer_state.pt", map_location=device, weights_only=False)

@@ -127,6 +127,43 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse, before any data or feature is loaded, settings that would crash deep in the run (a traceback from
+    torch) or silently train something else (--hours 0 read as "unset" meant the full default run): one
+    ConfigError naming the flag and what it allows."""
+    whole = {"--d-model": cfg.d_model, "--n-layers": cfg.n_layers, "--n-heads": cfg.n_heads,
+             "--ff-expansion": cfg.ff_expansion, "--sub-channels": cfg.sub_channels,
+             "--conv-kernel": cfg.conv_kernel, "--save-every": cfg.save_every, "--steps": cfg.steps}
+    for flag, value in whole.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    for flag, value in {"--warmup": cfg.warmup, "--threads": cfg.threads, "--eval-limit": cfg.eval_limit,
+                        "--short-first-steps": cfg.short_first_steps, "--grow-steps": cfg.grow_steps}.items():
+        if value < 0:
+            raise ConfigError(f"{flag} must be at least 0, got {value}")
+    if cfg.subsampling not in (4, 8):
+        raise ConfigError(f"--subsampling must be 4 or 8, got {cfg.subsampling}")
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(f"--n-heads {cfg.n_heads} must divide --d-model {cfg.d_model}")
+    if cfg.d_model % 2:  # the relative positions are sine/cosine pairs
+        raise ConfigError(f"--d-model must be even, got {cfg.d_model}")
+    if cfg.vocab < 2:
+        raise ConfigError(f"--vocab must be at least 2 (and at least the number of distinct characters in the "
+                          f"transcripts), got {cfg.vocab}")
+    for flag, number in {"--lr": cfg.lr, "--batch-seconds": cfg.batch_seconds, "--clip": cfg.clip,
+                         "--hours": cfg.hours}.items():
+        if number is not None and not 0.0 < number < math.inf:
+            raise ConfigError(f"{flag} must be a finite number > 0, got {number}")
+    if not 0.0 <= cfg.weight_decay < math.inf:
+        raise ConfigError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}")
+    if not 0.0 < cfg.short_first <= 1.0:
+        raise ConfigError(f"--short-first must be in (0, 1], got {cfg.short_first}")
+    if not 0.0 <= cfg.voice_warp < 1.0:
+        raise ConfigError(f"--voice-warp must be in [0, 1), got {cfg.voice_warp}")
+    if not 0.0 <= cfg.tempo < 1.0:
+        raise ConfigError(f"--tempo must be in [0, 1), got {cfg.tempo}")
+
+
 def lookahead_weights(spec: str, offered_ms: list[int]) -> list[float] | None:
     """--lookahead-weights as one weight per trained context (in `offered_ms` order), or None for uniform.
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -47,6 +48,7 @@ import soundfile
 from runtime.chunks import SAMPLE_RATE
 from runtime.errors import ConfigError, MediaError
 from runtime.stop_signals import worker_process_defaults
+from runtime.train.outputs import out_folder
 from runtime.train.synthesizers import ENGINE_WEIGHTS, ENGINES, MAX_SECONDS, Voice, find_voices, render
 from runtime.train.text_norm import normalize
 from runtime.train.texts import TextSource
@@ -132,8 +134,8 @@ def _progress_entries(out: Path, fingerprint: dict[str, Any]) -> dict[tuple[str,
     if config.exists():
         previous = json.loads(config.read_text())
         if previous != fingerprint:
-            raise ConfigError(f"{out} was generated with other settings ({previous}); use a new --out folder")
-    out.mkdir(parents=True, exist_ok=True)
+            raise ConfigError(f"{out} was generated with other settings: {settings_difference(previous, fingerprint)}"
+                              "; use a new --out folder or the same settings")
     config.write_text(json.dumps(fingerprint, indent=1) + "\n")
     done: dict[tuple[str, int], dict[str, Any]] = {}
     progress = out / ".progress.jsonl"
@@ -149,6 +151,29 @@ def _progress_entries(out: Path, fingerprint: dict[str, Any]) -> dict[tuple[str,
     return done
 
 
+def _short(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def settings_difference(previous: dict[str, Any], current: dict[str, Any]) -> str:
+    """The keys whose values differ, each as "key OLD (this run: NEW)", values shortened: the voice list alone
+    runs to hundreds of ids, so a list is described by its length and first differing item, never dumped."""
+    parts = []
+    for key in sorted(set(previous) | set(current)):
+        old, new = previous.get(key), current.get(key)
+        if old == new:
+            continue
+        if isinstance(old, list) and isinstance(new, list):
+            i = next(i for i in range(max(len(old), len(new))) if old[i:i + 1] != new[i:i + 1])
+            was, now = (_short(v[i]) if i < len(v) else "none" for v in (old, new))
+            parts.append(f"{key}: {len(old)} items (this run: {len(new)}), item {i + 1} {was} (this run: {now})")
+        else:
+            was, now = (_short(d[key]) if key in d else "unset" for d in (previous, current))
+            parts.append(f"{key} {was} (this run: {now})")
+    return ", ".join(parts)
+
+
 def _results(tasks: list[Task], done: dict[tuple[str, int], dict[str, Any]], pool: Any) -> Iterator[dict[str, Any]]:
     """Entries in task order: from the previous run when recorded, else synthesised (in the pool if any)."""
     todo = [t for t in tasks if (t.split, t.index) not in done]
@@ -162,7 +187,7 @@ def generate(settings: Settings) -> dict[str, Any]:
     from tqdm import tqdm
 
     started = time.monotonic()
-    out = Path(settings.out).expanduser()
+    out = out_folder(Path(settings.out).expanduser())
     voices = find_voices(settings.engines or None)
     split_voices = {"train": tuple(v for v in voices if not v.heldout),
                     "heldout": tuple(v for v in voices if v.heldout)}
@@ -267,8 +292,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
-    if args.hours <= 0 or args.heldout < 0:
-        raise ConfigError("--hours must be > 0 and --heldout >= 0")
+    if not 0 < args.hours < math.inf:
+        raise ConfigError(f"--hours must be a finite number > 0, got {args.hours}")
+    if args.heldout < 0 or args.jobs < 0:
+        raise ConfigError(f"--heldout and --jobs must be at least 0 (--jobs 0: one per CPU core), got --heldout "
+                          f"{args.heldout} --jobs {args.jobs}")
     if not 0 <= args.formant_shift <= 0.5:
         raise ConfigError(f"--formant-shift must be in [0, 0.5] (a factor of at most 1.5), got {args.formant_shift}")
     summary = generate(Settings(args.out, args.hours, args.heldout, args.seed, args.jobs, engines, args.quiet,

@@ -25,6 +25,7 @@ from pathlib import Path
 from runtime.errors import ConfigError
 from runtime.models.asr.fastconformer.decoding import LM_FILE
 from runtime.models.asr.word_lm import WordLM
+from runtime.train.outputs import out_folder
 from runtime.train.text_norm import normalize
 from runtime.train.texts import WORDS_FILE, is_heldout
 
@@ -93,11 +94,15 @@ def run(args: argparse.Namespace) -> int:
     path = out if out.suffix == ".arpa" else out / LM_FILE
     if out.suffix != ".arpa" and not out.is_dir():
         raise ConfigError(f"--out {out}: no such directory (give a checkpoint directory or a .arpa path)")
+    if out.suffix == ".arpa" and out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a .arpa file path or a checkpoint directory without "
+                          "the .arpa suffix")
+    out_folder(path.parent, "--out's folder", create=False)
     started = time.perf_counter()
     sentences = training_sentences(data)
     listed = listed_words(args.words)
     lm = WordLM.fit(sentences, order=args.order, listed=listed, listed_weight=args.words_weight)
-    path.parent.mkdir(parents=True, exist_ok=True)  # only a .arpa path's folder is made
+    out_folder(path.parent, "--out's folder")  # only a .arpa path's folder is made
     lm.save_arpa(path)
     perplexity = heldout_perplexity(lm, data)
     print(json.dumps({

@@ -230,6 +230,24 @@ class Answerer:
             state.done = True
 
 
+class NoAnswerer:
+    """The answerer of a session that takes no questions (`runtime transcribe`): no model, no stream state."""
+
+    name = "none"
+
+    def open_session(self) -> None:
+        return None
+
+    def start(self, context: str, question: str, *, seed: int | None = None, session: Any = None) -> Any:
+        raise UserError("this session loaded no language model, so it answers no questions")
+
+    def step(self, state: Any) -> AnswerStep:
+        raise UserError("this session loaded no language model, so it answers no questions")
+
+    def release(self, state: Any) -> None:
+        return None
+
+
 def load_answerer(
     cfg: LMConfig,
     *,
