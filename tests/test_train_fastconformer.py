@@ -18,7 +18,8 @@ import torch
 from cli_common import one_error_line, run_cli
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
-from runtime.cli import build_parser, main
+from runtime.cli import main
+from runtime.cli_parser import build_parser
 from runtime.config import ASRConfig
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models.asr.base import load_asr
