@@ -101,15 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("transcribe", help="stream a file through the ASR and print the live transcript",
                        description="Stream any audio or video file PyAV reads through the streaming ASR and "
                        "print transcript events as they would appear live.")
-    p.add_argument("file", type=Path)
+    p.add_argument("file", type=Path, help="an audio or video file with an audio track (wav, mp3, mp4, ...)")
     _speed(p, 0.0, "as fast as possible")
     _common(p)
 
     p = sub.add_parser("ask", help="stream a file and ask a question about it at a media time",
                        description="Stream a file, ask QUESTION when the media reaches --at SECONDS (default: "
                        "the end), and print the streamed answer.")
-    p.add_argument("file", type=Path)
-    p.add_argument("question")
+    p.add_argument("file", type=Path, help="an audio or video file (its frames are seen when the model can see)")
+    p.add_argument("question", help="the question, asked at --at")
     p.add_argument("--at", type=_seconds, metavar="SECONDS", help="media time to ask at (default: the end)")
     _speed(p, 0.0, "as fast as possible")
     _common(p)

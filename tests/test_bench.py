@@ -3,6 +3,8 @@ asserted here (they live in the benchmark's numbers); exactness is, because it d
 
 import json
 
+import pytest
+
 from runtime import bench
 from runtime.cli import main
 
@@ -32,6 +34,9 @@ def test_bench_llm_quick_json(capsys):
     assert result["kv_window_exact_max_abs_diff"] <= 1e-4
     assert result["spec_identical"] is True
     assert result["kv_bytes"]["constant"] is True and result["kv_bytes"]["evicted_tokens"] > 0
+    counts = [int(key.split("_")[1]) for key in result["kv_bytes"] if key.startswith("after_")]
+    assert len(counts) == 2 and counts[0] > 1024  # tokens counted, not the 1024 words of the short transcript
+    assert {"torch", "transformers", "python", "device", "dtype", "torch_threads"} <= set(result["machine"])
     assert set(result["verify_cost_ratio"]) == {"4", "16", "64"}
     for ttft in result["ttft_ms"].values():
         assert ttft["ours_window_tokens"] <= ttft["context_tokens"]
@@ -69,6 +74,30 @@ def test_asr_quality_refuses_random_weights_and_unknown_builtins(capsys):
     code, _, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--model", "builtin:no-such-model",
                            "--data", "/nonexistent")
     assert code != 0 and "heldout.jsonl" in one_error_line(err)  # the data is checked before any model loads
+
+
+def test_asr_quality_refuses_a_random_model_by_path_an_empty_set_and_stray_flags(capsys, tmp_path):
+    import soundfile
+    from cli_common import one_error_line, run_cli
+
+    from runtime.io.sample import demo_speech
+    from runtime.models.loading import resolve_checkpoint
+
+    soundfile.write(tmp_path / "a.flac", demo_speech()[:16000], 16000, subtype="PCM_16")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"audio": "a.flac", "text": "a", "engine": "espeak"}) + "\n")
+    tiny = resolve_checkpoint("tiny:fastconformer", role="asr")  # the same random weights, named by their path
+    code, _, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--model", str(tiny), "--data", str(tmp_path))
+    assert code != 0 and "random-weight" in one_error_line(err)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "heldout.jsonl").write_text("")
+    code, _, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--data", str(empty))
+    assert code != 0 and "no utterances" in one_error_line(err)
+    code, _, err = run_cli(capsys, "bench", "video", "--quick", "--model", "x", "--data", "y")
+    assert code != 0 and "--model and --data" in one_error_line(err)
+    with pytest.raises(SystemExit):
+        main(["bench", "asr", "--quick", "--threads", "-3"])
+    assert "whole number" in capsys.readouterr().err
 
 
 def test_unknown_builtin_checkpoints_name_the_shipped_ones():

@@ -118,6 +118,18 @@ def test_a_transcript_line_cut_by_an_answer_goes_on_without_a_double_space() -> 
     assert out.getvalue().splitlines() == ["[00:00.1] the", "Q: what?", "A: ", "[00:00.1] red ball rolls"]
 
 
+def test_a_video_note_waits_for_the_transcript_line_in_progress() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, error_stream=io.StringIO())
+    item = dict(item_id="t", start=0.1, end=2.0)
+    printer.write(TranscriptionDelta(delta="a red", **item))
+    printer.write(VideoNote(segment_id=0, text="a ball", start=0.0, end=3.0))
+    printer.write(TranscriptionDelta(delta=" ball rolls", **item))
+    printer.write(TranscriptionCompleted(transcript="a red ball rolls", **item))
+    printer.close()
+    assert out.getvalue().splitlines() == ["[00:00.1] a red ball rolls", "[00:00.0] (video, to [00:03.0]) a ball"]
+
+
 def test_timestamp() -> None:
     assert timestamp(0) == "[00:00.0]"
     assert timestamp(59.96) == "[01:00.0]"

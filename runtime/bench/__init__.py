@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.config import require_device
+from runtime.errors import UserError
 
 # name -> (module, one-line description); each module has `run(args) -> dict`.
 BENCHES: dict[str, tuple[str, str]] = {
@@ -28,6 +29,12 @@ BENCHES: dict[str, tuple[str, str]] = {
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = ", ".join([*BENCHES, *NOT_BUILT])
     parser.add_argument("name", metavar="NAME", help=f"which benchmark: {names}")
@@ -36,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="default: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: one per core but one)")
+    parser.add_argument("--threads", type=_count, default=0, help="torch CPU threads (0: one per core but one)")
     parser.add_argument("--model", default=None, help="asr-quality: the checkpoint to score (default: "
                         "builtin:demo-fastconformer)")
     parser.add_argument("--data", default=None, help="asr-quality: a `runtime train synth-speech` folder whose "
@@ -50,6 +57,10 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
     if args.name not in BENCHES:
         print(f"runtime: error: unknown benchmark {args.name!r} (known: {', '.join(BENCHES)})", file=sys.stderr)
         return 2
+    given = [flag for flag, value in (("--model", args.model), ("--data", args.data)) if value is not None]
+    if given and args.name != "asr-quality":
+        raise UserError(f"{' and '.join(given)}: only asr-quality scores a checkpoint on a data set; {args.name} "
+                        "measures the real architectures' shapes with random weights")
     require_device(args.device)  # a missing GPU is one line here, not torch's assertion mid-benchmark
     module = importlib.import_module(BENCHES[args.name][0])
     result: dict[str, Any] = module.run(args, status)

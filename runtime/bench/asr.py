@@ -16,8 +16,6 @@ weights emit, which random weights cannot tell; `decoder_token_ms` gives its per
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +24,7 @@ import torch
 from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 from runtime.bench.shapes import whisper_config
-from runtime.bench.timing import percentiles_ms, timed
+from runtime.bench.timing import machine, percentiles_ms, timed
 from runtime.chunks import SAMPLE_RATE
 from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_frames_for
 from runtime.models.asr.fastconformer.model import FastConformerCTC
@@ -255,9 +253,7 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     return {
         "bench": "asr",
         "quick": args.quick,
-        "machine": {"device": args.device, "dtype": args.dtype, "torch_threads": threads,
-                    "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None},
+        "machine": machine(args.device, args.dtype, threads),
         "measured": "features + encoder per chunk (decoder work depends on weights: see decoder_token_ms)",
         "stream_vs_full_max_abs_diff": max(out["stream_vs_full"].values()),
         "cost_growth_ratio": max(growth) if growth else None,

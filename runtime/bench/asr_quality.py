@@ -35,7 +35,7 @@ import numpy as np
 import soundfile
 import torch
 
-from runtime.bench.timing import at_most
+from runtime.bench.timing import at_most, machine
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
@@ -63,6 +63,8 @@ def heldout_set(data: str | None, status: Callable[[str], None]) -> tuple[Path, 
         raise ConfigError(f"{folder} has no heldout.jsonl; pass --data with a folder made by "
                           "`runtime train synth-speech`")
     rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    if not rows:  # error rates over nothing would read 0 % and meet every target
+        raise ConfigError(f"{manifest} lists no utterances; nothing to score")
     return folder, rows
 
 
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     from runtime.io.sample import demo_script, demo_speech
     from runtime.models.asr.fastconformer.decoding import LM_FILE
     from runtime.models.asr.fastconformer.stream import FastConformerASR, find_checkpoint, load_any
-    from runtime.models.loading import configure_threads, load_progress, torch_dtype
+    from runtime.models.loading import cache_dir, configure_threads, load_progress, torch_dtype
     from runtime.train.text_norm import cer, normalize, wer
 
     ref = getattr(args, "model", None) or DEFAULT_MODEL
@@ -113,6 +115,9 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     refs = [row["text"] for row in rows]
     with load_progress(status, "asr", ref, args.device, dtype):  # no look-ahead yet: each is scored below
         checkpoint = find_checkpoint(ref, status)
+        if checkpoint.resolve().is_relative_to((cache_dir() / "tiny").resolve()):
+            raise ConfigError(f"{ref} is a random-weight tiny model (built into {cache_dir() / 'tiny'}): its "
+                              "error rates mean nothing; score a trained checkpoint")
         model, tokenizer = load_any(checkpoint)
         model.to_runtime(args.device, torch_dtype(dtype))
     lookaheads = sorted(model.cfg.lookahead_ms(c) for c in model.cfg.att_context_sizes)
@@ -161,8 +166,8 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
         "bench": "asr-quality", "quick": bool(args.quick), "model": ref, "utterances": len(rows),
         "heldout_hours": round(sum(len(a) for a in audios) / SAMPLE_RATE / 3600, 3), "data": str(folder),
         "lookaheads_ms": lookaheads, "chunk_ms": CHUNK_MS, **results,
-        "units": "percent, after text_norm.normalize", "device": args.device, "dtype": dtype, "threads": threads,
-        "torch": torch.__version__, "wall_s": round(time.perf_counter() - started, 1),
+        "units": "percent, after text_norm.normalize", "machine": machine(args.device, dtype, threads),
+        "wall_s": round(time.perf_counter() - started, 1),
     }
 
 

@@ -17,8 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import tempfile
 from collections.abc import Callable
@@ -31,7 +29,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from runtime.bench.shapes import qwen2_config
-from runtime.bench.timing import timed
+from runtime.bench.timing import machine, timed
 from runtime.config import LMConfig
 from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
@@ -71,7 +69,9 @@ def _build_checkpoint(shape: str, out: Path, status: Status) -> None:
     status(f"{shape}: building the real config with random weights")
     torch.manual_seed(0)
     Qwen2ForCausalLM(qwen2_config(shape)).save_pretrained(out)
-    AutoTokenizer.from_pretrained(resolve_checkpoint("tiny:qwen2", role="lm")).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint("tiny:qwen2", role="lm"))
+    tokenizer.model_max_length = qwen2_config(shape).max_position_embeddings  # as the real one: no length warning
+    tokenizer.save_pretrained(out)
 
 
 def _stream(session: EngineSession, text: str, pieces: int = 8) -> int:
@@ -240,11 +240,13 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
 
         status("kv bytes: short vs long streamed context")
         session = engine.open_session()
-        _stream(session, _transcript(1024, seed=12))
+        short_text = _transcript(1024, seed=12)
+        _stream(session, short_text)
         short = session.cache.nbytes()
         long_text = _transcript(plan["long"], seed=13)
         _stream(session, long_text, pieces=32)
-        out["kv_bytes"] = {"after_1024_tokens": short, f"after_{len(engine.encode(long_text))}_tokens":
+        out["kv_bytes"] = {f"after_{len(engine.encode(short_text))}_tokens": short,
+                           f"after_{len(engine.encode(short_text + long_text))}_tokens":
                            session.cache.nbytes(), "constant": short == session.cache.nbytes(),
                            "window_tokens": plan["window"], "evicted_tokens": session.cache.evicted}
         del hf, engine
@@ -253,7 +255,5 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         out["spec_identical"] = spec["identical"]
         out["spec_identical_per_drafter"] = spec["per_drafter"]
     out["note"] = "random weights: acceptance rates and drafting speedups are not reported (they need trained weights)"
-    out["machine"] = {"device": args.device, "dtype": args.dtype, "torch_threads": threads,
-                      "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                      "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None}
+    out["machine"] = machine(args.device, args.dtype, threads)
     return out

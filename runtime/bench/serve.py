@@ -48,7 +48,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -62,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.bench.timing import at_most
+from runtime.bench.timing import at_most, machine
 from runtime.chunks import SAMPLE_RATE
 from runtime.client import AsyncRealtimeClient, encode_jpeg
 from runtime.config import load_profile
@@ -343,10 +342,9 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     out["random_weights"] = True
     out["note"] = "random weights: transcripts are noise; only timing and memory are real"
     threads = args.threads or profile.threads or max(1, (os.cpu_count() or 1) - 1)
-    out["machine"] = {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0))
-                      if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                      "server_torch_threads": threads, "server_torch_threads_source": "as configured (profile)",
-                      "device": profile.device, "dtype": profile.dtype, "platform": platform.platform(),
-                      "python": platform.python_version()}
+    source = "--threads" if args.threads else "the profile's threads" if profile.threads else "default: cores - 1"
+    out["machine"] = {**machine(profile.device, profile.dtype, threads),
+                      "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count(), "server_torch_threads_source": source}
     return out
 

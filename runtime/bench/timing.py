@@ -1,7 +1,10 @@
-"""Helpers shared by the benchmarks: wall time that waits for the accelerator, percentiles, and targets."""
+"""Helpers shared by the benchmarks: wall time that waits for the accelerator, percentiles, targets, and the
+record of the machine and library versions every result carries."""
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -36,3 +39,13 @@ def percentiles_ms(seconds: Sequence[float], qs: Sequence[int] = (50, 95)) -> di
 def at_most(value: float | None, target: float) -> dict[str, Any]:
     """A target of the form `value <= target`, as the benchmarks report it (a missing value is not met)."""
     return {"value": value, "target": f"<= {target:g}", "met": value is not None and value <= target}
+
+
+def machine(device: str, dtype: str | None, threads: int) -> dict[str, Any]:
+    """Where a result was measured: numbers are only comparable with the same hardware and library versions."""
+    import transformers
+
+    return {"device": device, "dtype": dtype, "torch_threads": threads, "cpu_count": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}

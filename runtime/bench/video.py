@@ -37,8 +37,6 @@ import argparse
 import ctypes
 import gc
 import json
-import os
-import platform
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
@@ -50,7 +48,7 @@ import torch
 from transformers import AutoTokenizer, LlavaOnevisionForConditionalGeneration
 
 from runtime.bench.shapes import llava_onevision_config
-from runtime.bench.timing import percentiles_ms, timed
+from runtime.bench.timing import machine, percentiles_ms, timed
 from runtime.config import LMConfig
 from runtime.memory.video import MemorySizes, MemorySnapshot, VideoMemory
 from runtime.metrics import rss_mb
@@ -284,7 +282,5 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         "ingest_fps": _met(out["ingest_fps"], plan["ingest_target"], ">="),
     }
     out["note"] = "random weights: answers are noise; no quality number is reported"
-    out["machine"] = {"device": args.device, "dtype": args.dtype, "torch_threads": threads,
-                      "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                      "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None}
+    out["machine"] = machine(args.device, args.dtype, threads)
     return out

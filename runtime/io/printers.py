@@ -48,7 +48,9 @@ def timestamp(seconds: float) -> str:
 class TextPrinter:
     """A live, human view: one line per transcript item, `[mm:ss.s] text`, growing as deltas arrive and
     ending with the final transcript; answers as `Q: question` then `A: ` and the streamed text; errors on
-    `error_stream` as `error: message`; metrics only with `show_metrics`.
+    `error_stream` as `error: message`; metrics only with `show_metrics`. An answer that starts mid-sentence
+    cuts its line: the item goes on after it on a new line with the same start time. A video note waits for
+    the transcript line in progress to end.
 
     On a terminal the unstable tail of the transcript is shown dim and replaced on the next update; on
     anything else only stable text is written, so a log file never contains text that was later changed.
@@ -71,7 +73,9 @@ class TextPrinter:
 
     def write(self, event: Event) -> None:
         answering = self._line is not None and self._line.startswith("answer:")
-        if answering and isinstance(event, (TranscriptionDelta, TranscriptionCompleted, VideoNote)):
+        hearing = self._line is not None and self._line.startswith("item:")
+        if answering and isinstance(event, (TranscriptionDelta, TranscriptionCompleted, VideoNote)) or (
+                hearing and isinstance(event, VideoNote)):  # a note waits for the sentence it would cut
             self._held.append(event)
         elif isinstance(event, TranscriptionDelta):
             self._transcript_delta(event)
@@ -144,6 +148,9 @@ class TextPrinter:
             self._out(f"{timestamp(start)} {final}")
         self._out("\n")
         self._line = None
+        held, self._held = self._held, []  # video notes that waited for this line
+        for note in held:
+            self.write(note)
 
     # -- answers ------------------------------------------------------------------------------------------
     def _response_created(self, event: ResponseCreated) -> None:
