@@ -244,6 +244,7 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
                 console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else "")
                                + f"; watch it at http://{args.host}:{server.port}/?watch=1")
                 await _run_session(profile, models, worker, source, args, console, (), True, server.local.publish)
+                console.status(f"{source.description} ended: stopping the server")
             else:
                 await stop.wait()
         finally:

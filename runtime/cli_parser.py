@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mic", default=None, metavar="NAME", help="microphone device (default with --camera: default)")
     p.add_argument("--mic-backend", default="alsa", choices=["alsa", "pulse"], help="audio input backend")
     p.add_argument("--no-mic", action="store_true", help="video only")
-    p.add_argument("--source", type=Path, metavar="FILE", help="play FILE as the live source instead of devices")
+    p.add_argument("--source", type=Path, metavar="FILE", help="play FILE as the live source instead of devices; "
+                   "the server stops when it ends (Ctrl-D or Ctrl-C before)")
     _speed(p, 1.0, "with --source")
     _common(p)
 

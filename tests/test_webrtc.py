@@ -139,6 +139,8 @@ async def test_signalling_refusals(tiny):  # noqa: F811
             (b'{"sdp": "x", "type": "offer"}', "/v1/webrtc/offer", auth, 400, "invalid_offer"),  # no data channel
             (b'{"sdp": "v=0\\r\\nm=application 9 UDP/DTLS/SCTP webrtc-datachannel\\r\\n", "type": "offer"}',
              "/v1/webrtc/offer", auth, 400, "invalid_offer"),  # one, but aiortc cannot use the rest
+            (b'{"sdp": "v=0\\r\\nm=application 9 x\\r\\n", "type": "offer"}', "/v1/webrtc/offer", auth, 400,
+             "invalid_offer"),  # aiortc refuses it with an exception that has no text
             (b'{"sdp": "", "type": "answer"}', "/v1/webrtc/offer", auth, 400, "invalid_offer"),
             (b"{}", "/v1/webrtc/offer", {}, 401, "unauthorized"),
             (b"{}", "/v1/webrtc/offer", {"Authorization": "Bearer nope"}, 401, "unauthorized"),
@@ -148,7 +150,7 @@ async def test_signalling_refusals(tiny):  # noqa: F811
         for body, path, headers, status, code in cases:
             got_status, got = await asyncio.to_thread(post, port, body, path=path, headers=headers)
             assert (got_status, got["error"]["code"]) == (status, code), (body, path, got)
-            assert got["type"] == "error" and got["error"]["message"]
+            assert got["type"] == "error" and got["error"]["message"] and not got["error"]["message"].endswith(": ")
         assert not server.sessions  # a refused offer leaves nothing behind
         status, _ = await asyncio.to_thread(post, port, b"x" * (300 * 1024), headers=auth)
         assert status == 413

@@ -22,7 +22,11 @@ MAX_WATCHERS = 32
 class Watcher:
     def __init__(self) -> None:
         self.queue: asyncio.Queue[str] = asyncio.Queue(WATCHER_QUEUE)
-        self.fell_behind = False
+        self.behind = asyncio.Event()  # set when its queue overflowed: it is closed at once, its queue unsent
+
+    @property
+    def fell_behind(self) -> bool:
+        return self.behind.is_set()
 
 
 class Broadcast:
@@ -40,7 +44,7 @@ class Broadcast:
             try:
                 watcher.queue.put_nowait(text)
             except asyncio.QueueFull:
-                watcher.fell_behind = True
+                watcher.behind.set()
                 self.watchers.discard(watcher)
 
     def watch(self) -> Watcher | None:

@@ -4,9 +4,10 @@ A transport hands the driver its incoming messages (an async iterator) and a `se
 two tasks, a reader that parses client events (in a thread: base64 and image decoding cost CPU) and drives the
 session, and a writer that forwards `session.events` to `send`. Backpressure: `send` waits while a client reads
 slowly, so the session's bounded event channel fills and then slows its processors; nothing is dropped and
-nothing grows without bound. A bad client event, or one over a rate bound (`limits.py`), is answered with an
-`error` event (error.event_id names it) and the session keeps its state. When the transport ends, cleanly or
-abruptly, the session stops at once; after `input_audio_buffer.commit` it first drains.
+nothing grows without bound. A bad client event, or a frame over the rate bound (`limits.py`), is answered
+with an `error` event (error.event_id names it) and the session keeps its state; audio over its bound waits.
+When the transport ends, cleanly or abruptly, the session stops at once; after `input_audio_buffer.commit` it
+first drains.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class SessionDriver:
         self.session, self.profile = session, profile
         self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
         self.limits = SessionLimits(profile.serve)
-        session.rate_limited = self.limits.dropped  # the session's metrics report what the bounds dropped
+        session.rate_limited = self.limits.counts  # the session's metrics report what the bounds cost
         self.pending_text: list[str] = []
         self.finishing: asyncio.Task[None] | None = None
         self.started = asyncio.Event()  # set once the session runs: media may be pushed from then on
@@ -131,10 +132,10 @@ class SessionDriver:
         else:
             await self.session.emit(event)
 
-    def _rate_limited(self, kind: str) -> None:
-        message = self.limits.report(kind)
+    def _frame_dropped(self) -> None:
+        message = self.limits.report()
         if message is not None:  # else this second's report was sent; the drop is counted for the next one
-            raise ProtocolError(message, code="rate_limited", param=kind)
+            raise ProtocolError(message, code="rate_limited", param="image")
 
     async def _apply(self, command: Command) -> None:
         session = self.session
@@ -147,8 +148,9 @@ class SessionDriver:
                 raise ProtocolError(f"one audio message of {seconds:.1f} s exceeds the {most:g} s burst "
                                     "(serve.audio_burst_s); send it in shorter messages",
                                     code="message_too_large", param="audio")
-            if not self.limits.admit_audio(len(command.samples)):
-                return self._rate_limited("audio")
+            wait = self.limits.pace_audio(len(command.samples))
+            if wait > 0:  # over the bound: this reader waits (audio is never dropped), and TCP slows the client
+                await asyncio.sleep(wait)
             await self.push_audio(command.samples)
         elif isinstance(command, AppendFrame):
             assert command.frame is not None
@@ -159,7 +161,7 @@ class SessionDriver:
                                     "times the wall time since it began); timestamps are media seconds from the "
                                     "stream's start", code="invalid_value", param="timestamp")
             if not self.limits.admit_frame():
-                return self._rate_limited("image")
+                return self._frame_dropped()
             session.push_video(command.frame)
         elif isinstance(command, CreateItem):
             if len(self.pending_text) >= MAX_PENDING_ITEMS:

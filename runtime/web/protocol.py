@@ -94,23 +94,28 @@ class CommitInput(Command):
     """End of the input: flush the audio, finish the session, close once its events are out."""
 
 
+def event_id_of(message: str) -> str | None:
+    """The `event_id` of a message that is not parsed (too large, too deep, or on a read-only connection),
+    when it comes early in the text, as the SDK sends it."""
+    found = _EVENT_ID.search(message[:1024])
+    return found.group(1) if found else None
+
+
 def parse_client_event(message: str | bytes, *, max_side: int = 640) -> Command:
     """One websocket message -> a command, or `ProtocolError` with a code a client can branch on."""
     if isinstance(message, bytes):
         return parse_binary(message, max_side=max_side)
     if len(message) > MAX_MESSAGE_BYTES:
         # Not parsed (that is the cost being refused); its event_id is found when it comes early, as the SDK sends it.
-        found = _EVENT_ID.search(message[:1024])
         raise ProtocolError(f"message of {len(message)} characters exceeds {MAX_MESSAGE_BYTES}",
-                            code="message_too_large", event_id=found.group(1) if found else None)
+                            code="message_too_large", event_id=event_id_of(message))
     try:
         data = json.loads(message)
     except json.JSONDecodeError as e:
         raise ProtocolError(f"invalid JSON: {e}", code="invalid_json") from None
     except RecursionError:
-        found = _EVENT_ID.search(message[:1024])
         raise ProtocolError("invalid JSON: nested too deeply", code="invalid_json",
-                            event_id=found.group(1) if found else None) from None
+                            event_id=event_id_of(message)) from None
     if not isinstance(data, dict):
         raise ProtocolError("a client event is a JSON object", code="invalid_event")
     event_id = data.get("event_id")

@@ -36,7 +36,7 @@ from runtime.session import Models, Session
 from runtime.web.broadcast import Broadcast
 from runtime.web.driver import SessionDriver
 from runtime.web.http import PostConnection, error_response, json_response, static_response, without_body
-from runtime.web.protocol import MAX_MESSAGE_BYTES
+from runtime.web.protocol import MAX_MESSAGE_BYTES, event_id_of
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ class RealtimeServer:
         except Exception as err:  # aiortc refuses an SDP it cannot use with ValueError and others
             self.sessions.pop(session.id, None)
             await peer.close()
-            return error_response(connection, 400, f"the offer could not be answered: {err}", "invalid_offer")
+            reason = str(err) or type(err).__name__  # some aiortc refusals carry no text
+            return error_response(connection, 400, f"the offer could not be answered: {reason}", "invalid_offer")
         task = asyncio.create_task(self._run_peer(peer), name=f"{session.id}:webrtc")
         self.peers.add(task)
         task.add_done_callback(self.peers.discard)
@@ -246,29 +247,41 @@ class RealtimeServer:
             return
 
         async def refuse_input() -> None:
-            async for _ in ws:
+            async for message in ws:
                 refusal = error_event("this connection only watches the local session; open /v1/realtime to "
-                                      "send media or questions", code="read_only")
+                                      "send media or questions", code="read_only",
+                                      client_event_id=event_id_of(message) if isinstance(message, str) else None)
                 await ws.send(refusal.to_json())
 
         reader = asyncio.create_task(refuse_input())
+        behind = asyncio.create_task(watcher.behind.wait())
+
+        async def unless_stopped(step: Any) -> tuple[bool, Any]:
+            """Run one step (a queue get, a send) unless the watcher leaves or falls behind meanwhile."""
+            task = asyncio.create_task(step)
+            done, _ = await asyncio.wait({task, reader, behind}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return True, task.result()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return False, None
+
         try:
-            while not (watcher.fell_behind and watcher.queue.empty()):
-                getter = asyncio.create_task(watcher.queue.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:  # the watcher left
-                    getter.cancel()
-                    return
-                await ws.send(getter.result())
-            with contextlib.suppress(ConnectionClosed):
-                await ws.close(1013, "fell behind; reconnect")
+            while True:
+                got, text = await unless_stopped(watcher.queue.get())
+                if not got or not (await unless_stopped(ws.send(text)))[0]:
+                    break
+            if behind.done() and not reader.done():  # what is still queued is not sent: close at once
+                with contextlib.suppress(ConnectionClosed):
+                    await ws.close(1013, "fell behind; reconnect")
         except ConnectionClosed:
             pass
         finally:
             if self.local is not None:
                 self.local.watchers.discard(watcher)
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            for task in (reader, behind):
+                task.cancel()
+            await asyncio.gather(reader, behind, return_exceptions=True)
 
 
 async def run_server(profile: Profile, models: Models, worker: Any, *, host: str = "127.0.0.1", port: int = 8765,
