@@ -6,6 +6,9 @@
         await client.commit()
         async for event in client.events():         # runtime.events objects, in order
             ...
+
+`events()` raises `websockets.exceptions.ConnectionClosedError` when the connection breaks (see its docstring),
+so a script that reads every event fails loudly when the server does.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+import logging
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -21,11 +26,18 @@ from typing import Any
 import av
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConcurrencyError, ConnectionClosed, ConnectionClosedError
+from websockets.frames import CloseCode
 
 from runtime.chunks import AudioChunk
 from runtime.events import Event, new_id, parse_event
 from runtime.web.protocol import binary_audio, binary_frame
+
+log = logging.getLogger(__name__)
+
+# Close codes after which `events()` just ends: 1000 (the server finished the session after commit), 1001 (the
+# server is going away, e.g. shut down) and 1013 (server_busy: an `error` event saying so came first).
+QUIET_CLOSE_CODES = frozenset({CloseCode.NORMAL_CLOSURE, CloseCode.GOING_AWAY, CloseCode.TRY_AGAIN_LATER})
 
 
 def encode_jpeg(image: np.ndarray, quality: int = 5) -> bytes:
@@ -48,6 +60,30 @@ def pcm16_bytes(samples: np.ndarray) -> bytes:
     return array.astype("<i2").tobytes()
 
 
+def read_server_event(message: str | bytes) -> Event | None:
+    """One server message -> its event, forgiving where `parse_event` is strict, so that a newer server does not
+    break an older SDK: fields this SDK does not know are dropped (the event is still yielded); a message it
+    cannot read at all (an unknown event type, not JSON) is logged as a warning and gives None (skipped)."""
+    text = message if isinstance(message, str) else message.decode(errors="replace")
+    try:
+        return parse_event(text, strict=False)
+    except (ValueError, TypeError) as error:
+        log.warning("skipping a server message this SDK cannot read (%s): %.200s", error, text)
+        return None
+
+
+async def _discard_incoming(ws: ClientConnection) -> None:
+    """Read and drop messages until the connection closes. Unread events fill websockets' bounded incoming
+    queue, which stops it reading from the socket, so the server's close frame would never be seen and
+    close() would wait out its 10 s timeout and end with 1006. Someone else reading (ConcurrencyError)
+    drains it just as well."""
+    try:
+        while True:
+            await ws.recv(decode=False)
+    except (ConnectionClosed, ConcurrencyError):
+        pass
+
+
 class AsyncRealtimeClient:
     """`token`: the server's `--token`, sent as an `Authorization: Bearer` header (kept out of the URL, which
     tends to end up in logs). `binary`: send audio and frames as binary messages (docs/protocol.md, "Binary
@@ -65,8 +101,16 @@ class AsyncRealtimeClient:
         return self
 
     async def close(self) -> None:
-        if self.ws is not None:
+        """Close with code 1000. Events not read yet are discarded meanwhile, so closing without reading
+        them (an exception mid-stream, say) is prompt and clean rather than a 10 s stall ending in 1006."""
+        if self.ws is None:
+            return
+        drain = asyncio.create_task(_discard_incoming(self.ws))
+        try:
             await self.ws.close()
+        finally:
+            drain.cancel()  # already finished unless close() itself was cancelled
+            await asyncio.wait({drain})
 
     async def __aenter__(self) -> AsyncRealtimeClient:
         return await self.connect()
@@ -89,6 +133,11 @@ class AsyncRealtimeClient:
         return await self.send("session.update", session=session)
 
     async def append_audio(self, samples: np.ndarray) -> str:
+        """Send mono 16 kHz samples (float32 in [-1, 1] or int16). A 2-D array is refused rather than sent:
+        its channels would arrive interleaved, as twice as many mono samples (garbled, half speed)."""
+        if np.ndim(samples) != 1:
+            raise ValueError(f"append_audio takes mono 16 kHz float32 or int16 samples, 1-D; got shape "
+                             f"{np.shape(samples)} (mix channels down first, e.g. samples.mean(axis=1))")
         if self.binary:
             return await self._send_binary(lambda seq: binary_audio(seq, pcm16_bytes(samples)))
         return await self.send("input_audio_buffer.append", audio=base64.b64encode(pcm16_bytes(samples)).decode())
@@ -119,14 +168,20 @@ class AsyncRealtimeClient:
         return await self.send("input_audio_buffer.commit")
 
     async def events(self) -> AsyncIterator[Event]:
-        """Server events until the connection closes: 1000 after commit once drained, 1013 when the server is
-        busy (after a `server_busy` error). The iterator ends either way; `close_code` tells which."""
+        """Server events, in order, until the connection closes. It ends quietly on 1000 (after commit, once
+        drained), 1001 (the server shutting down) and 1013 (busy: a `server_busy` error event came first);
+        `close_code` tells which. Any other ending (the connection dropped: 1006; a server error: 1011) raises
+        `websockets.exceptions.ConnectionClosedError` after every event received was yielded, so a failed
+        session is never mistaken for a finished one. Forward compatible: unknown fields are dropped, messages
+        of an unknown type are skipped with a logged warning (`read_server_event`)."""
         assert self.ws is not None, "connect() first"
         try:
             async for message in self.ws:
-                yield parse_event(message if isinstance(message, str) else message.decode())
-        except ConnectionClosed:
-            return
+                if (event := read_server_event(message)) is not None:
+                    yield event
+        except ConnectionClosedError as exc:
+            if exc.rcvd is None or exc.rcvd.code not in QUIET_CLOSE_CODES:
+                raise
 
     async def stream_file(self, path: str | Path, speed: float = 0.0, *, fps: float = 1.0) -> float:
         """Send a media file's audio (and frames as JPEG, `fps` per second); returns the media seconds sent.
@@ -171,31 +226,53 @@ class RealtimeClient:
             client.commit()
             for event in client.events():
                 print(event.to_json())
+
+    A failed `connect()` closes the client (its thread ends); `close()` may be called any number of times, and
+    any other call after it raises `RuntimeError("RealtimeClient is closed")`.
     """
 
+    THREAD_NAME = "realtime-client"
+
     def __init__(self, url: str, *, token: str | None = None, **kwargs: Any) -> None:
-        import threading
-
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="realtime-client", daemon=True)
-        self._thread.start()
         self._async = AsyncRealtimeClient(url, token=token, **kwargs)
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=self.THREAD_NAME, daemon=True)
+        self._thread.start()
 
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _call(self, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `make(*args, **kwargs)` (a coroutine function) on the private loop and wait for it. The
+        coroutine is only created once the client is known to be open: one made for a stopped loop would
+        never be awaited (a RuntimeWarning on top of the error)."""
+        if self._closed:
+            raise RuntimeError("RealtimeClient is closed")
+        return asyncio.run_coroutine_threadsafe(make(*args, **kwargs), self._loop).result()
 
     def connect(self) -> RealtimeClient:
-        self._call(self._async.connect())
+        """Connect; on failure the client is closed (its loop stopped, its thread joined) before the error
+        propagates, so failed attempts leave no threads behind."""
+        try:
+            self._call(self._async.connect)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def close(self) -> None:
-        """Close the connection and stop the private loop."""
-        if self._loop.is_running():
-            self._call(self._async.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        """Close the connection and stop the private loop; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._loop.is_running():
+                asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result()
+                asyncio.run_coroutine_threadsafe(self._loop.shutdown_asyncgens(), self._loop).result()
+        finally:
+            if self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
-        if not self._loop.is_running() and not self._loop.is_closed():
-            self._loop.close()
+            if not self._loop.is_running() and not self._loop.is_closed():
+                self._loop.close()
 
     def __enter__(self) -> RealtimeClient:
         return self.connect()
@@ -208,35 +285,44 @@ class RealtimeClient:
         return self._async.close_code
 
     def update_session(self, **session: Any) -> str:
-        return self._call(self._async.update_session(**session))
+        return self._call(self._async.update_session, **session)
 
     def append_audio(self, samples: np.ndarray) -> str:
-        return self._call(self._async.append_audio(samples))
+        return self._call(self._async.append_audio, samples)
 
     def append_frame(self, image: np.ndarray | bytes, timestamp: float) -> str:
-        return self._call(self._async.append_frame(image, timestamp))
+        return self._call(self._async.append_frame, image, timestamp)
 
     def ask(self, text: str) -> str:
-        return self._call(self._async.ask(text))
+        return self._call(self._async.ask, text)
 
     def cancel(self, response_id: str | None = None) -> str:
-        return self._call(self._async.cancel(response_id))
+        return self._call(self._async.cancel, response_id)
 
     def commit(self) -> str:
-        return self._call(self._async.commit())
+        return self._call(self._async.commit)
 
     def stream_file(self, path: str | Path, speed: float = 0.0, *, fps: float = 1.0) -> float:
-        return self._call(self._async.stream_file(path, speed, fps=fps))
+        return self._call(self._async.stream_file, path, speed, fps=fps)
 
     def stream_microphone(self, device: str = "default", *, backend: str = "alsa",
                           seconds: float | None = None) -> float:
-        return self._call(self._async.stream_microphone(device, backend=backend, seconds=seconds))
+        return self._call(self._async.stream_microphone, device, backend=backend, seconds=seconds)
 
     def events(self) -> Iterator[Event]:
-        """Server events until the connection closes, one blocking wait per event."""
-        stream = self._async.events()
-        while True:
-            try:
-                yield self._call(stream.__anext__())
-            except StopAsyncIteration:
-                return
+        """Server events until the connection closes, one blocking wait per event; ends or raises as
+        `AsyncRealtimeClient.events` does. Raises at once if the client is closed."""
+        if self._closed:
+            raise RuntimeError("RealtimeClient is closed")
+        return self._iterate(self._async.events())
+
+    def _iterate(self, stream: AsyncGenerator[Event, None]) -> Iterator[Event]:
+        try:
+            while True:
+                try:
+                    yield self._call(stream.__anext__)
+                except StopAsyncIteration:
+                    return
+        finally:  # left early (break, an exception): finish the async generator on its own loop
+            if not self._closed and threading.current_thread() is not self._thread:
+                self._call(stream.aclose)

@@ -170,8 +170,9 @@ def event_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def parse_event(data: dict[str, Any] | str) -> Event:
-    """Rebuild an event from its JSON form (what `to_dict`/`to_json` produced); unknown types raise ValueError."""
+def parse_event(data: dict[str, Any] | str, *, strict: bool = True) -> Event:
+    """Rebuild an event from its JSON form (what `to_dict`/`to_json` produced); unknown types raise ValueError,
+    and so do unknown fields unless `strict=False` (the SDK reading a newer server drops them)."""
     if isinstance(data, str):
         data = json.loads(data)
     if not isinstance(data, dict) or "type" not in data:
@@ -181,6 +182,6 @@ def parse_event(data: dict[str, Any] | str) -> Event:
         raise ValueError(f"unknown event type {data['type']!r}")
     names = {f.name for f in fields(cls)}
     unknown = set(data) - names - {"type"}
-    if unknown:
+    if unknown and strict:
         raise ValueError(f"{data['type']}: unknown fields {sorted(unknown)}")
-    return cls(**{k: v for k, v in data.items() if k != "type"})
+    return cls(**{k: v for k, v in data.items() if k in names})
