@@ -25,9 +25,11 @@ async def feed(
 ) -> float:
     """Push all of `source` into `session`; returns the media time reached. Does not finish the session.
 
-    Paced (a live-like stream), media keeps flowing while a question is answered, as it would from a camera.
-    Unpaced (`speed` 0), nothing more is pushed until the answer ends: otherwise the ASR would race ahead of
-    the question's media time and the answer would read words spoken after it, differently on every machine."""
+    Paced (a live-like stream), media keeps flowing while a question is answered, as it would from a camera,
+    and video keeps only the newest frames when encoding falls behind. Unpaced (`speed` 0), the result must
+    not depend on the machine: nothing more is pushed until an answer ends (else the ASR would race past the
+    question's media time and the answer would read words spoken after it), and each frame waits until the
+    one before it is in the video memory (else frames would be dropped, and batched, as timing falls)."""
     wait = getattr(source, "speed", 1.0) == 0
     timed = sorted((q for q in questions if q.at is not None), key=lambda q: q.at or 0.0)
     at_end = [q for q in questions if q.at is None]
@@ -37,7 +39,8 @@ async def feed(
             await session.push_audio(item)
             reached = max(reached, item.end)
         else:
-            session.push_video(item)
+            if session.push_video(item) and wait:
+                await session.video_settled()
             reached = max(reached, item.time)
         while timed and (timed[0].at or 0.0) <= reached:
             q = timed.pop(0)

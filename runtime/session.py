@@ -216,6 +216,10 @@ class Session:
         self.video_in.put_nowait(frame)
         return True
 
+    async def video_settled(self) -> None:
+        """Wait until every frame pushed so far is in the video memory (or dropped, or failed)."""
+        await self.video.settled_to(self.sampler.kept - self.video_in.stats.dropped)
+
     async def ask(
         self, text: str, *, media_time: float | None = None, client_event_id: str | None = None,
         wait: bool = False,

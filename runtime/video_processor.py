@@ -45,29 +45,45 @@ class VideoProcessor:
         self.emit, self.on_memory, self.on_segments = emit, on_memory, on_segments
         self.latest: VideoFrame | None = None
         self.frames = 0  # frames taken from the channel
+        self.settled = 0  # of those, frames whose batch is done with (in memory, failed, or only counted)
         self.encoded = 0
         self.batches = 0
+        self._progress = asyncio.Condition()
 
     async def run(self) -> None:
         async for frame in self.channel:
             batch = [frame, *self.channel.drain_nowait()]
             self.latest = batch[-1]
             self.frames += len(batch)
-            if self.encoder is None or self.memory is None or self.worker is None:
-                continue
             try:
-                closed = await self.worker.run(Priority.VISION, self._ingest, batch)
-            except Exception as err:  # one bad batch costs its frames, not the session
-                log.exception("video encoding failed")
-                if self.emit is not None:
-                    await self.emit(error_event(f"video encoding failed: {err}", code="video_failed",
-                                                type="server_error", media_time=batch[-1].time))
-                continue
-            self.encoded += len(batch)
-            self.batches += 1
-            self.on_memory()
-            if closed:
-                self.on_segments(closed)
+                await self._take(batch)
+            finally:
+                async with self._progress:
+                    self.settled += len(batch)
+                    self._progress.notify_all()
+
+    async def settled_to(self, frames: int) -> None:
+        """Wait until `frames` frames have been taken and are done with: what a file played unpaced waits for
+        before its next frame, so the memory is built the same way (frame by frame) on every machine."""
+        async with self._progress:
+            await self._progress.wait_for(lambda: self.settled >= frames)
+
+    async def _take(self, batch: list[VideoFrame]) -> None:
+        if self.encoder is None or self.memory is None or self.worker is None:
+            return
+        try:
+            closed = await self.worker.run(Priority.VISION, self._ingest, batch)
+        except Exception as err:  # one bad batch costs its frames, not the session
+            log.exception("video encoding failed")
+            if self.emit is not None:
+                await self.emit(error_event(f"video encoding failed: {err}", code="video_failed",
+                                            type="server_error", media_time=batch[-1].time))
+            return
+        self.encoded += len(batch)
+        self.batches += 1
+        self.on_memory()
+        if closed:
+            self.on_segments(closed)
 
     def _ingest(self, batch: list[VideoFrame]) -> list[Segment]:
         """On the worker: one forward of the vision tower for the whole batch, then one memory write."""

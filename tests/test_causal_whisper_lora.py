@@ -167,3 +167,15 @@ def test_an_out_that_is_a_file_is_one_line(capsys, data_dir: Path, tmp_path: Pat
     code, _, err = run_cli(capsys, "train", "causal-whisper", "--base", "tiny:whisper", "--data", str(data_dir),
                            "--out", str(tmp_path / "afile"))
     assert code != 0 and "is a file, not a folder" in one_error_line(err) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("change", [{"d_model": 96}, {"encoder_layers": 3, "decoder_layers": 3}])
+def test_an_adapter_for_another_base_is_refused_in_one_line(tmp_path: Path, change: dict) -> None:
+    """Other widths fail inside peft with a size mismatch, more layers load only partly with a warning: either
+    way the user learns in one line that the adapter belongs to another base model."""
+    base = base_model()
+    add_lora(base).save_pretrained(tmp_path / "adapter")  # an adapter of the tiny base (zero-initialised B)
+    other = WhisperForConditionalGeneration(type(base.config)(**{**base.config.to_dict(), **change}))
+    with pytest.raises(ValueError, match="trained for another base model"):
+        load_adapter(other, tmp_path / "adapter")
+    assert isinstance(load_adapter(base_model(), tmp_path / "adapter"), torch.nn.Module)  # its own base loads

@@ -36,3 +36,24 @@ def test_runtime_transcribe_prints_the_words(capsys, tmp_path):
     said = " ".join(e["transcript"] for e in events
                     if e["type"] == "conversation.item.input_audio_transcription.completed")
     assert wer([demo_script()], [said]) <= MAX_WER, (normalize(demo_script()), normalize(said))
+
+
+def test_an_item_never_ends_before_its_last_delta():
+    """Deltas carry the audio heard so far; the completing update must not pull the item's end back to its
+    last spoken frame, or events would go back in media time."""
+    from runtime.chunks import AudioChunk
+
+    for lookahead in (0, 240):
+        profile = load_profile("demo", overrides=[f"asr.lookahead_ms={lookahead}"])
+        stream = load_asr(profile.asr, device="cpu", dtype="float32").open_stream()
+        speech, updates = demo_speech(), []
+        for start in range(0, len(speech), 1600):
+            updates += stream.accept(AudioChunk(speech[start : start + 1600], start))
+        updates += stream.finish()
+        ends: dict[str, float] = {}
+        completed = 0
+        for update in updates:
+            assert update.end >= ends.get(update.item_id, update.start), (lookahead, update)
+            ends[update.item_id] = update.end
+            completed += update.completed
+        assert completed >= 1

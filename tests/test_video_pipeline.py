@@ -126,3 +126,35 @@ def test_memory_larger_than_the_window_is_refused(worker):
 async def _collect(session, out):
     async for event in session.events:
         out.append(event)
+
+
+@pytest.mark.asyncio
+async def test_an_unpaced_video_file_loses_no_frame_and_answers_the_same_every_run(models, worker, tmp_path):
+    """Played as fast as the pipeline takes it, a video-only file (no audio to slow the feed) must not drop
+    frames as timing falls, nor batch them differently: the memory, and so the answer, is the same each run."""
+    from runtime.feed import ScheduledQuestion, feed
+    from runtime.io.file_source import FileSource
+    from runtime.io.sample import render_frame, write_media_file
+
+    path = write_media_file(tmp_path / "v.mp4", None, [(i / 2, render_frame((i / 2) % 13, 64, 48))
+                                                       for i in range(60)])
+    runs = []
+    for _ in range(2):
+        session = await Session(profile(), models, worker).start()
+        events: list = []
+
+        async def drain(session=session, events=events):
+            async for event in session.events:
+                events.append(event)
+
+        consumer = asyncio.create_task(drain())
+        await feed(FileSource(path, speed=0, fps=1.0), session, [ScheduledQuestion("what moves?", at=25.0)])
+        await session.finish()
+        await consumer
+        video = [e for e in events if e.type == "metrics"][-1].metrics["video"]
+        done = next(e for e in events if e.type == "response.done")
+        answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        runs.append((video["dropped_full"], video["processed"], video["batches"], done.response["video"], answer))
+    assert runs[0] == runs[1]
+    dropped, processed, batches, _, _ = runs[0]
+    assert dropped == 0 and processed == batches == 30  # one frame a batch, each waited for

@@ -9,6 +9,7 @@ offline model. Convolutions, MLPs, embeddings and norms stay frozen.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,5 +52,15 @@ def load_adapter(model: WhisperForConditionalGeneration, path: str | Path, *, tr
     path = Path(path).expanduser()
     if not (path / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{path} has no adapter_config.json")
-    with _quiet():
-        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    trained_for = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    mismatch = ValueError(f"it was trained for another base model ({trained_for or 'unrecorded'}): its layers or "
+                          "widths do not match this one's")
+    with _quiet(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            adapted = PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+        except RuntimeError as err:  # torch's "size mismatch for ..." while loading the adapter's state
+            raise mismatch from err
+    if any("missing adapter keys" in str(w.message) for w in caught):  # fewer layers: a silent partial load
+        raise mismatch
+    return adapted
