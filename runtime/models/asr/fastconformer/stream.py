@@ -160,7 +160,6 @@ class FastConformerStream:
         self._unstable = ""
         self._first_frame = 0
         self._last_frame = 0
-        self._reported_end = 0.0  # the end the item's last delta carried
 
     def _time(self, frame: int) -> float:
         return self._origin + frame * self._frame_s
@@ -223,8 +222,9 @@ class FastConformerStream:
             if delta or unstable != self._unstable:
                 self._emitted += delta
                 self._unstable = unstable
-                start, self._reported_end = self._time(self._first_frame), self._time(self._frames)
-                updates.append(TranscriptUpdate(self._item_id, delta, unstable, start, self._reported_end))
+                # the item spans its speech: it ends after its last spoken frame, however much silence was heard
+                start, end = self._time(self._first_frame), self._time(self._last_frame + 1)
+                updates.append(TranscriptUpdate(self._item_id, delta, unstable, start, end))
         return updates
 
     def _complete(self) -> TranscriptUpdate:
@@ -235,7 +235,7 @@ class FastConformerStream:
             transcript[len(self._emitted) :],
             "",
             self._time(self._first_frame),
-            max(self._time(self._last_frame + 1), self._reported_end),  # never before the item's last delta
+            self._time(self._last_frame + 1),
             completed=True,
             transcript=transcript,
         )
