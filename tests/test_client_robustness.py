@@ -18,26 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+from test_web_server import tiny  # noqa: F401  (the module-scoped models fixture)
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosedError
 
 from runtime.client import AsyncRealtimeClient, RealtimeClient
-from runtime.config import load_profile
 from runtime.events import Metrics, ResponseTextDelta
 from runtime.io.sample import demo_speech
-from runtime.session import load_models
 from runtime.web.server import RealtimeServer
-from runtime.worker import DeviceWorker
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CHUNK = 1600  # 100 ms
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    profile = load_profile("tiny", overrides=["pipeline.metrics_interval_s=0", "lm.max_new_tokens=8"])
-    with DeviceWorker() as worker:
-        yield profile, load_models(profile, worker), worker  # RealtimeServer(*tiny) order
 
 
 @asynccontextmanager
@@ -63,7 +54,7 @@ def delta(text: str) -> str:
 
 
 @pytest.mark.asyncio
-async def test_closing_with_unread_events_is_prompt_and_clean(tiny):
+async def test_closing_with_unread_events_is_prompt_and_clean(tiny):  # noqa: F811
     async with RealtimeServer(*tiny, port=0) as server:
         client = AsyncRealtimeClient(f"ws://127.0.0.1:{server.port}/v1/realtime")
         with pytest.raises(RuntimeError, match="gave up"):
