@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the demo page's own, http://127.0.0.1:PORT and http://localhost:PORT)")
     p.add_argument("--port", type=_port, default=8765, help="port (default: 8765; 0 = any free port)")
     p.add_argument("--max-sessions", type=int, default=8, metavar="N",
-                   help="websocket sessions admitted at once; the next is refused with server_busy (default: 8)")
+                   help="sessions admitted at once, websocket and WebRTC together; the next is refused with "
+                        "server_busy (default: 8)")
     p.add_argument("--camera", default=None, metavar="N|PATH", help="caption a local camera: index or device "
                    "path (0 = /dev/video0), with the default microphone unless --no-mic")
     p.add_argument("--no-camera", action="store_true", help="audio only")

@@ -104,8 +104,9 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Per-session bounds of `runtime serve`; what exceeds one is dropped and answered with a `rate_limited` error
-    (at most one per second per kind, counting the drops), never with a closed session."""
+    """Per-session bounds of `runtime serve` (web/limits.py): a frame past its bound is dropped and answered
+    with a `rate_limited` error (at most one a second, counting the drops); audio past its bound waits (it is
+    never dropped); neither closes the session."""
 
     max_frames_per_s: float = 30.0  # video frames a client may send per wall second (bursts of 1 s allowed)
     max_audio_speed: float = 100.0  # audio a client may send, in multiples of real time, sustained

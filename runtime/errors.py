@@ -1,5 +1,6 @@
-"""Errors a user can act on. The CLI prints their message as one line and exits non-zero; the server turns
-them into `error` events. Anything else is a bug and keeps its traceback."""
+"""Errors a user can act on. The CLI prints their message as one line and exits non-zero; inside a session a
+failure becomes an `error` event (its message included) and the session goes on. Anything else is a bug and
+keeps its traceback."""
 
 from __future__ import annotations
 
