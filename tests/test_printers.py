@@ -114,8 +114,9 @@ def test_a_transcript_line_cut_by_an_answer_goes_on_without_a_double_space() -> 
     printer.write(ResponseDone(response={"id": "r", "status": "completed"}))
     printer.write(TranscriptionDelta(delta=" red ball", **item))  # the item goes on, on a new line
     printer.write(TranscriptionDelta(delta=" rolls", **item))
+    printer.write(TranscriptionCompleted(transcript="the red ball rolls away", **item))  # ends the same line
     printer.close()
-    assert out.getvalue().splitlines() == ["[00:00.1] the", "Q: what?", "A: ", "[00:00.1] red ball rolls"]
+    assert out.getvalue().splitlines() == ["[00:00.1] the", "Q: what?", "A: ", "[00:00.1] red ball rolls away"]
 
 
 def test_a_video_note_waits_for_the_transcript_line_in_progress() -> None:

@@ -127,11 +127,11 @@ class TextPrinter:
             return  # nothing stable to add, and an unstable tail is not shown off a terminal
         opened = self._open(f"item:{item}", f"{timestamp(self._starts[item])} ")  # again, after an interruption
         self._clear_tail()
-        delta = event.delta.lstrip() if not printed or opened else event.delta
-        self._out(delta)
-        self._stable[item] = printed + delta
+        shown = event.delta.lstrip() if not printed or opened else event.delta  # no space after the prefix
+        self._out(shown)
+        self._stable[item] = printed + (event.delta if printed else shown)  # the item's text, not the line's
         if self.tty and event.unstable:
-            unstable = event.unstable.lstrip() if not self._stable[item] or (opened and not delta) else event.unstable
+            unstable = event.unstable.lstrip() if not self._stable[item] or (opened and not shown) else event.unstable
             self._out(f"{DIM}{unstable}{RESET}")
             self._tail = len(unstable)
 
