@@ -44,6 +44,9 @@ class ASRConfig:
     lm_weight: float = 0.5  # ranking = ln P_ctc + lm_weight * ln P_lm + word_bonus * words - oov_penalty * OOV words
     word_bonus: float = 1.0
     oov_penalty: float = 20.0
+    # beam: a word the best hypothesis has kept this long is final even while weaker hypotheses still doubt
+    # it, so captions never wait on a doubt the audio will not settle (0 = final only once all agree).
+    commit_after_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -253,8 +256,8 @@ def validate(profile: Profile) -> Profile:
     asr = profile.asr
     if asr.decoder not in ("greedy", "beam"):
         raise ConfigError(f"asr.decoder={asr.decoder!r} is not greedy or beam")
-    if asr.beam < 1 or min(asr.lm_weight, asr.oov_penalty) < 0:
-        raise ConfigError("asr.beam must be >= 1, asr.lm_weight and asr.oov_penalty >= 0")
+    if asr.beam < 1 or min(asr.lm_weight, asr.oov_penalty, asr.commit_after_s) < 0:
+        raise ConfigError("asr.beam must be >= 1, asr.lm_weight, asr.oov_penalty and asr.commit_after_s >= 0")
     if profile.lm.max_new_tokens <= 0 or profile.asr.max_new_tokens <= 0:
         raise ConfigError("max_new_tokens must be > 0")
     serve = profile.serve

@@ -99,6 +99,80 @@ def test_stable_words_are_never_revised_and_chunking_changes_nothing(seed):
     assert chunked.finish() == final
 
 
+def tied_start(words: int) -> np.ndarray:
+    """Frames whose first word is "a" or "b" with equal odds, then `words` clear words: no later frame can
+    ever tell the two readings apart, so they agree on nothing for as long as the utterance lasts."""
+    sure, unsure = math.log(0.97), math.log(0.01)
+    rows = [[math.log(0.45), math.log(0.45), unsure, unsure, unsure, math.log(0.08)]]
+    for i in range(words):
+        for label in (BLANK, i % 2, BLANK):
+            rows.append([sure if c == label else unsure for c in range(BLANK + 1)])
+    lp = np.array(rows)
+    return lp - np.logaddexp.reduce(lp, axis=1, keepdims=True)
+
+
+def test_agreement_alone_holds_every_word_back_behind_an_unsettled_first_word():
+    s = search(None, BeamOptions(beam=8))
+    s.advance(tied_start(12))
+    assert len(s.best_words()) == 13 and s.stable_words() == ()  # the case commit_frames exists for
+
+
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_a_word_the_leader_holds_for_commit_frames_is_final(k):
+    lp = tied_start(12)
+    s = search(None, BeamOptions(beam=8, commit_frames=k))
+    completed, stable = [], []
+    for row in lp:
+        s.advance(row[None])
+        completed.append(max(0, len(s.best_words()) - 1))  # the last word may still be being spelt
+        stable.append(s.stable_words())
+    for f in range(k, len(lp)):
+        assert len(stable[f]) >= completed[f - k], f  # held k frames: final
+        assert stable[f][: len(stable[f - 1])] == stable[f - 1]  # and never revised
+    assert len(stable[-1]) >= 12 - math.ceil(k / 3)  # three frames a word: all but the last k frames' words
+    final = s.finish()
+    assert final[: len(stable[-1])] == stable[-1] and len(final) == 13
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_commitment_keeps_stable_words_final_and_changes_nothing_when_it_never_fires(seed):
+    lp = frames(60, seed, sharpness=2.0)
+    plain = search(LM, BeamOptions(beam=8))
+    plain.advance(lp)
+    late = search(LM, BeamOptions(beam=8, commit_frames=len(lp) + 1))
+    late.advance(lp)
+    assert late.finish() == plain.finish()
+    eager, seen = search(LM, BeamOptions(beam=8, commit_frames=3)), []
+    for row in lp:
+        eager.advance(row[None])
+        seen.append(eager.stable_words())
+    final = eager.finish()
+    for earlier, later in zip(seen, [*seen[1:], final], strict=True):
+        assert later[: len(earlier)] == earlier
+
+
+@pytest.mark.parametrize("commit", [0, 4])
+def test_retiring_shared_words_changes_no_result_and_keeps_the_keys_short(commit, monkeypatch):
+    """Words all hypotheses share leave the keys (only the LM history keeps them), so a frame's cost does not
+    grow with the item. That must change nothing: the same search keeping every word in its keys gives the
+    same stable words at every frame and the same transcript."""
+    lp = np.concatenate([tied_start(40), frames(120, 7, sharpness=3.0)])
+    opts = BeamOptions(beam=8, commit_frames=commit)
+    retiring, keeping = search(LM, opts), search(LM, opts)
+    monkeypatch.setattr(keeping, "_retire_shared_words", lambda: None)
+    longest = 0
+    for row in lp:
+        retiring.advance(row[None])
+        keeping.advance(row[None])
+        assert retiring.stable_words() == keeping.stable_words()
+        assert retiring.best_words() == keeping.best_words()
+        longest = max(longest, *(len(words) for words, _, _ in retiring._beams))
+    assert len(retiring.stable_words()) > 20 if commit else True
+    assert retiring.finish() == keeping.finish()
+    if commit:
+        assert longest <= 8, longest  # the few words of the last frames, not the item's 40-odd
+
+
 def test_pieces_read_control_and_byte_pieces():
     pieces = Pieces(["<unk>", "\u2581th", "e", "<0x41>", "<0xE2>", "\u2581"], blank=6)
     assert pieces.chars == ["", "th", "e", "A", "", "", ""]
@@ -143,7 +217,7 @@ def test_bad_decoder_settings_are_one_line_errors(capsys, tmp_path):
     wav = tmp_path / "speech.wav"
     soundfile.write(wav, np.zeros(16000, dtype=np.float32), 16000)
     for setting, says in (("asr.decoder=viterbi", "asr.decoder"), ("asr.beam=0", "asr.beam"),
-                          ("asr.lm=/no/such.arpa", "no such file")):
+                          ("asr.lm=/no/such.arpa", "no such file"), ("asr.commit_after_s=-1", "asr.commit_after_s")):
         code, _, err = run_cli(capsys, "transcribe", str(wav), "--profile", "demo", "--speed", "0", "-q",
                                "--set", setting)
         assert code != 0 and says in one_error_line(err), setting

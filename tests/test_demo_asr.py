@@ -57,3 +57,18 @@ def test_an_item_never_ends_before_its_last_delta():
             ends[update.item_id] = update.end
             completed += update.completed
         assert completed >= 1
+
+
+def test_captions_do_not_wait_on_a_doubt_the_audio_never_settles():
+    """With the beam, a word is final once every hypothesis agrees on it, or once the best has kept it for
+    `asr.commit_after_s`. On the demo sample agreement alone held "red" (of "a red ball", the first words)
+    back for almost the whole 12.8 s sentence, so a reader of stable text saw nothing, then everything."""
+    waits: dict[float, list[float]] = {}
+    for commit in (0.0, 0.5):
+        profile = load_profile("demo", overrides=[f"asr.commit_after_s={commit}"])
+        asr = load_asr(profile.asr, device="cpu", dtype="float32")
+        waits[commit] = []
+        heard = stream_transcript(asr, demo_speech(), waits[commit])
+        assert wer([demo_script()], [heard]) <= MAX_WER, (commit, normalize(heard))
+    assert max(waits[0.0]) > 8.0  # the failure this guards against is real on this audio
+    assert max(waits[0.5]) <= 2.0, waits[0.5]  # 0.5 s held, plus the word's own spelling and the next's start

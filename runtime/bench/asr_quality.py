@@ -12,9 +12,10 @@ else `--model REF`): error rates of random weights mean nothing, so a `tiny:` mo
 
 each with both CTC decoders (`asr.decoder`): greedy, and the beam search scored with the checkpoint's word LM
 (`lm.arpa`, from `runtime train word-lm`; a plain beam when the checkpoint has none). The demo profile uses
-the beam. `by_engine` splits the held-out scores at the smallest look-ahead and offline by synthesiser (the
-manifest's `engine`): the set mixes held-out espeak-ng variants with flite's held-out voice, and the two fail
-very differently, so one mean hides where the error is.
+the beam. `word_wait_s` says how long a word shown while streaming waited to be final (median, 90th
+percentile and longest, in seconds of audio). `by_engine` splits the held-out scores at the smallest look-ahead
+and offline by synthesiser (the manifest's `engine`): the set mixes held-out espeak-ng variants with flite's
+held-out voice, and the two fail very differently, so one mean hides where the error is.
 
 Texts are compared after `runtime.train.text_norm.normalize` (numbers spelled out, punctuation dropped), the
 form the model was trained to write. Targets (issue 7): held-out WER <= 15 % and CER <= 5 % at the smallest
@@ -68,18 +69,51 @@ def heldout_set(data: str | None, status: Callable[[str], None]) -> tuple[Path, 
     return folder, rows
 
 
-def stream_transcript(asr: Any, audio: np.ndarray) -> str:
-    """What a user sees: the audio in 100 ms chunks through the runtime's ASR stream, completed items joined."""
+def stream_transcript(asr: Any, audio: np.ndarray, waits: list[float] | None = None) -> str:
+    """What a user sees: the audio in 100 ms chunks through the runtime's ASR stream, completed items joined.
+
+    `waits`, when given, gets `word_waits` of this audio."""
     stream = asr.open_stream()
     step = SAMPLE_RATE * CHUNK_MS // 1000
-    items: list[str] = []
-    updates = []
+    timed = []
     for start in range(0, len(audio), step):
-        updates += stream.accept(AudioChunk(audio[start : start + step], start))
-    updates += stream.finish()
+        heard = min(start + step, len(audio)) / SAMPLE_RATE
+        timed += [(heard, u) for u in stream.accept(AudioChunk(audio[start : start + step], start))]
+    timed += [(len(audio) / SAMPLE_RATE, u) for u in stream.finish()]
     stream.close()
-    items = [u.transcript for u in updates if u.completed]
+    if waits is not None:
+        waits += word_waits(timed)
+    items = [u.transcript for _, u in timed if u.completed]
     return " ".join(t.strip() for t in items if t.strip())
+
+
+def word_waits(timed: list[tuple[float, Any]]) -> list[float]:
+    """Seconds of audio each word was on screen before it was final: from the update that first showed its
+    item that many words (stable text and unstable tail) to the one that made it stable. Greedy decoding's are
+    all 0; the beam's are what `asr.commit_after_s` bounds (a caption reader that prints only stable text,
+    as the CLI does off a terminal, sees each word that much later)."""
+    stable: dict[str, str] = {}
+    shown_at: dict[str, list[float]] = {}
+    final: dict[str, int] = {}
+    waits = []
+    for heard, update in timed:
+        text = update.transcript if update.completed else stable.get(update.item_id, "") + update.delta
+        stable[update.item_id] = text
+        n_stable = len(text.split())
+        shown = shown_at.setdefault(update.item_id, [])
+        n_shown = max(n_stable, len((text + " " + update.unstable).split()))
+        shown += [heard] * (n_shown - len(shown))
+        done = final.get(update.item_id, 0)
+        waits += [heard - shown[i] for i in range(done, n_stable)]
+        final[update.item_id] = max(done, n_stable)
+    return waits
+
+
+def _wait_summary(waits: list[float]) -> dict[str, float]:
+    if not waits:
+        return {"median": 0.0, "p90": 0.0, "max": 0.0}
+    return {"median": round(float(np.median(waits)), 2), "p90": round(float(np.percentile(waits, 90)), 2),
+            "max": round(max(waits), 2)}
 
 
 def offline_logprobs(model: Any, audio: np.ndarray, context: tuple[int, int]) -> np.ndarray:
@@ -141,10 +175,13 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
         for ms in lookaheads:
             asr = FastConformerASR(model, tokenizer, replace(cfg, lookahead_ms=ms), name=ref, checkpoint=checkpoint)
             status(f"{decoder}, streaming at look-ahead {ms} ms: {len(rows)} utterances ...")
-            hyps = [stream_transcript(asr, a) for a in audios]
-            streaming[str(ms)] = _scores(refs, hyps, wer, cer)
-            demo_hyp = stream_transcript(asr, speech)
-            demo[str(ms)] = {"wer": round(100 * wer([script], [demo_hyp]), 2), "transcript": normalize(demo_hyp)}
+            waits: list[float] = []
+            hyps = [stream_transcript(asr, a, waits) for a in audios]
+            streaming[str(ms)] = {**_scores(refs, hyps, wer, cer), "word_wait_s": _wait_summary(waits)}
+            demo_waits: list[float] = []
+            demo_hyp = stream_transcript(asr, speech, demo_waits)
+            demo[str(ms)] = {"wer": round(100 * wer([script], [demo_hyp]), 2), "transcript": normalize(demo_hyp),
+                             "word_wait_s": _wait_summary(demo_waits)}
             if ms == lookaheads[0]:
                 part["by_engine"] = {f"streaming_{ms}_ms": by_engine(rows, refs, hyps, wer, cer),
                                      "offline_full_context": by_engine(rows, refs, offline, wer, cer)}

@@ -14,8 +14,15 @@ stable text; the best beam's remaining words are the unstable tail. Pruning hypo
 `beam_prune` nats behind the best makes them agree sooner. pyctcdecode has no incremental API and
 flashlight's decoder exposes only its best hypothesis while decoding, so neither can give that guarantee.
 
+Agreement alone has no deadline: two readings of an early word ("a red" / "a read") that every later frame
+extends alike stay within the margin for as long as the utterance lasts, and the whole sentence waits with
+them. So a word the leading hypothesis has kept unchanged for `commit_frames` frames is committed: the
+hypotheses that disagree with it are dropped, and it is stable from then on (0 = agreement only).
+
 Hypotheses are keyed by their text (completed words + the word being spelt) and their last CTC label, so
-paths that spell the same text merge whatever pieces spelt it.
+paths that spell the same text merge whatever pieces spelt it. Words every hypothesis shares are retired
+from the keys as soon as they are shared (only the LM's history keeps the last few), so a frame costs the
+same an hour into a pause-less item as in its first second.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class BeamOptions:
     oov_penalty: float = 20.0
     token_prune: float = 8.0  # only labels within this many nats of the frame's best are tried
     beam_prune: float = 10.0  # hypotheses this many nats behind the best are dropped (so words turn stable sooner)
+    commit_frames: int = 0  # a word the best hypothesis has held this many frames is final (0: only on agreement)
 
 
 Key = tuple[tuple[str, ...], str | None, int]  # (completed words, word being spelt or None, last label)
@@ -102,6 +110,7 @@ class WordScorer:
                     if score > self._best_completion.get(prefix, NEG_INF):
                         self._best_completion[prefix] = score
         self._cache: dict[tuple[tuple[str, ...], str], float] = {}
+        self.history_words = lm.order - 1 if lm is not None else 0  # words before a word its LM score depends on
 
     def word(self, words: tuple[str, ...], word: str) -> float:
         """Weighted LM score of `word` completing after `words`, with the word bonus and any OOV penalty."""
@@ -143,11 +152,62 @@ class CTCBeamSearch:
     def reset(self) -> None:
         """Start a new utterance (the LM history starts again at <s>)."""
         self._beams = {((), None, -1): (0.0, NEG_INF, 0.0)}  # key -> (ln P ending in blank, in a label, LM)
+        self._retired: list[str] = []  # leading words every hypothesis shared, taken out of the keys: final
+        self._frame = 0
+        self._leader: tuple[str, ...] = ()  # the best hypothesis' completed words after the last frame
+        self._held_since: list[int] = []  # frame from which the leader has had each of those words unchanged
+        self._committed = 0  # how many leading words every hypothesis now shares by commitment
 
     def advance(self, logprobs: np.ndarray) -> None:
         """Consume frames of CTC log-probabilities, [T, V]."""
         for row in np.asarray(logprobs, dtype=np.float64):
             self._step(row)
+            self._frame += 1
+            if self.opts.commit_frames > 0:
+                self._commit_held_words()
+            self._retire_shared_words()
+
+    def _retire_shared_words(self) -> None:
+        shared = self._shared()
+        if not shared:
+            return
+        n = len(shared)
+        self._retired += shared
+        self._beams = {(k[0][n:], k[1], k[2]): v for k, v in self._beams.items()}  # still unique: all shared
+        self._leader, self._held_since = self._leader[n:], self._held_since[n:]
+        self._committed = max(0, self._committed - n)
+
+    def _shared(self) -> tuple[str, ...]:
+        """The leading completed words all live hypotheses have in common."""
+        keys = iter(self._beams)
+        common = next(keys)[0]
+        for words, _, _ in keys:
+            n = 0
+            while n < len(common) and n < len(words) and common[n] == words[n]:
+                n += 1
+            common = common[:n]
+        return common
+
+    def _history(self, words: tuple[str, ...]) -> tuple[str, ...]:
+        """`words` with as many retired words before them as the LM's history needs."""
+        keep = self.scorer.history_words
+        return (*self._retired[-keep:], *words) if keep and self._retired else words
+
+    def _commit_held_words(self) -> None:
+        """Drop every hypothesis that disagrees with the words the leader has held for `commit_frames` frames."""
+        words = next(iter(self._beams))[0]  # `_step` leaves the hypotheses best first
+        kept = 0
+        while kept < min(len(words), len(self._leader)) and words[kept] == self._leader[kept]:
+            kept += 1
+        self._held_since = self._held_since[:kept] + [self._frame] * (len(words) - kept)
+        self._leader = words
+        old = self._frame - self.opts.commit_frames
+        n = 0  # held_since never decreases along the words, so the committed ones are a prefix
+        while n < len(words) and self._held_since[n] <= old:
+            n += 1
+        if n > self._committed:  # hypotheses born later extend survivors, so they share the committed words
+            committed, self._committed = words[:n], n
+            self._beams = {k: v for k, v in self._beams.items() if k[0][:n] == committed}
 
     def _step(self, lp: np.ndarray) -> None:
         blank, starts_word, chars = self.pieces.blank, self.pieces.starts_word, self.pieces.chars
@@ -164,8 +224,8 @@ class CTCBeamSearch:
             for c in labels:
                 p = (pb if c == last else total) + float(lp[c])  # a repeat is a new label only after a blank
                 if starts_word[c]:
-                    new_words, new_lm = (words + (spelt,), lm + self.scorer.word(words, spelt)) if spelt \
-                        else (words, lm)
+                    new_words, new_lm = (words + (spelt,), lm + self.scorer.word(self._history(words), spelt)) \
+                        if spelt else (words, lm)
                     new_key = (new_words, chars[c], c)
                 else:
                     new_lm = lm
@@ -175,7 +235,8 @@ class CTCBeamSearch:
                     nxt[new_key] = [NEG_INF, p, new_lm]
                 else:
                     entry[1] = _logadd(entry[1], p)
-        ranked = sorted(((self._rank(k, v), k) for k, v in nxt.items()), reverse=True)
+        # By score alone: tied scores must not fall through to comparing keys (None and str do not order).
+        ranked = sorted(((self._rank(k, v), k) for k, v in nxt.items()), key=lambda rk: rk[0], reverse=True)
         floor = ranked[0][0] - self.opts.beam_prune
         self._beams = {k: tuple(nxt[k]) for score, k in ranked[: self.opts.beam] if score >= floor}  # type: ignore
 
@@ -184,19 +245,12 @@ class CTCBeamSearch:
 
     def stable_words(self) -> tuple[str, ...]:
         """Words every live hypothesis has completed identically: no later frame can change them."""
-        keys = iter(self._beams)
-        common = next(keys)[0]
-        for words, _, _ in keys:
-            n = 0
-            while n < len(common) and n < len(words) and common[n] == words[n]:
-                n += 1
-            common = common[:n]
-        return common
+        return (*self._retired, *self._shared())
 
     def best_words(self) -> tuple[str, ...]:
         """The leading hypothesis as it stands, its word being spelt included."""
         key = max(self._beams, key=lambda k: self._rank(k, self._beams[k]))
-        return key[0] + ((key[1],) if key[1] else ())
+        return (*self._retired, *key[0], *((key[1],) if key[1] else ()))
 
     def finish(self) -> tuple[str, ...]:
         """The utterance's transcript (the last word and </s> scored), then reset for the next one.
@@ -207,9 +261,10 @@ class CTCBeamSearch:
         language: dict[tuple[str, ...], float] = {}
         for (words, spelt, _), (pb, pnb, lm) in self._beams.items():
             if spelt:
-                lm += self.scorer.word(words, spelt)
+                lm += self.scorer.word(self._history(words), spelt)
                 words = words + (spelt,)
             acoustic[words] = _logadd(acoustic.get(words, NEG_INF), _logadd(pb, pnb))
-            language[words] = lm + self.scorer.word(words, EOS)
+            language[words] = lm + self.scorer.word(self._history(words), EOS)
+        retired = tuple(self._retired)
         self.reset()
-        return max(acoustic, key=lambda words: acoustic[words] + language[words])
+        return retired + max(acoustic, key=lambda words: acoustic[words] + language[words])

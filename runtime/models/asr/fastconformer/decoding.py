@@ -6,12 +6,14 @@ spell. `stable()` is text that no later frame can change, `unstable()` the tail 
 `finish()` the item's final text, which always starts with the last `stable()`.
 
 - `GreedyText`: each frame's argmax, repeats collapsed, blanks dropped. Every token is final at once.
-- `BeamText`: `ctc_beam.CTCBeamSearch` over the item's frames; the words all live hypotheses agree on are
-  stable, the leading hypothesis' other words the unstable tail.
+- `BeamText`: `ctc_beam.CTCBeamSearch` over the item's frames; the words all live hypotheses agree on (or
+  the leading one has kept for `asr.commit_after_s`) are stable, the leading hypothesis' other words the
+  unstable tail.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Protocol
 
@@ -86,10 +88,12 @@ class BeamText:
 class BeamParts:
     """What every `BeamText` of one loaded model shares: the pieces, the LM and its memoised scores."""
 
-    def __init__(self, tokenizer: CTCTokenizer, blank: int, lm: WordLM | None, cfg: ASRConfig) -> None:
+    def __init__(self, tokenizer: CTCTokenizer, blank: int, lm: WordLM | None, cfg: ASRConfig,
+                 frame_s: float) -> None:
         self.pieces = Pieces(tokenizer.pieces(), blank)
         self.options = BeamOptions(beam=cfg.beam, lm_weight=cfg.lm_weight, word_bonus=cfg.word_bonus,
-                                   oov_penalty=cfg.oov_penalty)
+                                   oov_penalty=cfg.oov_penalty,
+                                   commit_frames=math.ceil(cfg.commit_after_s / frame_s - 1e-9))
         self.lm = lm
         self.scorer = WordScorer(lm, self.options)
 

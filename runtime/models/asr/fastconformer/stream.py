@@ -115,7 +115,7 @@ class FastConformerASR:
         self.beam: BeamParts | None = None
         if cfg.decoder == "beam":
             lm = find_word_lm(cfg, checkpoint) if checkpoint is not None or cfg.lm else None
-            self.beam = BeamParts(tokenizer, model.blank, lm, cfg)
+            self.beam = BeamParts(tokenizer, model.blank, lm, cfg, model.cfg.frame_seconds)
 
     def item_text(self) -> ItemText:
         """A fresh decoder of one stream's items (greedy or beam, per `asr.decoder`)."""
