@@ -87,17 +87,22 @@ async def _discard_incoming(ws: ClientConnection) -> None:
 class AsyncRealtimeClient:
     """`token`: the server's `--token`, sent as an `Authorization: Bearer` header (kept out of the URL, which
     tends to end up in logs). `binary`: send audio and frames as binary messages (docs/protocol.md, "Binary
-    media"): no base64, a third less to send; their event ids are then `bin-SEQ`."""
+    media"): no base64, a third less to send; their event ids are then `bin-SEQ`. `keepalive_s`: how often
+    to ping the server (a late pong closes nothing, see `connect`)."""
 
     def __init__(self, url: str, *, token: str | None = None, max_size: int = 16 * 1024 * 1024,
-                 binary: bool = False) -> None:
+                 binary: bool = False, keepalive_s: float = 20.0) -> None:
         self.url, self.token, self.max_size, self.binary = url, token, max_size, binary
+        self.keepalive_s = keepalive_s
         self.ws: ClientConnection | None = None
         self._seq = 0
 
     async def connect(self) -> AsyncRealtimeClient:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        self.ws = await connect(self.url, max_size=self.max_size, additional_headers=headers)
+        # Pings keep a quiet connection open; no pong deadline, as on the server: while the server reads our
+        # backlog (flow control) its pong waits behind it, and that is not a dead connection.
+        self.ws = await connect(self.url, max_size=self.max_size, additional_headers=headers,
+                                ping_interval=self.keepalive_s, ping_timeout=None)
         return self
 
     async def close(self) -> None:

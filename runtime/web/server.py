@@ -49,12 +49,19 @@ class RealtimeServer:
     """Start with `await start()`, stop with `await stop()`; `port` is the bound port (pass port=0 in tests).
 
     `token`: when set, required on every websocket upgrade. `allow_origins`: the browser origins admitted; None
-    means the demo page's own (`http://127.0.0.1:PORT`, `http://localhost:PORT`, PORT the bound port)."""
+    means the demo page's own (`http://127.0.0.1:PORT`, `http://localhost:PORT`, PORT the bound port).
+
+    `keepalive_s`: how often each websocket is pinged, so proxies keep quiet connections open. A late pong
+    never closes one: flow control (docs/protocol.md) stops reading a client that sends faster than the models
+    run, and a client that stops reading stops answering, so a pong can trail by as long as the backlog
+    takes; websockets' heartbeat would close those sessions with 1011. A peer that vanished is found by TCP
+    instead, once the pings go unacknowledged (Linux gives up after about 15 minutes)."""
 
     def __init__(self, profile: Profile, models: Models, worker: Any, *, host: str = "127.0.0.1",
                  port: int = 8765, max_sessions: int = 8, token: str | None = None,
-                 allow_origins: Sequence[str] | None = None) -> None:
+                 allow_origins: Sequence[str] | None = None, keepalive_s: float = 20.0) -> None:
         self.profile, self.models, self.worker = profile, models, worker
+        self.keepalive_s = keepalive_s
         self.host, self.requested_port, self.max_sessions = host, port, max_sessions
         self.token = token or None  # an empty token would admit anyone with an empty one: treat it as unset
         self.allow_origins = None if allow_origins is None else {o.rstrip("/") for o in allow_origins}
@@ -68,7 +75,8 @@ class RealtimeServer:
         # websockets closes with 1009 past max_size; keep that as the hard cap and answer anything between
         # MAX_MESSAGE_BYTES and it with an error event instead, so an oversized frame costs no session.
         self._server = await serve(self._handle, self.host, self.requested_port, process_request=self._route,
-                                   create_connection=PostConnection, max_size=2 * MAX_MESSAGE_BYTES, max_queue=16)
+                                   create_connection=PostConnection, max_size=2 * MAX_MESSAGE_BYTES, max_queue=16,
+                                   ping_interval=self.keepalive_s, ping_timeout=None)
         self.loop_lag.start()
         return self
 
