@@ -11,6 +11,8 @@ import time
 from collections import deque
 from typing import Any
 
+RECENT_SAMPLES = 20_000  # what `percentiles` can look back over: 200 s at the server's 10 ms interval
+
 
 class LoopLagMonitor:
     """Sleeps `interval_s` in a loop and records how much later than asked it woke up."""
@@ -21,7 +23,7 @@ class LoopLagMonitor:
         self._window: list[float] = []
         self.max_s = 0.0
         self.samples = 0
-        self._recent: deque[tuple[float, float]] = deque(maxlen=20_000)  # (wall time, lag) for percentiles()
+        self._recent: deque[tuple[float, float]] = deque(maxlen=RECENT_SAMPLES)  # (wall time, lag): percentiles()
 
     def start(self) -> None:
         if self._task is None:
@@ -59,9 +61,16 @@ class LoopLagMonitor:
             "samples": self.samples,
         }
 
+    @property
+    def history_s(self) -> float:
+        """The longest window `percentiles` can cover: what the bounded sample history spans."""
+        return RECENT_SAMPLES * self.interval_s
+
     def percentiles(self, window_s: float = 10.0) -> dict[str, Any]:
-        """p50/p95/p99/max lag in ms over the last `window_s` seconds; unlike `report` it resets nothing, so
-        any number of readers (the /healthz endpoint, a benchmark) may ask."""
+        """p50/p95/p99/max lag in ms over the last `window_s` seconds, at most `history_s` (the answer's
+        `window_s` says which); unlike `report` it resets nothing, so any number of readers (the /healthz
+        endpoint, a benchmark) may ask."""
+        window_s = min(window_s, self.history_s)
         since = time.monotonic() - window_s
         lags = sorted(lag for t, lag in self._recent if t >= since)
         if not lags:

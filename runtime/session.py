@@ -115,6 +115,7 @@ class Session:
                                          self.audio)
         self.lag = LoopLagMonitor()
         self.pushed_until = 0.0  # media seconds of audio pushed so far
+        self.received_until = 0.0  # the same, counting a chunk still waiting for room in the audio queue
         self.media_time = 0.0  # newest media time seen on any input
         self._expected_sample = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -204,6 +205,7 @@ class Session:
             raise ValueError(f"audio chunk starts at sample {chunk.start_sample}, expected "
                              f"{self._expected_sample}: chunks must be contiguous")
         self._expected_sample = chunk.end_sample
+        self.received_until = chunk.end
         await self.audio_in.put(chunk)
         self.pushed_until = chunk.end
         self.media_time = max(self.media_time, chunk.end)
@@ -288,7 +290,7 @@ class Session:
                                                              self.events)},
             "video": self._video_metrics(),
             "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.audio.heard_until, 3),
-                    "lag_s": round(self.pushed_until - self.audio.heard_until, 3)},
+                    "lag_s": round(self.received_until - self.audio.heard_until, 3)},
             "answers": {"answered": self.answers.answered,
                         "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0},
             "worker": self.worker.stats(),

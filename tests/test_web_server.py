@@ -459,6 +459,8 @@ async def test_http_methods_head_and_bad_queries(tiny):
             assert status == 400 and b"window" in body
         status, _, body = await http(port, b"GET /healthz?window=1e9 HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 200 and json.loads(body)["status"] == "ok"  # clamped, and valid JSON
+        # what it covered, not what was asked: the server keeps 200 s of 10 ms samples
+        assert json.loads(body)["loop_lag_ms"]["window_s"] == pytest.approx(200.0)
 
 
 async def refused(uri: str, **kwargs) -> tuple[int, str]:
