@@ -265,9 +265,10 @@ def _live_source(args: argparse.Namespace, profile: Profile) -> Source:
     camera = None
     if not args.no_camera and args.camera is not None:
         camera = CameraSource(camera_path(args.camera), fps=max(profile.video.fps, 1.0),
-                              max_side=profile.video.max_side)
+                              max_side=profile.video.max_side, fix="play a file instead with --source FILE")
     mic = None if args.no_mic else MicrophoneSource(args.mic or "default", backend=args.mic_backend,
-                                                   chunk_ms=profile.pipeline.audio_chunk_ms)
+                                                   chunk_ms=profile.pipeline.audio_chunk_ms,
+                                                   fix="use --no-mic, or --source FILE")
     return LiveSource(camera, mic)
 
 

@@ -38,14 +38,14 @@ def fails_fast(make) -> str:
 def test_missing_camera() -> None:
     message = fails_fast(lambda: CameraSource("/dev/video99"))
     assert message.startswith("no camera at /dev/video99 (v4l2): No such file or directory")
-    assert "--source FILE" in message
+    assert "v4l2-ctl" in message and "--source" not in message  # a library user has no CLI flags to try
     assert "/dev/video98" in fails_fast(lambda: CameraSource("98"))
 
 
 def test_missing_microphone() -> None:
     message = fails_fast(lambda: MicrophoneSource("hw:99", backend="alsa"))
     assert message.startswith("no microphone 'hw:99' (alsa): ")
-    assert "--no-mic" in message
+    assert "arecord -L" in message and "--no-mic" not in message
 
 
 def test_unknown_backend_is_named() -> None:
@@ -95,3 +95,12 @@ async def test_microphone_alone_and_close_without_iterating() -> None:
 def test_live_source_needs_something() -> None:
     with pytest.raises(ValueError):
         LiveSource(None, None)
+
+
+def test_the_cli_names_its_own_flags_when_a_device_is_missing(capsys) -> None:
+    from cli_common import one_error_line, run_cli
+
+    code, _, err = run_cli(capsys, "serve", "--camera", "/dev/video99", "--no-mic", "-q")
+    assert code != 0 and "--source FILE" in one_error_line(err)
+    code, _, err = run_cli(capsys, "serve", "--mic", "hw:99", "-q")
+    assert code != 0 and "--no-mic" in one_error_line(err)

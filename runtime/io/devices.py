@@ -28,8 +28,9 @@ from runtime.io.source import Emit, Producer, ThreadedSource
 
 OPEN_TIMEOUT_S = 4.0  # a device that does not open within this is reported missing
 READ_TIMEOUT_S = 10.0  # a device that delivers nothing for this long ends the source with an error
-CAMERA_FIX = "play a file instead with --source FILE"
-MICROPHONE_FIX = "use --no-mic, or --source FILE"
+# What to try next, said by every DeviceNotFound; the CLI passes its own, naming its flags.
+CAMERA_FIX = "check the device (v4l2-ctl --list-devices) or stream a file instead"
+MICROPHONE_FIX = "check the device name (arecord -L) or stream a file instead"
 
 
 def camera_path(index_or_path: str) -> str:
@@ -119,15 +120,16 @@ class CameraSource(ThreadedSource):
         max_side: int = 640,
         backend: str = "v4l2",
         queue_size: int = 4,
+        fix: str = CAMERA_FIX,
     ) -> None:
         super().__init__(speed=0.0, queue_size=queue_size)
         self.device, self.backend, self.max_side = camera_path(device), backend, max_side
         self.description = f"camera {self.device}"
         options = {"framerate": f"{fps:g}"} if fps else {}
-        self._container = open_device(self.device, backend, kind="camera", fix=CAMERA_FIX, options=options)
+        self._container = open_device(self.device, backend, kind="camera", fix=fix, options=options)
         if not self._container.streams.video:
             self._container.close()
-            raise DeviceNotFound(f"no camera at {self.device} ({backend}): it has no video; {CAMERA_FIX}")
+            raise DeviceNotFound(f"no camera at {self.device} ({backend}): it has no video; {fix}")
 
     def _producers(self) -> list[Producer]:
         return [functools.partial(self._capture, clock0=time.monotonic())]
@@ -150,7 +152,8 @@ class MicrophoneSource(ThreadedSource):
     """Float32 mono 16 kHz chunks of `chunk_ms` from a capture device, numbered by samples received."""
 
     def __init__(
-        self, device: str = "default", *, backend: str = "alsa", chunk_ms: int = 100, queue_size: int = 20
+        self, device: str = "default", *, backend: str = "alsa", chunk_ms: int = 100, queue_size: int = 20,
+        fix: str = MICROPHONE_FIX,
     ) -> None:
         super().__init__(speed=0.0, queue_size=queue_size)
         if chunk_ms <= 0:
@@ -158,10 +161,10 @@ class MicrophoneSource(ThreadedSource):
         self.device, self.backend = device, backend
         self.chunk_samples = max(1, round(chunk_ms * SAMPLE_RATE / 1000))
         self.description = f"microphone {device} ({backend})"
-        self._container = open_device(device, backend, kind="microphone", fix=MICROPHONE_FIX)
+        self._container = open_device(device, backend, kind="microphone", fix=fix)
         if not self._container.streams.audio:
             self._container.close()
-            raise DeviceNotFound(f"no microphone {device!r} ({backend}): it has no audio; {MICROPHONE_FIX}")
+            raise DeviceNotFound(f"no microphone {device!r} ({backend}): it has no audio; {fix}")
 
     def _producers(self) -> list[Producer]:
         return [self._capture]
