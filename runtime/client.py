@@ -84,6 +84,19 @@ async def _discard_incoming(ws: ClientConnection) -> None:
         pass
 
 
+class _ClientConnection(ClientConnection):
+    """websockets aborts the transport when a send or close finds the connection closed. A server that closes
+    while we stream (it fails the connection, then reads our backlog) leaves asyncio's selector transport
+    closed on EOF with our writes still buffered; once they drain it runs connection_lost without marking
+    itself lost, and abort() then raises AttributeError ("'NoneType' object has no attribute 'call_soon'",
+    CPython 3.11-3.13) instead of the ConnectionClosed the caller expects. After connection_lost there is
+    nothing left to abort."""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.transport.abort = lambda: None  # type: ignore[method-assign]
+
+
 class AsyncRealtimeClient:
     """`token`: the server's `--token`, sent as an `Authorization: Bearer` header (kept out of the URL, which
     tends to end up in logs). `binary`: send audio and frames as binary messages (docs/protocol.md, "Binary
@@ -102,7 +115,8 @@ class AsyncRealtimeClient:
         # Pings keep a quiet connection open; no pong deadline, as on the server: while the server reads our
         # backlog (flow control) its pong waits behind it, and that is not a dead connection.
         self.ws = await connect(self.url, max_size=self.max_size, additional_headers=headers,
-                                ping_interval=self.keepalive_s, ping_timeout=None)
+                                ping_interval=self.keepalive_s, ping_timeout=None,
+                                create_connection=_ClientConnection)
         return self
 
     async def close(self) -> None:

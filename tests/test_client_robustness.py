@@ -109,6 +109,29 @@ async def test_events_raise_after_yielding_what_arrived_when_the_connection_drop
 
 
 @pytest.mark.asyncio
+async def test_a_server_that_closes_while_the_client_is_blocked_sending_raises_connection_closed():
+    """The server fails the connection (a close frame, then end of stream) while the client's writes back up,
+    then reads the backlog on, as the session driver does. The next send must say the connection closed, not
+    leak asyncio's AttributeError from aborting a transport that is already gone."""
+    async def fail_midstream(ws: ServerConnection) -> None:
+        for _ in range(5):
+            await ws.recv()
+        await asyncio.sleep(0.5)  # not reading: the client's sends wait for the buffer to drain
+        ws.protocol.fail(1011, "internal error")
+        ws.send_data()
+        async for _ in ws:
+            pass
+
+    async with fake_server(fail_midstream, ping_interval=None, max_size=None) as url, \
+            AsyncRealtimeClient(url) as client:
+        with pytest.raises(ConnectionClosedError) as closed:
+            async with asyncio.timeout(30):
+                while True:
+                    await client.append_audio(np.zeros(16000, np.float32))
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1011
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(("code", "raises"), [(1000, False), (1001, False), (1013, False), (1011, True)])
 async def test_events_end_quietly_only_on_normal_shutdown_and_busy_closes(code, raises):
     async def close_with(ws: ServerConnection) -> None:
