@@ -77,19 +77,24 @@ def test_the_lm_changes_the_answer_where_the_acoustics_are_unsure():
     pytest.fail("no frames where the LM changes the best transcript")
 
 
+def stable_words_frame_by_frame(s: CTCBeamSearch, lp: np.ndarray) -> tuple[list, tuple[str, ...]]:
+    """The stable words after each frame and the final transcript, checking that no stable word is revised."""
+    seen = []
+    for row in lp:
+        s.advance(row[None])
+        seen.append(s.stable_words())
+    final = s.finish()
+    for earlier, later in zip(seen, [*seen[1:], final], strict=True):
+        assert later[: len(earlier)] == earlier
+    return seen, final
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_stable_words_are_never_revised_and_chunking_changes_nothing(seed):
     rng = np.random.default_rng(seed)
     lp = frames(80, seed, sharpness=4.0)
     opts = BeamOptions(beam=8)
-    whole = search(LM, opts)
-    seen = []
-    for row in lp:
-        whole.advance(row[None])
-        seen.append(whole.stable_words())
-    final = whole.finish()
-    for earlier, later in zip(seen, [*seen[1:], final], strict=True):
-        assert later[: len(earlier)] == earlier
+    seen, final = stable_words_frame_by_frame(search(LM, opts), lp)
     assert len(seen[-1]) > 0  # the check is not vacuous: words did become stable along the way
     chunked, pos = search(LM, opts), 0
     while pos < len(lp):
@@ -142,13 +147,7 @@ def test_commitment_keeps_stable_words_final_and_changes_nothing_when_it_never_f
     late = search(LM, BeamOptions(beam=8, commit_frames=len(lp) + 1))
     late.advance(lp)
     assert late.finish() == plain.finish()
-    eager, seen = search(LM, BeamOptions(beam=8, commit_frames=3)), []
-    for row in lp:
-        eager.advance(row[None])
-        seen.append(eager.stable_words())
-    final = eager.finish()
-    for earlier, later in zip(seen, [*seen[1:], final], strict=True):
-        assert later[: len(earlier)] == earlier
+    stable_words_frame_by_frame(search(LM, BeamOptions(beam=8, commit_frames=3)), lp)
 
 
 @pytest.mark.parametrize("commit", [0, 4])
