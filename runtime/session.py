@@ -116,6 +116,10 @@ class Session:
         self.lag = LoopLagMonitor()
         self.pushed_until = 0.0  # media seconds of audio pushed so far
         self.received_until = 0.0  # the same, counting a chunk still waiting for room in the audio queue
+        # A transport that buffers a live peer's audio before push_audio (WebRTC) says here how much it holds
+        # and how much it had to drop because the models fell that far behind.
+        self.audio_upstream_s = 0.0
+        self.audio_dropped_s = 0.0
         self.media_time = 0.0  # newest media time seen on any input
         self._expected_sample = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -290,7 +294,8 @@ class Session:
                                                              self.events)},
             "video": self._video_metrics(),
             "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.audio.heard_until, 3),
-                    "lag_s": round(self.received_until - self.audio.heard_until, 3)},
+                    "lag_s": round(self.received_until + self.audio_upstream_s - self.audio.heard_until, 3),
+                    "dropped_s": round(self.audio_dropped_s, 3)},
             "answers": {"answered": self.answers.answered,
                         "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0},
             "worker": self.worker.stats(),

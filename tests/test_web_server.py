@@ -164,7 +164,7 @@ DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
     "invalid_value",
     "invalid_base64", "invalid_audio", "invalid_image", "image_too_large", "unsupported_field", "unsupported_item",
     "message_too_large", "no_pending_item", "too_many_items", "response_not_found", "input_committed",
-    "empty_question", "question_queue_full"}
+    "empty_question", "question_queue_full", "audio_from_track"}
 
 
 def b64(raw: bytes) -> str:

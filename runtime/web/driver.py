@@ -54,6 +54,9 @@ class SessionDriver:
         self.pending_text: list[str] = []
         self.finishing: asyncio.Task[None] | None = None
         self.started = asyncio.Event()  # set once the session runs: media may be pushed from then on
+        # A WebRTC peer's microphone track feeds the audio: a second source would break the one sample clock
+        # (two producers interleaving chunks), so data-channel appends are then refused.
+        self.audio_from_track = False
 
     async def run(self, messages: AsyncIterable[str | bytes], send: Send) -> bool:
         """Drive the session until the client goes or, after commit, every event is out (then True: the
@@ -124,6 +127,9 @@ class SessionDriver:
             except ProtocolError as e:
                 e.event_id = command.event_id
                 await self._reply_error(e, send)
+            except Exception:  # a bug, not the client's mistake: it ends the session, so say so in the log
+                log.exception("session %s: applying %s failed", self.session.id, type(command).__name__)
+                raise
 
     async def _reply_error(self, error: ProtocolError, send: Send) -> None:
         event = error.to_event(media_time=self.session.media_time)
@@ -143,6 +149,9 @@ class SessionDriver:
             raise ProtocolError("the input was committed; this session takes no more events",
                                 code="input_committed")
         if isinstance(command, AppendAudio):
+            if self.audio_from_track:
+                raise ProtocolError("this connection's audio comes from its microphone track; send audio there, "
+                                    "not as input_audio_buffer.append", code="audio_from_track", param="audio")
             seconds, most = len(command.samples) / SAMPLE_RATE, self.limits.max_audio_message_s
             if seconds > most:
                 raise ProtocolError(f"one audio message of {seconds:.1f} s exceeds the {most:g} s burst "

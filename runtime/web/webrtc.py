@@ -39,6 +39,7 @@ from runtime.events import error_event
 from runtime.io.file_source import scaled_size
 from runtime.session import Session
 from runtime.web.driver import SessionDriver
+from runtime.web.protocol import event_id_of
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ EVENTS_LABEL = "events"
 CONNECT_TIMEOUT_S = 30.0  # from the answer to an open data channel
 HIGH_WATER, LOW_WATER = 1 << 20, 256 << 10  # data channel bytes buffered: wait above HIGH until below LOW
 INBOX_MESSAGES = 64  # client events waiting to be parsed; past it a message is refused with an error
+MIN_AUDIO_GAP_S = 0.01  # RTP timestamps further apart than the audio between them: the peer sent nothing
+MAX_AUDIO_GAP_S = 3600.0  # a jump beyond this is taken for a broken timestamp, not an hour of silence
 
 
 class WebRTCPeer:
@@ -59,10 +62,10 @@ class WebRTCPeer:
         self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(INBOX_MESSAGES)
         self.tasks: set[asyncio.Task[None]] = set()
         self.t0: float | None = None  # wall time of the first media frame: media time zero
-        self.audio_buffer: deque[np.ndarray] = deque()
-        self.audio_buffered = 0
+        self.audio_buffer: deque[np.ndarray | int] = deque()  # samples, or a count of silent ones (a gap)
+        self.audio_buffered = 0  # samples in the arrays
+        self.audio_silence = 0  # samples in the gaps, made only as they are fed (they take no memory here)
         self.audio_ready = asyncio.Event()
-        self.audio_dropped_s = 0.0
         self.latest_frame: tuple[av.VideoFrame, float] | None = None
         self.video_ready = asyncio.Event()
         self.pc.on("track", self._on_track)
@@ -120,6 +123,7 @@ class WebRTCPeer:
 
     def _on_track(self, track: MediaStreamTrack) -> None:
         if track.kind == "audio":
+            self.driver.audio_from_track = True  # one audio source: data-channel appends are refused
             self._spawn(self._consume_audio(track), "rtc-audio-in")
             self._spawn(self._feed_audio(), "rtc-audio-feed")
         elif track.kind == "video":
@@ -144,7 +148,8 @@ class WebRTCPeer:
             self.inbox.put_nowait(message)
         except asyncio.QueueFull:
             refused = error_event(f"more than {INBOX_MESSAGES} client events are waiting; this one was dropped",
-                                  code="rate_limited", media_time=self.session.media_time)
+                                  code="rate_limited", media_time=self.session.media_time,
+                                  client_event_id=event_id_of(message) if isinstance(message, str) else None)
             if self.channel is not None and self.channel.readyState == "open":
                 self.channel.send(refused.to_json())
 
@@ -175,23 +180,44 @@ class WebRTCPeer:
         return self.t0
 
     async def _consume_audio(self, track: MediaStreamTrack) -> None:
+        """Decode, resample and buffer the microphone. The audio clock is the sample count, so a stretch the
+        peer did not send (a network stall, a track paused with replaceTrack) comes in as silence as long as
+        its RTP timestamps say, or captions would fall behind the video's wall-clock times for good."""
         resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
-        limit = int(self.profile.serve.webrtc_audio_buffer_s * SAMPLE_RATE)
+        next_pts: float | None = None  # where the next frame should start, in seconds of its stream
         while True:
             try:
                 frame = await track.recv()
             except MediaStreamError:
                 return
             self._media_start()
+            if frame.pts is not None and frame.time_base is not None:
+                start = float(frame.pts * frame.time_base)
+                gap = start - next_pts if next_pts is not None else 0.0
+                if MIN_AUDIO_GAP_S <= gap <= MAX_AUDIO_GAP_S:
+                    self.audio_buffer.append(round(gap * SAMPLE_RATE))
+                    self.audio_silence += self.audio_buffer[-1]
+                next_pts = start + frame.samples / frame.sample_rate
             for out in resampler.resample(frame):
-                samples = out.to_ndarray().reshape(-1).astype(np.float32) / 32768.0
-                self.audio_buffer.append(samples)
-                self.audio_buffered += len(samples)
-                while self.audio_buffered > limit:  # the pipeline is far behind: drop the oldest
-                    dropped = self.audio_buffer.popleft()
-                    self.audio_buffered -= len(dropped)
-                    self.audio_dropped_s += len(dropped) / SAMPLE_RATE
+                self._buffer_audio(out.to_ndarray().reshape(-1).astype(np.float32) / 32768.0)
             self.audio_ready.set()
+
+    def _buffer_audio(self, samples: np.ndarray) -> None:
+        """Queue samples for the session; past `serve.webrtc_audio_buffer_s` the pipeline is far behind a
+        live peer that cannot be slowed, and the oldest audio is dropped (counted in `metrics`)."""
+        self.audio_buffer.append(samples)
+        self.audio_buffered += len(samples)
+        limit = int(self.profile.serve.webrtc_audio_buffer_s * SAMPLE_RATE)
+        while self.audio_buffered > limit:  # the oldest audio goes; a gap's silence stays, or the clock would slip
+            oldest = next(i for i, item in enumerate(self.audio_buffer) if not isinstance(item, int))
+            dropped = self.audio_buffer[oldest]
+            del self.audio_buffer[oldest]
+            self.audio_buffered -= len(dropped)  # type: ignore[arg-type]
+            self.session.audio_dropped_s += len(dropped) / SAMPLE_RATE  # type: ignore[arg-type]
+        self._report_upstream()
+
+    def _report_upstream(self) -> None:
+        self.session.audio_upstream_s = (self.audio_buffered + self.audio_silence) / SAMPLE_RATE
 
     async def _feed_audio(self) -> None:
         await self.driver.started.wait()
@@ -199,9 +225,17 @@ class WebRTCPeer:
             await self.audio_ready.wait()
             self.audio_ready.clear()
             while self.audio_buffer:
-                samples = self.audio_buffer.popleft()
-                self.audio_buffered -= len(samples)
-                await self.driver.push_audio(samples)
+                item = self.audio_buffer.popleft()
+                if isinstance(item, int):  # a gap: its silence, a second at a time
+                    for start in range(0, item, SAMPLE_RATE):
+                        silent = min(SAMPLE_RATE, item - start)
+                        self.audio_silence -= silent
+                        self._report_upstream()
+                        await self.driver.push_audio(np.zeros(silent, np.float32))
+                    continue
+                self.audio_buffered -= len(item)
+                self._report_upstream()
+                await self.driver.push_audio(item)
 
     async def _consume_video(self, track: MediaStreamTrack) -> None:
         while True:
@@ -221,9 +255,17 @@ class WebRTCPeer:
             if self.latest_frame is None or self.latest_frame[1] < next_due:
                 continue
             frame, media_time = self.latest_frame
-            next_due = media_time + period
+            next_due = next_sample_due(next_due, media_time, period)
             image = await asyncio.to_thread(_to_rgb, frame, self.profile.video.max_side)
             self.session.push_video(VideoFrame(image, media_time))
+
+
+def next_sample_due(due: float, taken: float, period: float) -> float:
+    """When the next frame is due, given that one due at `due` was taken at `taken`: on the `period` grid, so
+    a camera whose frames do not fall on it still gives `video.fps` on average (the frame's own time plus a
+    period would lose up to one camera interval each time), unless the frames stopped for longer than a
+    period, when the grid restarts at the frame taken (no burst of catch-up frames)."""
+    return due + period if taken - due < period else taken + period
 
 
 def _to_rgb(frame: av.VideoFrame, max_side: int) -> np.ndarray:
