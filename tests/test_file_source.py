@@ -198,33 +198,149 @@ async def test_aclose_from_another_task_ends_a_waiting_consumer(tmp_path: Path) 
     assert 1 <= len(received) <= 4 and not source_threads()
 
 
-def write_late_audio_mkv(path: Path, audio: np.ndarray, late_s: float) -> Path:
-    """A Matroska file whose only audio stream starts at `late_s` (as an MP3's encoder delay, or a track that
-    begins after the video): PCM frames with their pts shifted."""
+def write_timed_mkv(path: Path, pieces: list[tuple[float, np.ndarray]], video_s: float = 0.0) -> Path:
+    """A Matroska file of PCM audio pieces, each at its own start time (gaps, late starts, clocks that jump
+    back), with `video_s` seconds of 10 fps video from time 0 when asked."""
     import av
 
     with av.open(str(path), "w") as out:
         stream = out.add_stream("pcm_s16le", rate=SAMPLE_RATE, layout="mono")
-        pcm = (audio * 32767).astype(np.int16)
-        for i in range(0, len(pcm), 1600):
-            frame = av.AudioFrame.from_ndarray(pcm[None, i : i + 1600], format="s16", layout="mono")
-            frame.sample_rate, frame.pts = SAMPLE_RATE, round(late_s * SAMPLE_RATE) + i
-            frame.time_base = stream.time_base = Fraction(1, SAMPLE_RATE)
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
+        if video_s:
+            video = out.add_stream("mpeg4", rate=10)
+            video.width, video.height, video.pix_fmt = 160, 120, "yuv420p"
+            for i in range(int(video_s * 10)):
+                image = av.VideoFrame.from_ndarray(render_frame(i / 10, 160, 120), format="rgb24")
+                image.pts, image.time_base = i, Fraction(1, 10)
+                out.mux(video.encode(image))
+            out.mux(video.encode(None))
+        for start, audio in pieces:
+            pcm = (audio * 32767).astype(np.int16)
+            for i in range(0, len(pcm), 1600):
+                frame = av.AudioFrame.from_ndarray(pcm[None, i : i + 1600], format="s16", layout="mono")
+                frame.sample_rate, frame.pts = SAMPLE_RATE, round(start * SAMPLE_RATE) + i
+                frame.time_base = Fraction(1, SAMPLE_RATE)  # the muxer rescales packets to its own time base
+                out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
     return path
 
 
-@pytest.mark.asyncio
-async def test_audio_that_starts_late_is_silence_until_then(tmp_path: Path) -> None:
-    audio = tone(1.0)
-    path = write_late_audio_mkv(tmp_path / "late.mkv", audio, 0.5)
-    chunks, _ = split(await collect(FileSource(path, speed=0)))
+async def decoded_audio(path: Path, **kwargs) -> np.ndarray:
+    chunks, _ = split(await collect(FileSource(path, speed=0, **kwargs)))
     assert chunks[0].start_sample == 0  # what a session requires of the first chunk
     assert all(a.end_sample == b.start_sample for a, b in zip(chunks, chunks[1:], strict=False))
-    decoded = np.concatenate([c.samples for c in chunks])
+    return np.concatenate([c.samples for c in chunks])
+
+
+@pytest.mark.asyncio
+async def test_audio_that_starts_after_the_video_is_silence_until_then(tmp_path: Path) -> None:
+    audio = tone(1.0)
+    decoded = await decoded_audio(write_timed_mkv(tmp_path / "late.mkv", [(0.5, audio)], video_s=1.5), video=False)
     assert len(decoded) == pytest.approx(1.5 * SAMPLE_RATE, abs=2)
     assert not decoded[:7990].any()  # the first half second is silence
     np.testing.assert_allclose(decoded[8000:], audio[: len(decoded) - 8000], atol=2 / 32768)
+
+
+@pytest.mark.asyncio
+async def test_media_time_starts_at_the_containers_start(tmp_path: Path) -> None:
+    """A capture whose clock starts 600 s in (MPEG-TS from a broadcast) plays from 0, not after 10 minutes of
+    silence, as players show it."""
+    audio = tone(1.0)
+    decoded = await decoded_audio(write_timed_mkv(tmp_path / "offset.mkv", [(600.0, audio)]))
+    assert len(decoded) == pytest.approx(SAMPLE_RATE, abs=2)
+    np.testing.assert_allclose(decoded, audio[: len(decoded)], atol=2 / 32768)
+
+
+@pytest.mark.asyncio
+async def test_a_gap_in_the_audio_is_silence(tmp_path: Path) -> None:
+    a, b = tone(1.0), tone(0.5)
+    gap = await decoded_audio(write_timed_mkv(tmp_path / "gap.mkv", [(0.0, a), (2.5, b)]))
+    assert len(gap) == pytest.approx(3.0 * SAMPLE_RATE, abs=2)  # 1 s, 1.5 s of silence, 0.5 s
+    assert not gap[16010:39990].any() and gap[40000:].any()
+
+
+def write_ts(path: Path, seconds: float) -> bytes:
+    """An MPEG-TS file of `seconds` of 10 fps video and AAC audio, both clocks from 0."""
+    import av
+
+    with av.open(str(path), "w", format="mpegts") as out:
+        video = out.add_stream("mpeg4", rate=10)
+        video.width, video.height, video.pix_fmt = 160, 120, "yuv420p"
+        audio = out.add_stream("aac", rate=SAMPLE_RATE, layout="mono")
+        wave = tone(seconds)
+        for i in range(int(seconds * 10)):
+            image = av.VideoFrame.from_ndarray(render_frame(i / 10, 160, 120), format="rgb24")
+            image.pts, image.time_base = i, Fraction(1, 10)
+            out.mux(video.encode(image))
+            block = wave[i * 1600 : (i + 1) * 1600]
+            frame = av.AudioFrame.from_ndarray(block[None], format="flt", layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = SAMPLE_RATE, i * 1600, Fraction(1, SAMPLE_RATE)
+            out.mux(audio.encode(frame))
+        out.mux(video.encode(None))
+        out.mux(audio.encode(None))
+    return path.read_bytes()
+
+
+@pytest.mark.asyncio
+async def test_files_joined_end_to_end_play_on_in_both_streams(tmp_path: Path) -> None:
+    """Two captures concatenated byte for byte: the second restarts its clocks at 0. Video carries on after
+    the first (its frames were all skipped by the fps sampler as "already seen" before), audio alike."""
+    joined = tmp_path / "joined.ts"
+    joined.write_bytes(write_ts(tmp_path / "a.ts", 2.0) + write_ts(tmp_path / "b.ts", 2.0))
+    chunks, video = split(await collect(FileSource(joined, speed=0, fps=2.0)))
+    times = [f.time for f in video]
+    assert times == sorted(times) and times[-1] > 3.4 and len(times) >= 7, times
+    assert chunks[-1].end == pytest.approx(4.0, abs=0.3)  # AAC adds priming and padding to each file
+
+
+@pytest.mark.asyncio
+async def test_more_channels_are_mixed_to_mono_without_clipping(tmp_path: Path) -> None:
+    import soundfile
+
+    for channels in (2, 6):
+        path = tmp_path / f"c{channels}.wav"
+        soundfile.write(path, np.repeat(tone(0.5)[:, None] / 0.4 * 0.5, channels, axis=1), SAMPLE_RATE)
+        peak = np.abs(await decoded_audio(path)).max()
+        assert peak == pytest.approx(0.5, abs=0.01), channels  # the default downmix gave 0.71 and 1.8
+
+
+def write_mp3(path: Path, seconds: float, rate: int, layout: str) -> bytes:
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libmp3lame", rate=rate, layout=layout)
+        t = np.arange(int(seconds * rate)) / rate
+        channels = 2 if layout == "stereo" else 1
+        wave = np.tile((0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), (channels, 1))
+        for i in range(0, wave.shape[1], 1152):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, i : i + 1152]), format="fltp",
+                                               layout=layout)
+            frame.sample_rate, frame.pts, frame.time_base = rate, i, Fraction(1, rate)
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return path.read_bytes()
+
+
+@pytest.mark.asyncio
+async def test_a_format_change_mid_file_and_a_corrupt_packet_do_not_end_the_audio(tmp_path: Path, caplog) -> None:
+    joined = tmp_path / "joined.mp3"  # two MP3s end to end: 44.1 kHz mono, then 22.05 kHz stereo
+    joined.write_bytes(write_mp3(tmp_path / "a.mp3", 2.0, 44100, "mono")
+                       + write_mp3(tmp_path / "b.mp3", 2.0, 22050, "stereo"))
+    assert len(await decoded_audio(joined)) == pytest.approx(4.0 * SAMPLE_RATE, rel=0.03)
+    damaged = bytearray(write_mp3(tmp_path / "c.mp3", 4.0, 44100, "mono"))
+    middle = len(damaged) // 2
+    damaged[middle : middle + 60] = bytes(60)  # a damaged stretch mid-file
+    (tmp_path / "damaged.mp3").write_bytes(bytes(damaged) + np.random.default_rng(0).bytes(20000))
+    decoded = await decoded_audio(tmp_path / "damaged.mp3")
+    assert len(decoded) >= 3.8 * SAMPLE_RATE  # the audio after the damage is there too
+
+
+@pytest.mark.asyncio
+async def test_an_empty_audio_track_or_a_text_file_is_a_clear_error(tmp_path: Path) -> None:
+    import soundfile
+
+    soundfile.write(tmp_path / "empty.wav", np.zeros(0, np.float32), SAMPLE_RATE)
+    with pytest.raises(MediaError, match="holds no samples"):
+        await collect(FileSource(tmp_path / "empty.wav", speed=0, video=False))
+    (tmp_path / "notes.txt").write_text("hello this is not media\n" * 100)  # FFmpeg's tty format reads it
+    with pytest.raises(MediaError, match="not an audio or video file"):
+        FileSource(tmp_path / "notes.txt")
