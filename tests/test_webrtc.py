@@ -158,6 +158,11 @@ async def test_signalling_refusals(tiny):  # noqa: F811
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         pc.createDataChannel("events")
         await pc.setLocalDescription(await pc.createOffer())
+        unsigned = "".join(line for line in pc.localDescription.sdp.splitlines(keepends=True)
+                           if not line.startswith("a=fingerprint:"))
+        status, refused = await asyncio.to_thread(post, port, json.dumps({"sdp": unsigned, "type": "offer"}).encode(),
+                                                  headers=auth)
+        assert (status, refused["error"]["code"]) == (400, "invalid_offer") and not server.sessions
         offer = json.dumps({"sdp": pc.localDescription.sdp, "type": "offer"}).encode()
         assert (await asyncio.to_thread(post, port, offer, headers=auth))[0] == 200
         status, busy = await asyncio.to_thread(post, port, offer, headers=auth)

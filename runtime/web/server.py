@@ -181,9 +181,13 @@ class RealtimeServer:
         if not (isinstance(offer, dict) and offer.get("type") == "offer" and isinstance(offer.get("sdp"), str)):
             return error_response(connection, 400, 'the body must be JSON {"sdp": "...", "type": "offer"}',
                                   "invalid_offer")
-        if "\nm=application" not in offer["sdp"].replace("\r\n", "\n"):  # aiortc would answer even "x"
+        sdp = offer["sdp"].replace("\r\n", "\n")
+        if "\nm=application" not in sdp:  # aiortc would answer even "x"
             return error_response(connection, 400, "the offer has no data channel: create one labelled 'events' "
                                                    "before createOffer (docs/protocol.md, WebRTC)", "invalid_offer")
+        if "\na=fingerprint:" not in sdp:  # aiortc answers it, but DTLS can never start: a slot held for 30 s
+            return error_response(connection, 400, "the offer has no DTLS fingerprint (a=fingerprint), so the "
+                                                   "connection could never be secured", "invalid_offer")
         if len(self.sessions) >= self.max_sessions:
             return error_response(connection, 503, f"server is at its limit of {self.max_sessions} sessions; "
                                                    "try again later", "server_busy")
