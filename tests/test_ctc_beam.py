@@ -165,6 +165,7 @@ def test_retiring_shared_words_changes_no_result_and_keeps_the_keys_short(commit
         keeping.advance(row[None])
         assert retiring.stable_words() == keeping.stable_words()
         assert retiring.best_words() == keeping.best_words()
+        assert retiring.unstable_words() == keeping.best_words()[len(keeping.stable_words()) :]
         longest = max(longest, *(len(words) for words, _, _ in retiring._beams))
     assert len(retiring.stable_words()) > 20 if commit else True
     assert retiring.finish() == keeping.finish()

@@ -247,6 +247,11 @@ class CTCBeamSearch:
         """Words every live hypothesis has completed identically: no later frame can change them."""
         return (*self._retired, *self._shared())
 
+    def unstable_words(self) -> tuple[str, ...]:
+        """The leading hypothesis' words beyond the stable ones (without copying the retired words: per chunk)."""
+        key = max(self._beams, key=lambda k: self._rank(k, self._beams[k]))
+        return (*key[0], *((key[1],) if key[1] else ()))[len(self._shared()) :]
+
     def best_words(self) -> tuple[str, ...]:
         """The leading hypothesis as it stands, its word being spelt included."""
         key = max(self._beams, key=lambda k: self._rank(k, self._beams[k]))

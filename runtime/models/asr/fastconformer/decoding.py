@@ -78,8 +78,7 @@ class BeamText:
         return " ".join(self._search.stable_words())
 
     def unstable(self) -> str:
-        stable = self._search.stable_words()
-        return " ".join(self._search.best_words()[len(stable) :])
+        return " ".join(self._search.unstable_words())
 
     def finish(self) -> str:
         return " ".join(self._search.finish())
