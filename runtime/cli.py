@@ -25,7 +25,9 @@ from runtime.events import Event
 from runtime.feed import ScheduledQuestion, feed
 from runtime.io.printers import JsonLinesPrinter, TextPrinter
 from runtime.io.source import Source
-from runtime.session import Models, Session, load_models
+from runtime.loaded_models import Models, load_models
+from runtime.session import Session
+from runtime.session_builder import open_session
 from runtime.stop_signals import on_stop_signals, remove_stop_signals, terminate_like_ctrl_c
 from runtime.worker import DeviceWorker
 
@@ -113,7 +115,7 @@ async def _run_session(
     """Returns how many `error` events the session emitted. `publish`: also hand every event to it (serve's
     browser watchers), after the printer."""
     printer = _printer(args)
-    session = await Session(profile, models, worker).start()
+    session = await (await open_session(profile, models, worker)).start()
     errors = 0
 
     def write(event: Event) -> None:

@@ -5,68 +5,32 @@ the newest frames at the configured fps), questions go in with `ask`, and everyt
 out of `events` in order. `finish()` ends the input and drains (final transcript, pending answers);
 `stop()` ends it now. Either way every task is gone and the per-session model state is released after.
 
-The models themselves (`Models`) are loaded once per process on the device worker and shared by sessions.
+A session is assembled whole by `session_builder.open_session` (its parts come in `SessionParts`); this
+module only runs it: lifecycle, input, reporting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from runtime.channels import BlockingChannel, ChannelClosed, LatestChannel
 from runtime.chunks import AudioChunk, VideoFrame
-from runtime.config import Profile, check_memory_fits, memory_sizes
+from runtime.config import Profile
 from runtime.events import Event, Metrics, SessionCreated, error_event, new_id
 from runtime.memory.transcript import TranscriptMemory
 from runtime.memory.video import VideoMemory
 from runtime.metrics import LoopLagMonitor
-from runtime.models.asr.base import StreamingASR, load_asr
-from runtime.models.lm.answerer import AnswerBackend, NoAnswerer, load_answerer
-from runtime.models.lm.weights import is_vlm
-from runtime.models.loading import configure_threads, resolve_checkpoint
-from runtime.models.vlm.llava_onevision import VisionEncoder
-from runtime.pipeline import AudioProcessor, ContextPrefiller, Question, QuestionProcessor
-from runtime.video_processor import NoteWriter, VideoProcessor
+from runtime.models.asr.base import ASRStream
+from runtime.pipeline import Emit
+from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.audio import AudioProcessor
+from runtime.pipeline.notes import NoteWriter
+from runtime.pipeline.prefill import ContextPrefiller
+from runtime.pipeline.video import VideoProcessor
+from runtime.session_state import AnswerActivity, HeardClock, TransportStats
 from runtime.worker import DeviceWorker, Priority
-
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class Models:
-    asr: StreamingASR
-    answerer: AnswerBackend
-    vision: VisionEncoder | None = None  # the VLM's vision half, when the language model can see
-
-
-def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str], None] | None = None, *,
-                answers: bool = True) -> Models:
-    """Load the profile's models on the worker thread (the thread that will run them). `answers=False` loads
-    the ASR alone (`runtime transcribe`: no question comes, so neither the language model nor its vision)."""
-    opts: dict[str, Any] = {"device": profile.device, "dtype": profile.dtype, "progress": progress}
-    worker.call(Priority.CONTROL, configure_threads, profile.threads)
-    asr = worker.call(Priority.CONTROL, load_asr, profile.asr, **opts)
-    if not answers:
-        return Models(asr=asr, answerer=NoAnswerer())
-    answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, seed=profile.seed, **opts)
-    vision = None
-    if profile.video.memory:
-        path = resolve_checkpoint(profile.lm.model, role="lm")
-        if not is_vlm(path):
-            if progress:
-                progress(f"lm {profile.lm.model} is text-only: video frames are counted, not remembered")
-        elif profile.lm.backend != "engine":
-            if progress:
-                progress("video memory needs lm.backend = engine: video frames are counted, not remembered")
-        else:
-            check_memory_fits(profile)
-            vision = worker.call(Priority.CONTROL, VisionEncoder.load, profile.lm.model, grid=profile.video.grid,
-                                 **opts)
-    return Models(asr=asr, answerer=answerer, vision=vision)
 
 
 class FrameSampler:
@@ -87,46 +51,52 @@ class FrameSampler:
         return True
 
 
+@dataclass(frozen=True)
+class SessionParts:
+    """Everything a session runs, built in dependency order by `session_builder.open_session`."""
+
+    audio_in: BlockingChannel[AudioChunk]
+    video_in: LatestChannel[VideoFrame]
+    questions: BlockingChannel[Question]
+    events: BlockingChannel[Event]
+    emit: Emit
+    sampler: FrameSampler
+    transcript: TranscriptMemory
+    video_memory: VideoMemory | None
+    asr_stream: ASRStream
+    heard: HeardClock
+    activity: AnswerActivity
+    transport: TransportStats
+    audio: AudioProcessor
+    video: VideoProcessor
+    answers: QuestionProcessor
+    prefiller: ContextPrefiller | None
+    notes: NoteWriter | None
+    describe: dict[str, object]  # what `session.created` says about the models and settings
+
+
 class Session:
-    def __init__(self, profile: Profile, models: Models, worker: DeviceWorker) -> None:
+    def __init__(self, profile: Profile, worker: DeviceWorker, parts: SessionParts) -> None:
         self.id = new_id("sess")
-        self.profile = profile
-        self.worker = worker
-        pipe = profile.pipeline
-        self.audio_in: BlockingChannel[AudioChunk] = BlockingChannel(pipe.audio_queue_chunks, "audio")
-        self.video_in: LatestChannel[VideoFrame] = LatestChannel(pipe.video_queue_frames, "video")
-        self.questions: BlockingChannel[Question] = BlockingChannel(pipe.question_queue, "questions")
-        self.events: BlockingChannel[Event] = BlockingChannel(pipe.event_queue, "events")
-        self.sampler = FrameSampler(profile.video.fps)
-        self.rate_limited: dict[str, int] = {}  # messages a transport's rate bounds dropped, by kind (web/limits.py)
-        self.memory = TranscriptMemory()
-        self._asr_stream = models.asr.open_stream()
-        self.prefiller: ContextPrefiller | None = None
-        self.audio = AudioProcessor(self.audio_in, self._asr_stream, worker, self.emit, self.memory,
-                                    on_transcript=self._transcript_changed)
-        self.video_memory: VideoMemory | None = None
-        self.notes: NoteWriter | None = None
-        if models.vision is not None:
-            self.video_memory = VideoMemory(memory_sizes(profile), models.vision.dim, device=profile.device,
-                                            dtype=models.vision.dtype)
-        self.video = VideoProcessor(self.video_in, worker, models.vision, self.video_memory, self.emit,
-                                    on_memory=self._transcript_changed, on_segments=self._segments_closed)
-        self.answers = QuestionProcessor(self.questions, models.answerer, worker, self.emit, self.memory,
-                                         self.audio)
+        self.profile, self.worker = profile, worker
+        self.audio_in, self.video_in = parts.audio_in, parts.video_in
+        self.questions, self.events, self.emit = parts.questions, parts.events, parts.emit
+        self.sampler, self.memory, self.video_memory = parts.sampler, parts.transcript, parts.video_memory
+        self.audio, self.video, self.answers = parts.audio, parts.video, parts.answers
+        self.prefiller, self.notes = parts.prefiller, parts.notes
+        self.heard, self.activity, self.transport = parts.heard, parts.activity, parts.transport
+        self._asr_stream = parts.asr_stream
+        self._describe = parts.describe
         self.lag = LoopLagMonitor()
         self.pushed_until = 0.0  # media seconds of audio pushed so far
         self.received_until = 0.0  # the same, counting a chunk still waiting for room in the audio queue
-        # A transport that buffers a live peer's audio before push_audio (WebRTC) says here how much it holds
-        # and how much it had to drop because the models fell that far behind.
-        self.audio_upstream_s = 0.0
-        self.audio_dropped_s = 0.0
         self.media_time = 0.0  # newest media time seen on any input
         self._expected_sample = 0
-        self._tasks: list[asyncio.Task[None]] = []
-        self._metrics_task: asyncio.Task[None] | None = None
+        self._inputs: list[asyncio.Task[None]] = []  # end when their channels drain: audio, video
+        self._answers: asyncio.Task[None] | None = None  # ends when the question channel drains
+        self._background: list[asyncio.Task[None]] = []  # wait for changes forever: prefiller, notes, metrics
         self._started = False
         self._closed = False
-        self._models = models
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> Session:
@@ -134,26 +104,15 @@ class Session:
             return self
         self._started = True
         self.lag.start()
-        lm_stream = await self.worker.run(Priority.CONTROL, self._models.answerer.open_session)
-        if lm_stream is not None:  # the answerer keeps per-stream KV: prefill the transcript as it lands
-            self.prefiller = ContextPrefiller(lm_stream, self.worker, self.memory, video=self.video_memory,
-                                              engine=getattr(self._models.answerer, "engine", None))
-            self.answers.lm_stream, self.answers.prefiller = lm_stream, self.prefiller
-            if self.video_memory is not None and self.profile.video.notes:
-                self.notes = NoteWriter(self._models.answerer, self.worker, self.video_memory, self.emit,
-                                        busy=lambda: self.answers.current is not None or len(self.questions) > 0,
-                                        max_tokens=self.profile.video.note_tokens)
-        self._tasks = [
-            asyncio.create_task(self.audio.run(), name=f"{self.id}:audio"),
-            asyncio.create_task(self.video.run(), name=f"{self.id}:video"),
-            asyncio.create_task(self.answers.run(), name=f"{self.id}:answers"),
-        ]
+        self._inputs = [asyncio.create_task(self.audio.run(), name=f"{self.id}:audio"),
+                        asyncio.create_task(self.video.run(), name=f"{self.id}:video")]
+        self._answers = asyncio.create_task(self.answers.run(), name=f"{self.id}:answers")
         if self.prefiller is not None:
-            self._tasks.append(asyncio.create_task(self.prefiller.run(), name=f"{self.id}:prefill"))
+            self._background.append(asyncio.create_task(self.prefiller.run(), name=f"{self.id}:prefill"))
         if self.notes is not None:
-            self._tasks.append(asyncio.create_task(self.notes.run(), name=f"{self.id}:notes"))
+            self._background.append(asyncio.create_task(self.notes.run(), name=f"{self.id}:notes"))
         if self.profile.pipeline.metrics_interval_s > 0:
-            self._metrics_task = asyncio.create_task(self._report_metrics(), name=f"{self.id}:metrics")
+            self._background.append(asyncio.create_task(self._report_metrics(), name=f"{self.id}:metrics"))
         await self.emit(SessionCreated(session=self.describe()))
         return self
 
@@ -166,18 +125,19 @@ class Session:
         else:
             await self.stop()
 
+    def _tasks(self) -> list[asyncio.Task[None]]:
+        return [*self._inputs, *([self._answers] if self._answers else []), *self._background]
+
     async def finish(self) -> None:
         """End of input: transcribe what is left, answer pending questions, emit final metrics, close."""
         if self._closed:
             return
         self.audio_in.close()
         self.video_in.close()
-        await asyncio.gather(self._tasks[0], self._tasks[1], return_exceptions=True)
+        await asyncio.gather(*self._inputs, return_exceptions=True)
         self.questions.close()
-        await asyncio.gather(self._tasks[2], return_exceptions=True)
-        for task in self._tasks[3:]:  # prefiller and notes wait for changes forever: nothing more will change
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._answers is not None:
+            await asyncio.gather(self._answers, return_exceptions=True)
         await self._close()
 
     async def stop(self) -> None:
@@ -186,16 +146,15 @@ class Session:
             return
         for channel in (self.audio_in, self.video_in, self.questions):
             channel.close()
-        for task in self._tasks:
+        for task in self._tasks():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._close()
 
     async def _close(self) -> None:
         self._closed = True
-        if self._metrics_task is not None:
-            self._metrics_task.cancel()
-            await asyncio.gather(self._metrics_task, return_exceptions=True)
+        for task in self._background:  # nothing more will change: the prefiller and notes have no more to do
+            task.cancel()
+        await asyncio.gather(*self._tasks(), return_exceptions=True)
         with contextlib.suppress(Exception):
             await self.worker.run(Priority.CONTROL, self._asr_stream.close)
         await self.emit(Metrics(metrics=self.metrics(), media_time=self.media_time))
@@ -245,68 +204,45 @@ class Session:
                                         media_time=at))
             return None
         question = Question(text.strip(), at, min(at, self.pushed_until), client_event_id)
+        self.activity.asked()  # from now on a note waits: the question goes first
         try:
             await self.questions.put(question)
         except ChannelClosed:
+            self.activity.ended()
             return None
         if wait:
             await question.answered.wait()
         return question.response_id
 
-    def _transcript_changed(self) -> None:
-        """The transcript or the video memory changed: the prefiller picks up the newest state."""
-        if self.prefiller is not None:
-            self.prefiller.mark_dirty()
-
-    def _segments_closed(self, segments: list[Any]) -> None:
-        if self.notes is not None:
-            self.notes.add(segments)
-
     def cancel_response(self, response_id: str | None = None) -> bool:
         return self.answers.cancel(response_id)
 
-    async def emit(self, event: Event) -> None:
-        """Waits while the event channel is full: events are never dropped, the processors are slowed."""
-        if not self.events.closed:
-            await self.events.put(event)
-
     # -- reporting -------------------------------------------------------------------------------------------
-    def describe(self) -> dict[str, Any]:
-        p = self.profile
-        return {
-            "id": self.id,
-            "object": "realtime.session",
-            "profile": p.name,
-            "device": p.device,
-            "dtype": p.dtype,
-            "random_weights": p.random_weights,
-            "asr": {"backend": p.asr.backend, "model": p.asr.model, "language": p.asr.language},
-            "lm": {"backend": p.lm.backend, "model": p.lm.model, "max_new_tokens": p.lm.max_new_tokens}
-            if not isinstance(self._models.answerer, NoAnswerer) else {"backend": "none"},  # transcribe: no LM
-            "video": {"fps": p.video.fps, "max_side": p.video.max_side,
-                      "memory_tokens": self.video_memory.sizes.budget() if self.video_memory else 0},
-        }
+    def describe(self) -> dict[str, object]:
+        return {"id": self.id, "object": "realtime.session", **self._describe}
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> dict[str, object]:
+        t = self.transport
         return {
             "loop_lag": self.lag.report(),
             "channels": {c.name: c.stats.to_dict() for c in (self.audio_in, self.video_in, self.questions,
                                                              self.events)},
             "video": self._video_metrics(),
-            "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.audio.heard_until, 3),
-                    "lag_s": round(self.received_until + self.audio_upstream_s - self.audio.heard_until, 3),
-                    "dropped_s": round(self.audio_dropped_s, 3)},
+            "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.heard.until, 3),
+                    "lag_s": round(self.received_until + t.audio_buffered_s - self.heard.until, 3),
+                    "dropped_s": round(t.audio_dropped_s, 3)},
             "answers": {"answered": self.answers.answered,
                         "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0},
             "worker": self.worker.stats(),
-            "rate_limited": dict(self.rate_limited),
+            "rate_limited": dict(t.rate_limited),
         }
 
-    def _video_metrics(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"frames_in": self.sampler.kept + self.sampler.skipped,
-                               "fps_skipped": self.sampler.skipped, "dropped_full": self.video_in.stats.dropped,
-                               "processed": self.video.frames, "encoded": self.video.encoded,
-                               "batches": self.video.batches}
+    def _video_metrics(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {"frames_in": self.sampler.kept + self.sampler.skipped,
+                                       "fps_skipped": self.sampler.skipped,
+                                       "dropped_full": self.video_in.stats.dropped,
+                                       "processed": self.video.frames, "encoded": self.video.encoded,
+                                       "batches": self.video.batches}
         if self.video_memory is not None:
             snap = self.video_memory.snapshot()
             out.update(memory_tokens=snap.tokens, memory_budget=self.video_memory.sizes.budget(),

@@ -26,9 +26,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from enum import IntEnum
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class Priority(IntEnum):
@@ -91,7 +92,7 @@ class DeviceWorker:
         return self._thread
 
     # -- submitting ------------------------------------------------------------------------------------------
-    def submit(self, priority: Priority, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    def submit(self, priority: Priority, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Thread-safe, unbounded: for callers outside the event loop (start-up, tests)."""
         if self._stopping or self._thread is None:
             raise WorkerStopped(f"{self.name} is not running")
@@ -118,11 +119,11 @@ class DeviceWorker:
         self._queue.put((int(priority), next(self._seq), job))
         return fut
 
-    def call(self, priority: Priority, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def call(self, priority: Priority, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Blocking submit-and-wait, for code that is not on an event loop."""
         return self.submit(priority, fn, *args, **kwargs).result()
 
-    async def run(self, priority: Priority, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def run(self, priority: Priority, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn` on the worker and await its result without blocking the loop; waits for a free slot."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_pending)
@@ -134,7 +135,7 @@ class DeviceWorker:
                 fut.cancel()  # skipped if it has not started; a running job finishes on its own
                 raise
 
-    def _job_finished(self, _fut: Future[Any]) -> None:
+    def _job_finished(self, _fut: Future[object]) -> None:
         with self._lock:
             self._pending -= 1
 
@@ -146,7 +147,7 @@ class DeviceWorker:
             job()
 
     # -- metrics ---------------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, float | int | dict[str, int] | dict[str, float]]:
         return {
             "pending": self._pending,
             "max_pending": self.max_pending,

@@ -17,7 +17,8 @@ import soundfile
 
 from runtime.config import load_profile
 from runtime.io.sample import demo_speech, render_frame
-from runtime.session import load_models
+from runtime.loaded_models import load_models
+from runtime.session_builder import open_session
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
 
@@ -193,13 +194,12 @@ async def test_page_watches_the_servers_local_session(tiny, tmp_path):
     """`runtime serve --camera 0` serves the page too: ?watch=1 follows the local session's captions and answers
     (here a real session fed the demo speech, its events published as the CLI does), without any camera."""
     from runtime.chunks import AudioChunk
-    from runtime.session import Session
     from runtime.web.broadcast import Broadcast
 
     deadline, problems = Deadline(TOTAL_TIMEOUT_S), []
     async with RealtimeServer(*tiny, port=0) as server, browser_page(tmp_path, problems) as page:
         server.local = Broadcast("demo speech")
-        session = await Session(*tiny).start()
+        session = await (await open_session(*tiny)).start()
 
         async def publish() -> None:
             async for event in session.events:

@@ -202,7 +202,7 @@ def test_transcribe_needs_audio_and_loads_the_asr_alone(capsys, demo_file, tmp_p
 def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, demo_file):
     """A run whose ASR failed on every chunk printed errors; its exit status must say so to a script."""
     from runtime import cli
-    from runtime.session import Models
+    from runtime.loaded_models import Models
 
     class BrokenStream:
         def __init__(self, stream):

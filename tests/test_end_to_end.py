@@ -11,8 +11,9 @@ import pytest
 from runtime.config import load_profile
 from runtime.feed import ScheduledQuestion, feed
 from runtime.io.file_source import FileSource
+from runtime.loaded_models import Models, load_models
 from runtime.memory.transcript import TranscriptMemory
-from runtime.session import Models, Session, load_models
+from runtime.session_builder import open_session
 from runtime.worker import DeviceWorker
 
 
@@ -32,7 +33,7 @@ async def _chunks(path, profile):
 async def test_session_equals_direct_model_calls(tiny, demo_file):
     profile, worker, models = tiny
     spy = ContextSpy(models.answerer)
-    session = await Session(profile, Models(models.asr, spy), worker).start()
+    session = await (await open_session(profile, Models(models.asr, spy), worker)).start()
     events: list = []
     consumer = asyncio.create_task(_drain(session, events))
     await feed(FileSource(demo_file, speed=0, chunk_ms=profile.pipeline.audio_chunk_ms), session,

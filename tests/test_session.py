@@ -12,9 +12,11 @@ import pytest
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.config import load_profile, with_overrides
+from runtime.loaded_models import Models
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm.answerer import AnswerStep
-from runtime.session import Models, Session
+from runtime.session import Session
+from runtime.session_builder import open_session
 from runtime.worker import DeviceWorker
 
 CHUNK = SAMPLE_RATE // 10  # 100 ms
@@ -158,7 +160,7 @@ def worker():
 @pytest.mark.asyncio
 async def test_transcript_then_answer_in_order_with_no_task_left(worker):
     asr, answerer = WordASR(), EchoAnswerer()
-    session = await Session(_profile(), Models(asr, answerer), worker).start()
+    session = await (await open_session(_profile(), Models(asr, answerer), worker)).start()
     events = asyncio.create_task(_collect(session))
     for chunk in _audio(12):
         await session.push_audio(chunk)
@@ -183,7 +185,7 @@ async def test_transcript_then_answer_in_order_with_no_task_left(worker):
 @pytest.mark.asyncio
 async def test_question_mid_stream_sees_only_what_was_heard(worker):
     answerer = EchoAnswerer()
-    session = await Session(_profile(), Models(WordASR(per_item=100), answerer), worker).start()
+    session = await (await open_session(_profile(), Models(WordASR(per_item=100), answerer), worker)).start()
     events = asyncio.create_task(_collect(session))
     for chunk in _audio(5):
         await session.push_audio(chunk)
@@ -197,7 +199,7 @@ async def test_question_mid_stream_sees_only_what_was_heard(worker):
 
 @pytest.mark.asyncio
 async def test_media_times_line_up(worker):
-    session = await Session(_profile(), Models(WordASR(per_item=3), EchoAnswerer()), worker).start()
+    session = await (await open_session(_profile(), Models(WordASR(per_item=3), EchoAnswerer()), worker)).start()
     events = asyncio.create_task(_collect(session))
     for chunk in _audio(9):
         await session.push_audio(chunk)
@@ -215,7 +217,7 @@ async def test_media_times_line_up(worker):
 @pytest.mark.asyncio
 async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
     asr = WordASR(fail_on=2)
-    session = await Session(_profile(), Models(asr, EchoAnswerer()), worker).start()
+    session = await (await open_session(_profile(), Models(asr, EchoAnswerer()), worker)).start()
     events = asyncio.create_task(_collect(session))
     assert await session.ask("   ", client_event_id="evt_client") is None
     with pytest.raises(ValueError, match="contiguous"):
@@ -235,7 +237,7 @@ async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
 @pytest.mark.asyncio
 async def test_cancel_stops_the_answer_within_a_step(worker):
     answerer = EchoAnswerer(step_s=0.02)
-    session = await Session(_profile(), Models(WordASR(), answerer), worker).start()
+    session = await (await open_session(_profile(), Models(WordASR(), answerer), worker)).start()
     seen: list = []
 
     async def consume():
@@ -257,7 +259,7 @@ async def test_cancel_stops_the_answer_within_a_step(worker):
 @pytest.mark.asyncio
 async def test_slow_asr_slows_the_source_and_loses_no_audio(worker):
     asr = WordASR(per_item=1000, delay_s=0.01)
-    session = await Session(_profile(audio_queue_chunks=3), Models(asr, EchoAnswerer()), worker).start()
+    session = await (await open_session(_profile(audio_queue_chunks=3), Models(asr, EchoAnswerer()), worker)).start()
     events = asyncio.create_task(_collect(session))
     started = time.perf_counter()
     for chunk in _audio(40):
@@ -275,7 +277,7 @@ async def test_slow_asr_slows_the_source_and_loses_no_audio(worker):
 @pytest.mark.asyncio
 async def test_video_is_sampled_at_the_configured_fps(worker):
     profile = with_overrides(_profile(), video={"fps": 2.0})
-    session = await Session(profile, Models(WordASR(), EchoAnswerer()), worker).start()
+    session = await (await open_session(profile, Models(WordASR(), EchoAnswerer()), worker)).start()
     events = asyncio.create_task(_collect(session))
     image = np.zeros((8, 8, 3), np.uint8)
     kept = [session.push_video(VideoFrame(image, i / 30)) for i in range(90)]  # 3 s at 30 fps
@@ -290,7 +292,7 @@ async def test_video_is_sampled_at_the_configured_fps(worker):
 @pytest.mark.asyncio
 async def test_stop_mid_answer_leaves_nothing_behind(worker):
     asr, answerer = WordASR(), EchoAnswerer(step_s=0.05)
-    session = await Session(_profile(), Models(asr, answerer), worker).start()
+    session = await (await open_session(_profile(), Models(asr, answerer), worker)).start()
     events = asyncio.create_task(_collect(session))
     for chunk in _audio(3):
         await session.push_audio(chunk)
@@ -307,8 +309,8 @@ async def test_stop_mid_answer_leaves_nothing_behind(worker):
 
 @pytest.mark.asyncio
 async def test_full_question_queue_is_refused_with_an_error(worker):
-    session = await Session(_profile(question_queue=1), Models(WordASR(), EchoAnswerer(step_s=0.05)),
-                            worker).start()
+    session = await (await open_session(_profile(question_queue=1), Models(WordASR(), EchoAnswerer(step_s=0.05)),
+                                        worker)).start()
     events = asyncio.create_task(_collect(session))
     ids = [await session.ask(f"q{i}") for i in range(4)]
     await session.stop()
@@ -319,7 +321,8 @@ async def test_full_question_queue_is_refused_with_an_error(worker):
 
 @pytest.mark.asyncio
 async def test_metrics_are_emitted_periodically(worker):
-    session = await Session(_profile(metrics_interval_s=0.05), Models(WordASR(), EchoAnswerer()), worker).start()
+    models = Models(WordASR(), EchoAnswerer())
+    session = await (await open_session(_profile(metrics_interval_s=0.05), models, worker)).start()
     events = asyncio.create_task(_collect(session))
     await asyncio.sleep(0.3)
     await session.finish()
@@ -332,7 +335,7 @@ async def test_metrics_are_emitted_periodically(worker):
 @pytest.mark.asyncio
 async def test_transcript_is_prefilled_as_it_arrives(worker):
     answerer = StreamingEchoAnswerer()
-    session = await Session(_profile(), Models(WordASR(per_item=4), answerer), worker).start()
+    session = await (await open_session(_profile(), Models(WordASR(per_item=4), answerer), worker)).start()
     events = asyncio.create_task(_collect(session))
     for chunk in _audio(8):
         await session.push_audio(chunk)

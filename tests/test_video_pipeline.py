@@ -9,7 +9,8 @@ import pytest
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.config import ConfigError, load_profile, with_overrides
 from runtime.events import VideoNote
-from runtime.session import Session, load_models
+from runtime.loaded_models import load_models
+from runtime.session_builder import open_session
 from runtime.worker import DeviceWorker
 
 CHUNK = SAMPLE_RATE // 10
@@ -55,7 +56,7 @@ async def wait_for(cond, timeout=30.0):
 
 @pytest.mark.asyncio
 async def test_question_while_frames_arrive_and_frames_after_it_land(models, worker):
-    session = await Session(profile(notes=False), models, worker).start()
+    session = await (await open_session(profile(notes=False), models, worker)).start()
     events = []
     collector = asyncio.create_task(_collect(session, events))
     await push_seconds(session, 0, 6)
@@ -84,7 +85,7 @@ async def test_question_while_frames_arrive_and_frames_after_it_land(models, wor
 
 @pytest.mark.asyncio
 async def test_notes_are_written_for_closed_segments_when_idle(models, worker):
-    session = await Session(profile(notes=True), models, worker).start()
+    session = await (await open_session(profile(notes=True), models, worker)).start()
     events = []
     collector = asyncio.create_task(_collect(session, events))
     await push_seconds(session, 0, 10)  # segments of 4 s: two close
@@ -106,7 +107,7 @@ async def test_text_only_model_counts_frames_and_remembers_nothing(worker):
     messages = []
     models = load_models(p, worker, progress=messages.append)
     assert models.vision is None and any("text-only" in m for m in messages)
-    session = await Session(p, models, worker).start()
+    session = await (await open_session(p, models, worker)).start()
     collector = asyncio.create_task(_collect(session, []))
     await push_seconds(session, 0, 3)
     await session.finish()
@@ -140,7 +141,7 @@ async def test_an_unpaced_video_file_loses_no_frame_and_answers_the_same_every_r
                                                        for i in range(60)])
     runs = []
     for _ in range(2):
-        session = await Session(profile(), models, worker).start()
+        session = await (await open_session(profile(), models, worker)).start()
         events: list = []
 
         async def drain(session=session, events=events):

@@ -10,7 +10,7 @@ import pytest
 
 from runtime.client import RealtimeClient
 from runtime.config import load_profile
-from runtime.session import load_models
+from runtime.loaded_models import load_models
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
 

@@ -22,7 +22,8 @@ from runtime.client import AsyncRealtimeClient, encode_jpeg, pcm16_bytes
 from runtime.config import load_profile, with_overrides
 from runtime.errors import UserError
 from runtime.io.sample import demo_speech, render_frame
-from runtime.session import Session, load_models
+from runtime.loaded_models import load_models
+from runtime.session import Session
 from runtime.web.protocol import MAX_MESSAGE_BYTES, binary_audio, binary_frame
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker

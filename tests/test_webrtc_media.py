@@ -14,7 +14,8 @@ from aiortc.mediastreams import MediaStreamError
 from test_web_server import tiny  # noqa: F401  (the module-scoped models fixture)
 
 from runtime.config import with_overrides
-from runtime.session import Session
+from runtime.session_builder import open_session
+from runtime.session_state import TransportStats
 from runtime.web.webrtc import INBOX_MESSAGES, WebRTCPeer, next_sample_due
 
 RATE = 48000
@@ -57,18 +58,23 @@ async def fed_samples(peer: WebRTCPeer) -> list[tuple[int, bool]]:
     return pushed
 
 
+async def _peer(profile, models, worker) -> WebRTCPeer:
+    stats = TransportStats()
+    return WebRTCPeer(await open_session(profile, models, worker, transport=stats), profile, stats)
+
+
 @pytest.mark.asyncio
 async def test_a_gap_in_the_microphone_track_comes_in_as_silence(tiny):  # noqa: F811
     profile, models, worker = tiny
-    peer = WebRTCPeer(Session(profile, models, worker), profile)
+    peer = await _peer(profile, models, worker)
     await peer._consume_audio(GappyMicrophone(before_s=1.0, gap_s=2.5, after_s=1.0))
     assert peer.audio_silence == 40000  # 2.5 s at 16 kHz, waiting as a count, not as samples
-    assert peer.session.audio_upstream_s == pytest.approx(4.5, abs=0.05)
+    assert peer.stats.audio_buffered_s == pytest.approx(4.5, abs=0.05)
     pushed = await fed_samples(peer)
     total = sum(n for n, _ in pushed)
     assert total == pytest.approx(4.5 * 16000, abs=800)  # the clock covers the gap: 4.5 s, not 2 s
     assert sum(n for n, silent in pushed if silent) >= 40000
-    assert peer.session.audio_upstream_s == 0.0
+    assert peer.stats.audio_buffered_s == 0.0
     await peer.pc.close()
 
 
@@ -76,10 +82,10 @@ async def test_a_gap_in_the_microphone_track_comes_in_as_silence(tiny):  # noqa:
 async def test_audio_dropped_behind_a_live_peer_is_counted_and_a_gap_survives_it(tiny):  # noqa: F811
     profile, models, worker = tiny
     small = with_overrides(profile, serve={"webrtc_audio_buffer_s": 0.5})
-    session = Session(small, models, worker)
-    peer = WebRTCPeer(session, small)
+    peer = await _peer(small, models, worker)
+    session = peer.session
     await peer._consume_audio(GappyMicrophone(before_s=1.0, gap_s=2.0, after_s=1.0))  # nobody feeds meanwhile
-    assert session.audio_dropped_s == pytest.approx(1.5, abs=0.05)  # 2 s of sound, 0.5 s kept
+    assert peer.stats.audio_dropped_s == pytest.approx(1.5, abs=0.05)  # 2 s of sound, 0.5 s kept
     assert peer.audio_silence == 32000  # the gap's silence is not dropped: the clock must not slip
     assert session.metrics()["asr"]["dropped_s"] == pytest.approx(1.5, abs=0.05)
     assert session.metrics()["asr"]["lag_s"] == pytest.approx(2.5, abs=0.05)  # kept audio + the gap, unheard
@@ -105,7 +111,7 @@ def test_the_frame_sampler_keeps_video_fps_from_a_camera_off_its_grid():
 @pytest.mark.asyncio
 async def test_a_data_channel_append_beside_a_microphone_track_is_refused_and_the_session_goes_on(tiny):  # noqa: F811
     profile, models, worker = tiny
-    peer = WebRTCPeer(Session(profile, models, worker), profile)
+    peer = await _peer(profile, models, worker)
     peer.driver.audio_from_track = True  # as _on_track sets it when the offer has a microphone
     sent: list[dict] = []
 
@@ -131,7 +137,7 @@ async def test_a_data_channel_append_beside_a_microphone_track_is_refused_and_th
 @pytest.mark.asyncio
 async def test_a_flood_refusal_names_the_event_it_dropped(tiny):  # noqa: F811
     profile, models, worker = tiny
-    peer = WebRTCPeer(Session(profile, models, worker), profile)
+    peer = await _peer(profile, models, worker)
 
     class Channel:
         readyState = "open"

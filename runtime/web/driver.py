@@ -23,6 +23,7 @@ from runtime.config import Profile
 from runtime.events import SessionUpdated
 from runtime.io.rechunk import AudioRechunker
 from runtime.session import Session
+from runtime.session_state import TransportStats
 from runtime.web.limits import SessionLimits
 from runtime.web.protocol import (
     AppendAudio,
@@ -46,11 +47,11 @@ Send = Callable[[str], Awaitable[None]]
 
 
 class SessionDriver:
-    def __init__(self, session: Session, profile: Profile) -> None:
+    def __init__(self, session: Session, profile: Profile, stats: TransportStats) -> None:
+        """`stats`: the transport's own, which `session` was built with: what the rate bounds cost goes there."""
         self.session, self.profile = session, profile
         self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
-        self.limits = SessionLimits(profile.serve)
-        session.rate_limited = self.limits.counts  # the session's metrics report what the bounds cost
+        self.limits = SessionLimits(profile.serve, counts=stats.rate_limited)
         self.pending_text: list[str] = []
         self.finishing: asyncio.Task[None] | None = None
         self.started = asyncio.Event()  # set once the session runs: media may be pushed from then on

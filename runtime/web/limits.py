@@ -62,13 +62,15 @@ class SessionLimits:
     whether to take a frame, and after a refusal `report` says what to answer now, or None while this second's
     report was already sent (the drop is still counted)."""
 
-    def __init__(self, config: ServeConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: ServeConfig, clock: Callable[[], float] = time.monotonic,
+                 counts: dict[str, float] | None = None) -> None:
         self.config, self.clock = config, clock
         self.frames = TokenBucket(config.max_frames_per_s, max(1.0, config.max_frames_per_s), clock)
         audio_rate = config.max_audio_speed * SAMPLE_RATE
         self.audio = TokenBucket(audio_rate, max(audio_rate, config.audio_burst_s * SAMPLE_RATE), clock)
         self.started = clock()
-        self.counts = {"image": 0, "audio_paced_s": 0.0}  # frames dropped, seconds audio waited
+        self.counts = counts if counts is not None else {}  # the transport's stats, which the metrics report
+        self.counts.update(image=0, audio_paced_s=0.0)  # frames dropped, seconds audio waited
         self._unreported = 0
         self._last_report = -1e9
 

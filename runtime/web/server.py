@@ -21,8 +21,8 @@ import hmac
 import json
 import logging
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -31,12 +31,19 @@ from websockets.http11 import Request, Response
 
 from runtime.config import Profile
 from runtime.events import error_event
+from runtime.loaded_models import Models
 from runtime.metrics import LoopLagMonitor, rss_mb
-from runtime.session import Models, Session
+from runtime.session import Session
+from runtime.session_builder import open_session
+from runtime.session_state import TransportStats
 from runtime.web.broadcast import Broadcast
 from runtime.web.driver import SessionDriver
 from runtime.web.http import PostConnection, error_response, json_response, static_response, without_body
 from runtime.web.protocol import MAX_MESSAGE_BYTES, event_id_of
+from runtime.worker import DeviceWorker
+
+if TYPE_CHECKING:
+    from runtime.web.webrtc import WebRTCPeer
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +64,7 @@ class RealtimeServer:
     takes; websockets' heartbeat would close those sessions with 1011. A peer that vanished is found by TCP
     instead, once the pings go unacknowledged (Linux gives up after about 15 minutes)."""
 
-    def __init__(self, profile: Profile, models: Models, worker: Any, *, host: str = "127.0.0.1",
+    def __init__(self, profile: Profile, models: Models, worker: DeviceWorker, *, host: str = "127.0.0.1",
                  port: int = 8765, max_sessions: int = 8, token: str | None = None,
                  allow_origins: Sequence[str] | None = None, keepalive_s: float = 20.0) -> None:
         self.profile, self.models, self.worker = profile, models, worker
@@ -66,6 +73,7 @@ class RealtimeServer:
         self.token = token or None  # an empty token would admit anyone with an empty one: treat it as unset
         self.allow_origins = None if allow_origins is None else {o.rstrip("/") for o in allow_origins}
         self.sessions: dict[str, Session] = {}
+        self._opening = 0  # sessions being built: they hold a slot before their first await
         self.peers: set[asyncio.Task[None]] = set()  # one per WebRTC peer, cancelled by stop()
         self.local: Broadcast | None = None  # the terminal's own session (serve --camera/--source), if any
         self.loop_lag = LoopLagMonitor(interval_s=0.01)  # the whole server's loop: every session shares it
@@ -101,7 +109,7 @@ class RealtimeServer:
         assert self._server is not None, "start() first"
         return int(next(iter(self._server.sockets)).getsockname()[1])
 
-    def health(self, window_s: float = 10.0) -> dict[str, Any]:
+    def health(self, window_s: float = 10.0) -> dict[str, object]:
         """What /healthz answers; `loop_lag_ms` covers the last `window_s` seconds (`?window=S`)."""
         return {
             "status": "ok",
@@ -188,12 +196,12 @@ class RealtimeServer:
         if "\na=fingerprint:" not in sdp:  # aiortc answers it, but DTLS can never start: a slot held for 30 s
             return error_response(connection, 400, "the offer has no DTLS fingerprint (a=fingerprint), so the "
                                                    "connection could never be secured", "invalid_offer")
-        if len(self.sessions) >= self.max_sessions:
+        if self._full():
             return error_response(connection, 503, f"server is at its limit of {self.max_sessions} sessions; "
                                                    "try again later", "server_busy")
-        session = Session(self.profile, self.models, self.worker)
-        self.sessions[session.id] = session  # before any await: the limit check above cannot race
-        peer = WebRTCPeer(session, self.profile)
+        stats = TransportStats()  # the peer's own measurements, which the session's metrics report
+        session = await self._open(stats)
+        peer = WebRTCPeer(session, self.profile, stats)
         try:
             answer = await peer.answer(offer["sdp"])
         except Exception as err:  # aiortc refuses an SDP it cannot use with ValueError and others
@@ -206,7 +214,21 @@ class RealtimeServer:
         task.add_done_callback(self.peers.discard)
         return json_response(connection, 200, {**answer, "session_id": session.id})
 
-    async def _run_peer(self, peer: Any) -> None:
+    def _full(self) -> bool:
+        return len(self.sessions) + self._opening >= self.max_sessions
+
+    async def _open(self, stats: TransportStats) -> Session:
+        """Build a session and register it; the slot is held from before the first await, so the limit check
+        just made cannot race another connection."""
+        self._opening += 1
+        try:
+            session = await open_session(self.profile, self.models, self.worker, transport=stats)
+        finally:
+            self._opening -= 1
+        self.sessions[session.id] = session
+        return session
+
+    async def _run_peer(self, peer: WebRTCPeer) -> None:
         try:
             await peer.run()
         finally:
@@ -231,17 +253,17 @@ class RealtimeServer:
     async def _handle(self, ws: ServerConnection) -> None:
         if ws.request is not None and ws.request.path.partition("?")[0] == WATCH_PATH:
             return await self._watch(ws)
-        if len(self.sessions) >= self.max_sessions:
+        if self._full():
             busy = error_event(f"server is at its limit of {self.max_sessions} sessions; try again later",
                                code="server_busy", type="server_error")
             with contextlib.suppress(ConnectionClosed):
                 await ws.send(busy.to_json())
                 await ws.close(1013, "server busy")
             return
-        session = Session(self.profile, self.models, self.worker)
-        self.sessions[session.id] = session  # before any await: the limit check above cannot race
+        stats = TransportStats()
+        session = await self._open(stats)
         try:
-            if await SessionDriver(session, self.profile).run(ws, ws.send):  # committed and drained: goodbye
+            if await SessionDriver(session, self.profile, stats).run(ws, ws.send):  # committed and drained: goodbye
                 with contextlib.suppress(ConnectionClosed):
                     await ws.close(1000, "session finished")
         finally:
@@ -268,7 +290,7 @@ class RealtimeServer:
         reader = asyncio.create_task(refuse_input())
         behind = asyncio.create_task(watcher.behind.wait())
 
-        async def unless_stopped(step: Any) -> tuple[bool, Any]:
+        async def unless_stopped(step: Coroutine[object, object, str | None]) -> tuple[bool, str | None]:
             """Run one step (a queue get, a send) unless the watcher leaves or falls behind meanwhile."""
             task = asyncio.create_task(step)
             done, _ = await asyncio.wait({task, reader, behind}, return_when=asyncio.FIRST_COMPLETED)
@@ -296,9 +318,9 @@ class RealtimeServer:
             await asyncio.gather(reader, behind, return_exceptions=True)
 
 
-async def run_server(profile: Profile, models: Models, worker: Any, *, host: str = "127.0.0.1", port: int = 8765,
-                     max_sessions: int = 8, token: str | None = None, allow_origins: Sequence[str] | None = None,
-                     ready: asyncio.Event | None = None) -> None:
+async def run_server(profile: Profile, models: Models, worker: DeviceWorker, *, host: str = "127.0.0.1",
+                     port: int = 8765, max_sessions: int = 8, token: str | None = None,
+                     allow_origins: Sequence[str] | None = None, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; sets `ready` once the socket is bound. `token`, `allow_origins`: RealtimeServer's."""
     server = await RealtimeServer(profile, models, worker, host=host, port=port, max_sessions=max_sessions,
                                   token=token, allow_origins=allow_origins).start()

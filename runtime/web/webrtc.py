@@ -38,6 +38,7 @@ from runtime.config import Profile
 from runtime.events import error_event
 from runtime.io.file_source import scaled_size
 from runtime.session import Session
+from runtime.session_state import TransportStats
 from runtime.web.driver import SessionDriver
 from runtime.web.protocol import event_id_of
 
@@ -52,10 +53,11 @@ MAX_AUDIO_GAP_S = 3600.0  # a jump beyond this is taken for a broken timestamp, 
 
 
 class WebRTCPeer:
-    def __init__(self, session: Session, profile: Profile) -> None:
-        self.session, self.profile = session, profile
+    def __init__(self, session: Session, profile: Profile, stats: TransportStats) -> None:
+        """`stats`: this peer's own measurements (audio it buffers and drops), which `session` was built with."""
+        self.session, self.profile, self.stats = session, profile, stats
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # no STUN: host candidates only
-        self.driver = SessionDriver(session, profile)
+        self.driver = SessionDriver(session, profile, stats)
         self.channel: RTCDataChannel | None = None
         self.channel_open = asyncio.Event()
         self.closed = asyncio.Event()
@@ -213,11 +215,11 @@ class WebRTCPeer:
             dropped = self.audio_buffer[oldest]
             del self.audio_buffer[oldest]
             self.audio_buffered -= len(dropped)  # type: ignore[arg-type]
-            self.session.audio_dropped_s += len(dropped) / SAMPLE_RATE  # type: ignore[arg-type]
+            self.stats.audio_dropped_s += len(dropped) / SAMPLE_RATE  # type: ignore[arg-type]
         self._report_upstream()
 
     def _report_upstream(self) -> None:
-        self.session.audio_upstream_s = (self.audio_buffered + self.audio_silence) / SAMPLE_RATE
+        self.stats.audio_buffered_s = (self.audio_buffered + self.audio_silence) / SAMPLE_RATE
 
     async def _feed_audio(self) -> None:
         await self.driver.started.wait()

@@ -1,0 +1,52 @@
+"""The models a process loads once and shares between its sessions, loaded on the device worker (the thread
+that will run them): the ASR, the answerer, and the vision half of a vision-language model when the language
+model can see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runtime.config import Profile, check_memory_fits
+from runtime.models.asr.base import StreamingASR, load_asr
+from runtime.models.lm.answerer import AnswerBackend, NoAnswerer, load_answerer
+from runtime.models.lm.weights import is_vlm
+from runtime.models.loading import configure_threads, resolve_checkpoint
+from runtime.models.vlm.base import FrameEncoder
+from runtime.models.vlm.llava_onevision import VisionEncoder
+from runtime.worker import DeviceWorker, Priority
+
+
+@dataclass
+class Models:
+    asr: StreamingASR
+    answerer: AnswerBackend
+    vision: FrameEncoder | None = None  # the VLM's vision half, when the language model can see
+
+
+def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str], None] | None = None, *,
+                answers: bool = True) -> Models:
+    """Load the profile's models on the worker thread (the thread that will run them). `answers=False` loads
+    the ASR alone (`runtime transcribe`: no question comes, so neither the language model nor its vision)."""
+    worker.call(Priority.CONTROL, configure_threads, profile.threads)
+    asr = worker.call(Priority.CONTROL, load_asr, profile.asr, device=profile.device,
+                      dtype=profile.dtype, progress=progress)
+    if not answers:
+        return Models(asr=asr, answerer=NoAnswerer())
+    answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, seed=profile.seed,
+                           device=profile.device, dtype=profile.dtype, progress=progress)
+    vision = None
+    if profile.video.memory:
+        path = resolve_checkpoint(profile.lm.model, role="lm")
+        if not is_vlm(path):
+            if progress:
+                progress(f"lm {profile.lm.model} is text-only: video frames are counted, not remembered")
+        elif profile.lm.backend != "engine":
+            if progress:
+                progress("video memory needs lm.backend = engine: video frames are counted, not remembered")
+        else:
+            check_memory_fits(profile)
+            vision = worker.call(Priority.CONTROL, VisionEncoder.load, profile.lm.model, grid=profile.video.grid,
+                                 device=profile.device, dtype=profile.dtype, progress=progress)
+    return Models(asr=asr, answerer=answerer, vision=vision)

@@ -1,0 +1,111 @@
+"""Assembles a session in one place, in dependency order, and hands each part only what it uses.
+
+    channels, memories, shared signals  (plain objects, no model work)
+    ASR stream, LM stream               (opened on the device worker: they allocate model state)
+    prefiller, note writer              (need the LM stream; exist only when the model keeps one)
+    audio, video, question processors   (need all of the above)
+
+Nothing is wired after construction: no processor is handed another processor, and no attribute is set from
+outside. A transport that measures something before the session's own channels (WebRTC's audio buffer, a
+websocket's rate bounds) passes the `TransportStats` it owns, and the session's metrics read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from runtime.channels import BlockingChannel, LatestChannel
+from runtime.chunks import AudioChunk, VideoFrame
+from runtime.config import Profile, memory_sizes
+from runtime.events import Event
+from runtime.loaded_models import Models
+from runtime.memory.transcript import TranscriptMemory
+from runtime.memory.video import VideoMemory
+from runtime.models.lm.answerer import NoAnswerer
+from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.audio import AudioProcessor
+from runtime.pipeline.notes import NoteWriter
+from runtime.pipeline.prefill import ContextPrefiller
+from runtime.pipeline.video import VideoProcessor
+from runtime.session import FrameSampler, Session, SessionParts
+from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, TransportStats
+from runtime.worker import DeviceWorker, Priority
+
+
+async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *,
+                       transport: TransportStats | None = None) -> Session:
+    """A session ready to `start()`. Its per-stream model state is opened on the worker, never on the loop."""
+    pipe = profile.pipeline
+    audio_in: BlockingChannel[AudioChunk] = BlockingChannel(pipe.audio_queue_chunks, "audio")
+    video_in: LatestChannel[VideoFrame] = LatestChannel(pipe.video_queue_frames, "video")
+    questions: BlockingChannel[Question] = BlockingChannel(pipe.question_queue, "questions")
+    events: BlockingChannel[Event] = BlockingChannel(pipe.event_queue, "events")
+
+    async def emit(event: Event) -> None:
+        """Waits while the event channel is full: events are never dropped, the processors are slowed."""
+        if not events.closed:
+            await events.put(event)
+
+    transcript = TranscriptMemory()
+    heard, changes, activity = HeardClock(), ContextChanges(), AnswerActivity()
+    video_memory = None
+    if models.vision is not None:
+        video_memory = VideoMemory(memory_sizes(profile), models.vision.dim, device=profile.device,
+                                   dtype=models.vision.dtype)
+
+    asr_stream = await worker.run(Priority.CONTROL, models.asr.open_stream)
+    try:
+        lm_stream = await worker.run(Priority.CONTROL, models.answerer.open_session)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await worker.run(Priority.CONTROL, asr_stream.close)
+        raise
+
+    engine = getattr(models.answerer, "engine", None)
+    embed_text = functools.partial(_text_embedding, engine) if engine is not None else None
+    prefiller = notes = None
+    if lm_stream is not None:  # the answerer keeps per-stream KV: prefill the context as it lands
+        prefiller = ContextPrefiller(lm_stream, worker, transcript, changes, video=video_memory,
+                                     embed_text=embed_text)
+        if video_memory is not None and profile.video.notes and embed_text is not None:
+            notes = NoteWriter(models.answerer, worker, video_memory, emit, activity, embed_text,
+                               max_tokens=profile.video.note_tokens)
+
+    parts = SessionParts(
+        audio_in=audio_in, video_in=video_in, questions=questions, events=events, emit=emit,
+        sampler=FrameSampler(profile.video.fps), transcript=transcript, video_memory=video_memory,
+        asr_stream=asr_stream, heard=heard, activity=activity, transport=transport or TransportStats(),
+        audio=AudioProcessor(audio_in, asr_stream, worker, emit, transcript, heard, changes),
+        video=VideoProcessor(video_in, worker, emit, changes, encoder=models.vision, memory=video_memory,
+                             notes=notes),
+        answers=QuestionProcessor(questions, models.answerer, worker, emit, transcript, heard, activity,
+                                  lm_stream=lm_stream, prefiller=prefiller),
+        prefiller=prefiller, notes=notes,
+        describe=describe(profile, models, video_memory),
+    )
+    return Session(profile, worker, parts)
+
+
+def describe(profile: Profile, models: Models, video_memory: VideoMemory | None) -> dict[str, object]:
+    """The models and settings a session runs with, as `session.created` reports them."""
+    p = profile
+    lm: dict[str, object] = {"backend": "none"}  # transcribe: no language model
+    if not isinstance(models.answerer, NoAnswerer):
+        lm = {"backend": p.lm.backend, "model": p.lm.model, "max_new_tokens": p.lm.max_new_tokens}
+    return {
+        "profile": p.name,
+        "device": p.device,
+        "dtype": p.dtype,
+        "random_weights": p.random_weights,
+        "asr": {"backend": p.asr.backend, "model": p.asr.model, "language": p.asr.language},
+        "lm": lm,
+        "video": {"fps": p.video.fps, "max_side": p.video.max_side,
+                  "memory_tokens": video_memory.sizes.budget() if video_memory else 0},
+    }
+
+
+def _text_embedding(engine: object, text: str) -> object:  # TEMPORARY until the answerer offers embed_text
+    from runtime.models.vlm.prompt import text_embedding
+
+    return text_embedding(engine, text)  # type: ignore[arg-type]

@@ -1,0 +1,94 @@
+"""The small shared objects through which a session's parts coordinate, instead of reaching into each other.
+
+Each has one writer and any number of readers, and each is built before the parts that use it
+(`session_builder.py`), so no processor holds another processor or sets its attributes:
+
+- `HeardClock`: how far the ASR has heard (written by the audio processor; an answer waits on it).
+- `ContextChanges`: the transcript or the video memory changed (written by both; the prefiller waits on it).
+- `AnswerActivity`: questions waiting or being answered (the session and the question processor write it;
+  the note writer waits for it to be idle, so a note never delays an answer).
+- `TransportStats`: what a transport measured before the session's own channels (owned by the transport;
+  the session's metrics read it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+class HeardClock:
+    """Media seconds of audio the ASR has consumed; `finished` once the audio ended (or its task stopped)."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self.finished = False
+        self._changed = asyncio.Condition()
+
+    async def advance(self, media_time: float) -> None:
+        async with self._changed:
+            self.until = max(self.until, media_time)
+            self._changed.notify_all()
+
+    async def finish(self) -> None:
+        async with self._changed:
+            self.finished = True
+            self._changed.notify_all()
+
+    async def reached(self, media_time: float) -> None:
+        """Wait until audio up to `media_time` is heard, or no more will be."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.finished or self.until >= media_time - 1e-9)
+
+
+class ContextChanges:
+    """A level-triggered flag: any number of changes between two reads are one change (they coalesce)."""
+
+    def __init__(self) -> None:
+        self._dirty = asyncio.Event()
+
+    def mark(self) -> None:
+        self._dirty.set()
+
+    async def wait(self) -> None:
+        """Wait for a change and take it (the next `wait` waits for a newer one)."""
+        await self._dirty.wait()
+        self._dirty.clear()
+
+
+class AnswerActivity:
+    """Counts questions from the moment they are accepted until their answer has ended."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def asked(self) -> None:
+        self.open += 1
+        self._idle.clear()
+
+    def ended(self) -> None:
+        self.open = max(0, self.open - 1)
+        if self.open == 0:
+            self._idle.set()
+
+    @property
+    def busy(self) -> bool:
+        return self.open > 0
+
+    async def idle(self) -> None:
+        """Wait until no question is waiting or being answered."""
+        while self.open:
+            await self._idle.wait()
+
+
+@dataclass
+class TransportStats:
+    """Measured by a transport, reported in the session's `metrics`. A transport that buffers a live peer's
+    audio before `push_audio` (WebRTC) says how much it holds and how much it had to drop because the models
+    fell that far behind; one with rate bounds counts what they refused, by kind (web/limits.py)."""
+
+    audio_buffered_s: float = 0.0
+    audio_dropped_s: float = 0.0
+    rate_limited: dict[str, float] = field(default_factory=dict)
