@@ -31,16 +31,19 @@ import bisect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
-from runtime.models.lm.decode_graph import DecodeGraph
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.transformer import Transformer
 from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+
+if TYPE_CHECKING:  # imported at run time only on CUDA, by `EngineSession._decode_graph`
+    from runtime.models.lm.cuda_graph import DecodeGraph
 
 EMPTY_CONTEXT = "(nothing yet)"  # as answerer.py writes an empty transcript
 _MARK = "<<runtime:context>>"
@@ -369,6 +372,8 @@ class EngineSession:
     def _decode_graph(self) -> DecodeGraph | None:
         """This session's recorded one-token step, on CUDA with `lm.cuda_graphs` (made on first use)."""
         if self._graph is None and self.engine.cfg.cuda_graphs and self.cache.k.device.type == "cuda":
+            from runtime.models.lm.cuda_graph import DecodeGraph  # the CUDA-only boundary: imported only here
+
             self._graph = DecodeGraph(self.engine.model, self.cache, graph=True)
         return self._graph
 
