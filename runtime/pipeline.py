@@ -32,7 +32,7 @@ from runtime.events import (
 )
 from runtime.memory.transcript import TranscriptMemory
 from runtime.models.asr.base import ASRStream, TranscriptUpdate
-from runtime.models.lm.answerer import AnswerBackend
+from runtime.models.lm.backend import AnswerBackend
 from runtime.worker import DeviceWorker, Priority
 
 log = logging.getLogger(__name__)
@@ -122,12 +122,12 @@ class ContextPrefiller:
     prefills the latest state (update mode keeps the KV up to the longest common prefix)."""
 
     def __init__(self, lm_stream: Any, worker: DeviceWorker, memory: TranscriptMemory,
-                 video: Any = None, engine: Any = None) -> None:
+                 video: Any = None, answerer: AnswerBackend | None = None) -> None:
         self.lm_stream = lm_stream
         self.worker = worker
         self.memory = memory
         self.video = video  # runtime.memory.video.VideoMemory, when the model sees
-        self.engine = engine  # its LMEngine: embeds questions for memory selection
+        self.answerer = answerer  # embeds questions for memory selection
         self.dirty = asyncio.Event()
         self.prefilled_tokens = 0
         self.closed = False
@@ -152,10 +152,10 @@ class ContextPrefiller:
         """On the worker: the memory suffix from a fresh snapshot; a question selects its segments."""
         if self.video is None:
             return None
-        from runtime.models.vlm.prompt import memory_pieces, text_embedding  # lazy: only with a VLM
+        from runtime.models.vlm.prompt import memory_pieces  # lazy: only with a VLM
 
         snapshot = self.video.snapshot()
-        query = text_embedding(self.engine, question) if question else None
+        query = self.answerer.embed_text(question) if question and self.answerer is not None else None
         self.selected = []
         if query is not None and snapshot.segments:
             self.selected = [(s.start, s.end) for s in snapshot.select(query)]
@@ -239,12 +239,12 @@ class QuestionProcessor:
                 await self.prefiller.catch_up(q.text)
                 selected = list(self.prefiller.selected)
             state = await self.worker.run(Priority.PREFILL, self.answerer.start, self.memory.context(), q.text,
-                                          session=self.lm_stream)
+                                          stream=self.lm_stream)
             while True:
                 if q.response_id in self._cancelled:
                     status, reason = "cancelled", "client_cancelled"
                     break
-                step = await self.worker.run(Priority.DECODE, self.answerer.step, state)
+                step = await self.worker.run(Priority.DECODE, state.step)
                 tokens += step.tokens
                 steps += 1
                 if first_token_s is None:
@@ -264,9 +264,8 @@ class QuestionProcessor:
                                         client_event_id=q.client_event_id, media_time=q.media_time))
         finally:
             if state is not None:
-                stats = getattr(self.answerer, "stats", None)
-                decoding = stats(state) if callable(stats) else None
-                await self.worker.run(Priority.CONTROL, self.answerer.release, state)
+                decoding = state.stats()
+                await self.worker.run(Priority.CONTROL, state.release)
             if self.prefiller is not None:
                 self.prefiller.end_question()
         text = "".join(parts)

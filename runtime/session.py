@@ -25,7 +25,7 @@ from runtime.memory.transcript import TranscriptMemory
 from runtime.memory.video import VideoMemory
 from runtime.metrics import LoopLagMonitor
 from runtime.models.asr.base import StreamingASR, load_asr
-from runtime.models.lm.answerer import AnswerBackend, NoAnswerer, load_answerer
+from runtime.models.lm import AnswerBackend, NoAnswerer, load_answerer
 from runtime.models.lm.weights import is_vlm
 from runtime.models.loading import configure_threads, resolve_checkpoint
 from runtime.models.vlm.llava_onevision import VisionEncoder
@@ -134,10 +134,10 @@ class Session:
             return self
         self._started = True
         self.lag.start()
-        lm_stream = await self.worker.run(Priority.CONTROL, self._models.answerer.open_session)
+        lm_stream = await self.worker.run(Priority.CONTROL, self._models.answerer.open_stream)
         if lm_stream is not None:  # the answerer keeps per-stream KV: prefill the transcript as it lands
             self.prefiller = ContextPrefiller(lm_stream, self.worker, self.memory, video=self.video_memory,
-                                              engine=getattr(self._models.answerer, "engine", None))
+                                              answerer=self._models.answerer)
             self.answers.lm_stream, self.answers.prefiller = lm_stream, self.prefiller
             if self.video_memory is not None and self.profile.video.notes:
                 self.notes = NoteWriter(self._models.answerer, self.worker, self.video_memory, self.emit,

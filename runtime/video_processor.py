@@ -23,13 +23,13 @@ from runtime.channels import LatestChannel
 from runtime.chunks import VideoFrame
 from runtime.events import VideoNote, error_event
 from runtime.memory.video import MemoryBlock, Segment, VideoMemory
+from runtime.models.lm.prompt import NOTE_QUESTION
 from runtime.models.vlm.llava_onevision import VisionEncoder
-from runtime.models.vlm.prompt import memory_pieces, text_embedding
+from runtime.models.vlm.prompt import memory_pieces
 from runtime.pipeline import Emit
 from runtime.worker import DeviceWorker, Priority
 
 log = logging.getLogger(__name__)
-NOTE_QUESTION = "In one short sentence, what happens in these video frames?"
 _note_keys = itertools.count(1 << 40)  # keys for note prompts: never equal to a memory block's
 
 
@@ -130,16 +130,16 @@ class NoteWriter:
         text = ""
         try:
             for _ in range(self.max_tokens):
-                step = await self.worker.run(Priority.VISION, self.answerer.step, state)
+                step = await self.worker.run(Priority.VISION, state.step)
                 text += step.delta
                 if step.done:
                     break
         finally:
-            await self.worker.run(Priority.CONTROL, self.answerer.release, state)
+            await self.worker.run(Priority.CONTROL, state.release)
         text = " ".join(text.split())
         if not text:
             return
-        embedding = await self.worker.run(Priority.VISION, text_embedding, self.answerer.engine, text)
+        embedding = await self.worker.run(Priority.VISION, self.answerer.embed_text, text)
         if self.memory.set_note(segment.id, text, embedding):
             self.written += 1
             await self.emit(VideoNote(segment_id=segment.id, text=text, start=segment.start, end=segment.end,
