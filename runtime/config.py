@@ -68,7 +68,7 @@ class LMConfig:
     drafter: str = "auto"
     draft_model: str = ""  # a smaller model sharing the tokenizer, for drafter = draft-model
     max_draft_tokens: int = 8  # the upper bound; the engine adapts below it from measured acceptance and cost
-    # engine on CUDA: one-token decode steps replayed as a CUDA graph per session (models/lm/decode_graph.py)
+    # engine on CUDA: one-token decode steps replayed as a CUDA graph per session (models/lm/cuda_graph.py)
     cuda_graphs: bool = True
 
 

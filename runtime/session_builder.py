@@ -13,7 +13,6 @@ websocket's rate bounds) passes the `TransportStats` it owns, and the session's 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import AudioChunk, VideoFrame
@@ -22,7 +21,7 @@ from runtime.events import Event
 from runtime.loaded_models import Models
 from runtime.memory.transcript import TranscriptMemory
 from runtime.memory.video import VideoMemory
-from runtime.models.lm.answerer import NoAnswerer
+from runtime.models.lm import NoAnswerer
 from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.audio import AudioProcessor
 from runtime.pipeline.notes import NoteWriter
@@ -56,20 +55,18 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
 
     asr_stream = await worker.run(Priority.CONTROL, models.asr.open_stream)
     try:
-        lm_stream = await worker.run(Priority.CONTROL, models.answerer.open_session)
+        lm_stream = await worker.run(Priority.CONTROL, models.answerer.open_stream)
     except BaseException:
         with contextlib.suppress(Exception):
             await worker.run(Priority.CONTROL, asr_stream.close)
         raise
 
-    engine = getattr(models.answerer, "engine", None)
-    embed_text = functools.partial(_text_embedding, engine) if engine is not None else None
     prefiller = notes = None
     if lm_stream is not None:  # the answerer keeps per-stream KV: prefill the context as it lands
         prefiller = ContextPrefiller(lm_stream, worker, transcript, changes, video=video_memory,
-                                     embed_text=embed_text)
-        if video_memory is not None and profile.video.notes and embed_text is not None:
-            notes = NoteWriter(models.answerer, worker, video_memory, emit, activity, embed_text,
+                                     embed_text=models.answerer.embed_text)
+        if video_memory is not None and profile.video.notes:
+            notes = NoteWriter(models.answerer, worker, video_memory, emit, activity,
                                max_tokens=profile.video.note_tokens)
 
     parts = SessionParts(
@@ -104,8 +101,3 @@ def describe(profile: Profile, models: Models, video_memory: VideoMemory | None)
                   "memory_tokens": video_memory.sizes.budget() if video_memory else 0},
     }
 
-
-def _text_embedding(engine: object, text: str) -> object:  # TEMPORARY until the answerer offers embed_text
-    from runtime.models.vlm.prompt import text_embedding
-
-    return text_embedding(engine, text)  # type: ignore[arg-type]

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from runtime.models.lm.backend import Answer, AnswerStep
+
 N = 20  # tokens per answer in these tests
 PROMPTS = [
     ("", "What was said?"),
@@ -18,12 +20,12 @@ PROMPTS = [
 ]
 
 
-def run_answer(answerer: Any, state: Any) -> list[Any]:
+def run_answer(answer: Answer, max_new_tokens: int = N) -> list[AnswerStep]:
     """Step an answer until done; never more steps than tokens allowed (+1 for the final empty step)."""
-    steps = []
+    steps: list[AnswerStep] = []
     while not (steps and steps[-1].done):
-        steps.append(answerer.step(state))
-        assert len(steps) <= answerer.cfg.max_new_tokens + 1
+        steps.append(answer.step())
+        assert len(steps) <= max_new_tokens + 1
     return steps
 
 

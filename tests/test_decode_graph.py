@@ -1,4 +1,4 @@
-"""The fixed-form decode step (runtime/models/lm/decode_graph.py) that CUDA graphs record: run eagerly it must
+"""The fixed-form decode step (runtime/models/lm/cuda_graph.py) that CUDA graphs record: run eagerly it must
 give the engine's ordinary one-token `score()` logits, over a window that has slid (eviction) and when moved
 keys still await re-rotation; on a CUDA machine, the recorded graph must decode the same tokens as the
 ungraphed engine. The CUDA test is skipped where there is no GPU (CI); the CPU tests hold the math."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.config import LMConfig
-from runtime.models.lm.decode_graph import DecodeGraph
+from runtime.models.lm.cuda_graph import DecodeGraph
 from runtime.models.lm.engine import EngineSession, LMEngine
 
 WORDS = ["the", "team", "talks", "about", "budget", "for", "next", "year", "in", "morning", "meeting", "and"]

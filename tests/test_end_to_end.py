@@ -65,7 +65,7 @@ async def test_session_equals_direct_model_calls(tiny, demo_file):
     state = models.answerer.start(context, "what moved?", suffix=list(suffix))
     expected, tokens, steps = [], 0, 0
     while True:
-        step = models.answerer.step(state)
+        step = state.step()
         expected.append(step.delta)
         tokens, steps = tokens + step.tokens, steps + 1
         if step.done:
@@ -86,27 +86,21 @@ class ContextSpy:
     def __init__(self, answerer):
         self.answerer, self.contexts = answerer, []
 
-    def open_session(self):
-        stream = self.answerer.open_session()
+    def open_stream(self):
+        stream = self.answerer.open_stream()
         return None if stream is None else SlowPrefill(stream)
 
     def start(self, context, question, **kwargs):
-        stream = kwargs.get("session")
+        stream = kwargs.get("stream")
         if stream is not None:
-            kwargs["session"] = stream.stream
+            kwargs["stream"] = stream.stream
         state = self.answerer.start(context, question, **kwargs)
         if stream is not None:  # a question (video notes use pooled streams, without one)
             self.contexts.append(stream.stream.session.answered_from)  # transcript and video memory it saw
         return state
 
-    def step(self, state):
-        return self.answerer.step(state)
-
-    def release(self, state):
-        return self.answerer.release(state)
-
-    def stats(self, state):
-        return self.answerer.stats(state)
+    def embed_text(self, text):
+        return self.answerer.embed_text(text)
 
 
 class SlowPrefill:

@@ -12,7 +12,7 @@ from lm_common import PROMPTS, N, greedy_ids, run_answer
 from transformers import PreTrainedModel
 
 from runtime.config import LMConfig
-from runtime.models.lm.answerer import AnswerStep, load_answerer
+from runtime.models.lm import AnswerStep, load_answerer
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
 
@@ -34,14 +34,14 @@ def test_greedy_equals_generate_for_every_drafter(drafter: str, hf: PreTrainedMo
     steps_total = tokens_total = accepted = 0
     for context, question in PROMPTS:
         state = answerer.start(context, question)
-        steps = run_answer(answerer, state)
+        steps = run_answer(state)
         expected = greedy_ids(hf, state.prompt_ids)
         assert state.generated == expected
         assert "".join(s.delta for s in steps) == answerer.tokenizer.decode(expected, skip_special_tokens=True)
         assert steps[-1].done and steps[-1].finish_reason == "length"
-        assert answerer.step(state) == AnswerStep("", True, "length", 0)
+        assert state.step() == AnswerStep("", True, "length", 0)
         steps_total, tokens_total = steps_total + len(steps), tokens_total + len(expected)
-        accepted += answerer.stats(state)["accepted"]
+        accepted += state.stats()["accepted"]
     if drafter == "draft-model":  # always-right drafts were verified and kept (how many: the adaptive depth
         assert accepted > 0  # follows measured cost, and a same-size draft model costs as much as the target)
     elif drafter == "none":
@@ -50,21 +50,21 @@ def test_greedy_equals_generate_for_every_drafter(drafter: str, hf: PreTrainedMo
 
 def test_stops_at_eos_and_reuses_the_streams_prefill(hf: PreTrainedModel) -> None:
     answerer = make("auto")
-    stream = answerer.open_session()
+    stream = answerer.open_stream()
     context, question = PROMPTS[1]
-    first = answerer.start(context, question, session=stream)
-    run_answer(answerer, first)
+    first = answerer.start(context, question, stream=stream)
+    run_answer(first)
     answerer.eos_ids = {first.generated[3]}
-    state = answerer.start(context, question, session=stream)
-    steps = run_answer(answerer, state)
+    state = answerer.start(context, question, stream=stream)
+    steps = run_answer(state)
     expected = greedy_ids(hf, state.prompt_ids, eos_token_id=first.generated[3])
     assert expected[-1] == first.generated[3] and state.generated == expected[:-1]
     assert steps[-1].finish_reason == "stop"
     answerer.eos_ids = set(answerer.engine.eos_ids)
     before = stream.session.stats.prefilled
-    state = answerer.start(context + " Then they left.", question, session=stream)
+    state = answerer.start(context + " Then they left.", question, stream=stream)
     assert stream.session.stats.prefilled - before < 10  # only the new words were prefilled
-    run_answer(answerer, state)
+    run_answer(state)
     assert state.generated == greedy_ids(hf, state.prompt_ids)
 
 
@@ -73,8 +73,8 @@ def test_window_cut_is_reported(tiny_path: Path) -> None:
     text = " ".join(f"word{i}" for i in range(400))
     state = answerer.start(text, "Again?")
     assert state.context_cut and state.context_tokens == 48
-    answerer.release(state)
-    answerer.release(state)  # idempotent: the pipeline releases in `finally`
+    state.release()
+    state.release()  # idempotent: the pipeline releases in `finally`
 
 
 def test_sampling_is_reproducible_without_a_drafter() -> None:
@@ -83,8 +83,8 @@ def test_sampling_is_reproducible_without_a_drafter() -> None:
     answerer = make("none", temperature=0.8, top_p=0.9)
     outs = []
     for _ in range(2):
-        state = answerer.start("hello there", "Say something.", seed=3, session=answerer.open_session())
-        run_answer(answerer, state)
+        state = answerer.start("hello there", "Say something.", seed=3, stream=answerer.open_stream())
+        run_answer(state)
         outs.append(state.generated)
     assert outs[0] == outs[1] and len(outs[0]) > 0
 

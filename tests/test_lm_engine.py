@@ -21,8 +21,8 @@ from transformers import (
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError
-from runtime.models.lm.answerer import Answerer
 from runtime.models.lm.engine import EngineSession, LMEngine, SourceTokens
+from runtime.models.lm.generate_answerer import GenerateAnswerer
 
 TOL = 1e-4
 WORDS = [
@@ -73,7 +73,7 @@ def test_load_reports_progress_and_checks_config() -> None:
 
 
 def test_prompt_layout_is_the_answerers_prompt(engine: LMEngine, hf: PreTrainedModel) -> None:
-    answerer = Answerer(hf, engine.tokenizer, engine.cfg, name="plain")
+    answerer = GenerateAnswerer(hf, engine.tokenizer, engine.cfg, name="plain")
     for context, question in PROMPTS:
         head, tail = engine.prompt_parts(question)
         assert head == engine.head and head + (context or "(nothing yet)") + tail == answerer.prompt_text(context,

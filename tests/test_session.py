@@ -14,7 +14,7 @@ from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.config import load_profile, with_overrides
 from runtime.loaded_models import Models
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.models.lm.answerer import AnswerStep
+from runtime.models.lm import AnswerStep
 from runtime.session import Session
 from runtime.session_builder import open_session
 from runtime.worker import DeviceWorker
@@ -81,35 +81,46 @@ class EchoAnswerer:
         self.contexts: list[str] = []
         self.released = 0
 
-    def open_session(self) -> None:
+    def open_stream(self) -> None:
         return None
 
-    def start(self, context: str, question: str, *, seed=None, session=None) -> dict:
+    def start(self, context: str, question: str, *, seed=None, stream=None, suffix=None) -> "EchoAnswer":
         self.contexts.append(context)
         last = context.split()[-1] if context.split() else "nothing"
-        return {"text": f"{question}->{last}", "i": 0}
+        return EchoAnswer(self, f"{question}->{last}")
 
-    def step(self, state: dict) -> AnswerStep:
-        time.sleep(self.step_s)
-        ch = state["text"][state["i"]]
-        state["i"] += 1
-        done = state["i"] == len(state["text"])
+    def embed_text(self, text: str) -> None:
+        return None
+
+
+class EchoAnswer:
+    def __init__(self, answerer: EchoAnswerer, text: str) -> None:
+        self.answerer, self.text, self.i = answerer, text, 0
+
+    def step(self) -> AnswerStep:
+        time.sleep(self.answerer.step_s)
+        ch = self.text[self.i]
+        self.i += 1
+        done = self.i == len(self.text)
         return AnswerStep(ch, done, "stop" if done else None)
 
-    def release(self, state: dict) -> None:
-        self.released += 1
+    def release(self) -> None:
+        self.answerer.released += 1
+
+    def stats(self) -> None:
+        return None
 
 
 class StreamingEchoAnswerer(EchoAnswerer):
     """Keeps per-stream state like the engine: records every context it was handed and prefills it in
     pieces of 5 characters (one worker job each)."""
 
-    def open_session(self) -> dict:
+    def open_stream(self) -> "StreamState":
         return StreamState()
 
-    def start(self, context, question, *, seed=None, session=None) -> dict:
-        assert session is not None and session.pending() == 0, "the pipeline must prefill before answering"
-        session.prefilled_at_question.append(session.prefilled)
+    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> "EchoAnswer":
+        assert stream is not None and stream.pending() == 0, "the pipeline must prefill before answering"
+        stream.prefilled_at_question.append(stream.prefilled)
         return super().start(context, question)
 
 

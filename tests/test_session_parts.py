@@ -9,7 +9,7 @@ import torch
 
 from runtime.chunks import VideoFrame
 from runtime.memory.snapshot import Segment
-from runtime.models.lm.answerer import AnswerStep
+from runtime.models.lm import AnswerStep
 from runtime.pipeline.notes import NoteWriter
 from runtime.session import FrameSampler
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
@@ -62,6 +62,21 @@ async def test_context_changes_coalesce():
     await asyncio.wait_for(waiting, 1)
 
 
+class _NoteAnswer:
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.i = log, 0
+
+    def step(self) -> AnswerStep:
+        self.i += 1
+        return AnswerStep(["a ", "note"][self.i - 1], self.i == 2, "stop" if self.i == 2 else None)
+
+    def release(self) -> None:
+        self.log.append("release")
+
+    def stats(self) -> None:
+        return None
+
+
 class _NoteModel:
     """Writes the note 'a note' in two steps and logs when it was asked to."""
 
@@ -70,16 +85,15 @@ class _NoteModel:
     def __init__(self) -> None:
         self.log: list[str] = []
 
-    def start(self, context: str, question: str, *, suffix=None, **_: object) -> dict:
+    def open_stream(self) -> None:
+        return None
+
+    def start(self, context: str, question: str, *, seed=None, stream=None, suffix=None) -> _NoteAnswer:
         self.log.append("start")
-        return {"i": 0}
+        return _NoteAnswer(self.log)
 
-    def step(self, state: dict) -> AnswerStep:
-        state["i"] += 1
-        return AnswerStep(["a ", "note"][state["i"] - 1], state["i"] == 2, "stop" if state["i"] == 2 else None)
-
-    def release(self, state: dict) -> None:
-        self.log.append("release")
+    def embed_text(self, text: str) -> torch.Tensor:
+        return torch.ones(8)
 
 
 class _Memory:
@@ -105,7 +119,7 @@ async def test_the_note_writer_waits_while_a_question_is_open_then_writes_the_ne
         emitted.append(event)
 
     with DeviceWorker() as worker:
-        writer = NoteWriter(model, worker, memory, emit, activity, lambda text: torch.ones(8), pending=2)
+        writer = NoteWriter(model, worker, memory, emit, activity, pending=2)
         task = asyncio.create_task(writer.run())
         activity.asked()  # a question is waiting: no note may start
         writer.add([_segment(0), _segment(1), _segment(2)])  # two fit: the oldest goes

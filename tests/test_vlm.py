@@ -12,12 +12,14 @@ from safetensors.torch import load_file, save_file
 from transformers import LlavaOnevisionForConditionalGeneration
 
 from runtime.config import LMConfig
-from runtime.models.lm.engine import EMPTY_CONTEXT, LMEngine, Visual
+from runtime.models.lm.engine import LMEngine
+from runtime.models.lm.pieces import Visual
+from runtime.models.lm.prompt import EMPTY_CONTEXT
 from runtime.models.lm.transformer import Transformer
 from runtime.models.lm.weights import is_vlm, read_config
 from runtime.models.loading import resolve_checkpoint
 from runtime.models.vlm.llava_onevision import VisionEncoder
-from runtime.models.vlm.prompt import memory_pieces, text_embedding
+from runtime.models.vlm.prompt import memory_pieces
 
 TOL = 1e-4
 
@@ -161,7 +163,7 @@ def test_same_key_same_content_is_not_recomputed(engine):
     assert EMPTY_CONTEXT  # an empty transcript still frames the suffix
 
 
-def test_memory_pieces_and_text_embedding(engine):
+def test_memory_pieces_and_embed_text(engine):
     from runtime.memory.video import MemoryBlock
 
     dim = engine.model.args.hidden_size
@@ -173,9 +175,9 @@ def test_memory_pieces_and_text_embedding(engine):
     assert "[0:00-0:12]" in text and "[0:20]" in text and "Overview" in text
     assert [p.key for p in pieces if isinstance(p, Visual)] == [1, 2, 3]
     assert memory_pieces([]) == []
-    q = text_embedding(engine, "what color is the ball?")
+    q = engine.embed_text("what color is the ball?")
     assert q.shape == (dim,) and q.dtype == torch.float32
-    assert text_embedding(engine, "") is None
+    assert engine.embed_text("") is None
 
 
 def test_tiny_vlm_preprocessor_config_is_read(vlm_path):

@@ -75,6 +75,7 @@ async def test_sdk_round_trip_and_healthz(tiny):
             await client.update_session(input_audio_format="pcm16")
             await stream_demo(client)
             await client.ask("what moved?")
+            await wait_until(lambda: server.sessions)  # the session opens on the worker after the handshake
             health = json.loads(await asyncio.to_thread(
                 lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=10).read()))
             assert health["sessions"] == 1 and set(next(iter(health["queues"].values()))) == {

@@ -111,11 +111,11 @@ def _decode_tok_s(answerer: EngineAnswerer, hf: Qwen2ForCausalLM, context: str, 
     ours: dict[str, float] = {}
     for graphs in (True, False) if graphs_too else (engine.cfg.cuda_graphs,):
         engine.cfg = replace(engine.cfg, cuda_graphs=graphs)
-        state = answerer.start(context, QUESTION, session=answerer.open_session())
-        answerer.step(state)  # the first token (chosen by the prompt's forward); a graph is recorded here
-        answerer.step(state)
-        _, seconds = timed(lambda state=state: [answerer.step(state) for _ in range(n - 2)], device)
-        answerer.release(state)
+        state = answerer.start(context, QUESTION, stream=answerer.open_stream())
+        state.step()  # the first token (chosen by the prompt's forward); a graph is recorded here
+        state.step()
+        _, seconds = timed(lambda state=state: [state.step() for _ in range(n - 2)], device)
+        state.release()
         label = ("cuda_graphs" if graphs else "no_cuda_graphs") if graphs_too else "ours"
         ours[label] = (n - 2) / seconds
     engine.cfg = replace(engine.cfg, cuda_graphs=True)
@@ -175,8 +175,8 @@ def _spec_identical(path: Path, args: argparse.Namespace, context: str, prompts:
         answerer = EngineAnswerer.load(cfg, device=args.device, dtype=args.dtype)
         outs = []
         for i in range(prompts):
-            state = answerer.start(context + f"\n[extra] prompt {i}", QUESTION, session=answerer.open_session())
-            while not answerer.step(state).done:
+            state = answerer.start(context + f"\n[extra] prompt {i}", QUESTION, stream=answerer.open_stream())
+            while not state.step().done:
                 pass
             outs.append(state.generated)
         outputs[drafter] = outs

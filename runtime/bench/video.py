@@ -52,10 +52,11 @@ from runtime.bench.timing import machine, percentiles_ms, timed
 from runtime.config import LMConfig
 from runtime.memory.video import MemorySizes, MemorySnapshot, VideoMemory
 from runtime.metrics import rss_mb
-from runtime.models.lm.engine import EngineSession, LMEngine, Piece, Visual
+from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.pieces import Piece, Visual
 from runtime.models.loading import configure_threads, resolve_checkpoint, torch_dtype
 from runtime.models.vlm.llava_onevision import VisionEncoder
-from runtime.models.vlm.prompt import memory_pieces, text_embedding
+from runtime.models.vlm.prompt import memory_pieces
 
 Status = Callable[[str], None]
 QUESTION = "What happened in the video so far?"
@@ -146,7 +147,7 @@ def _warm(session: EngineSession, snap: MemorySnapshot) -> None:
 
 def _ours(engine: LMEngine, session: EngineSession, snap: MemorySnapshot, device: str) -> tuple[float, int]:
     def first() -> int:
-        query = text_embedding(engine, QUESTION)
+        query = engine.embed_text(QUESTION)
         session.set_context("", memory_pieces(snap.blocks(query)))
         session.begin_answer(QUESTION)
         return int(session.next_logits().argmax())

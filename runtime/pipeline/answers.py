@@ -17,8 +17,7 @@ from typing import Protocol
 
 from runtime.channels import BlockingChannel
 from runtime.events import ResponseCreated, ResponseDone, ResponseTextDelta, ResponseTextDone, error_event, new_id
-from runtime.models.lm.answerer import AnswerBackend
-from runtime.models.lm.backend import LMStream
+from runtime.models.lm.backend import Answer, AnswerBackend, DecodingStats, LMStream
 from runtime.pipeline import Emit
 from runtime.pipeline.prefill import ContextPrefiller
 from runtime.session_state import AnswerActivity, HeardClock
@@ -83,20 +82,21 @@ class QuestionProcessor:
         await self.emit(ResponseCreated(response=response, media_time=q.media_time))
         await self.heard.reached(q.hear_until)
         parts: list[str] = []
-        status, reason, state, first_token_s, tokens, steps = "completed", None, None, None, 0, 0
-        decoding: dict[str, float | int | list[float]] | None = None
+        status, reason, first_token_s, tokens, steps = "completed", None, None, 0, 0
+        answer: Answer | None = None
+        decoding: DecodingStats | None = None
         selected: list[tuple[float, float]] = []  # memory segments the question chose
         try:
             if self.prefiller is not None:  # usually only the question's memory selection is left to prefill
                 await self.prefiller.catch_up(q.text)
                 selected = list(self.prefiller.selected)
-            state = await self.worker.run(Priority.PREFILL, self.answerer.start, self.context.context(), q.text,
-                                          session=self.lm_stream)
+            answer = await self.worker.run(Priority.PREFILL, self.answerer.start, self.context.context(), q.text,
+                                           stream=self.lm_stream)
             while True:
                 if q.response_id in self._cancelled:
                     status, reason = "cancelled", "client_cancelled"
                     break
-                step = await self.worker.run(Priority.DECODE, self.answerer.step, state)
+                step = await self.worker.run(Priority.DECODE, answer.step)
                 tokens += step.tokens
                 steps += 1
                 if first_token_s is None:
@@ -115,10 +115,9 @@ class QuestionProcessor:
             await self.emit(error_event(f"answering failed: {err}", code="response_failed", type="server_error",
                                         client_event_id=q.client_event_id, media_time=q.media_time))
         finally:
-            if state is not None:
-                stats = getattr(self.answerer, "stats", None)
-                decoding = stats(state) if callable(stats) else None
-                await self.worker.run(Priority.CONTROL, self.answerer.release, state)
+            if answer is not None:
+                decoding = await self.worker.run(Priority.CONTROL, answer.stats)
+                await self.worker.run(Priority.CONTROL, answer.release)
             if self.prefiller is not None:
                 self.prefiller.end_question()
         text = "".join(parts)

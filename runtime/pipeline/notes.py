@@ -16,24 +16,21 @@ import logging
 
 from runtime.events import VideoNote
 from runtime.memory.video import MemoryBlock, Segment, VideoMemory
-from runtime.models.lm.answerer import AnswerBackend
+from runtime.models.lm.backend import AnswerBackend
+from runtime.models.lm.prompt import NOTE_QUESTION
 from runtime.models.vlm.prompt import memory_pieces
 from runtime.pipeline import Emit
-from runtime.pipeline.prefill import TextEmbedder
 from runtime.session_state import AnswerActivity
 from runtime.worker import DeviceWorker, Priority
 
 log = logging.getLogger(__name__)
-NOTE_QUESTION = "In one short sentence, what happens in these video frames?"
 _note_keys = itertools.count(1 << 40)  # keys for note prompts: never equal to a memory block's
 
 
 class NoteWriter:
     def __init__(self, answerer: AnswerBackend, worker: DeviceWorker, memory: VideoMemory, emit: Emit,
-                 activity: AnswerActivity, embed_text: TextEmbedder, *, max_tokens: int = 24,
-                 pending: int = 4) -> None:
-        self.answerer, self.worker, self.memory, self.emit = answerer, worker, memory, emit
-        self.activity, self.embed_text = activity, embed_text
+                 activity: AnswerActivity, *, max_tokens: int = 24, pending: int = 4) -> None:
+        self.answerer, self.worker, self.memory, self.emit, self.activity = answerer, worker, memory, emit, activity
         self.max_tokens = max_tokens
         self.pending: collections.deque[Segment] = collections.deque(maxlen=pending)
         self._wake = asyncio.Event()
@@ -58,21 +55,21 @@ class NoteWriter:
     async def _write(self, segment: Segment) -> None:
         block = MemoryBlock(kind="retrieved", key=next(_note_keys), start=segment.start, end=segment.end,
                             embeds=segment.keyframe)
-        state = await self.worker.run(Priority.VISION, self.answerer.start, "", NOTE_QUESTION,
-                                      suffix=memory_pieces([block]))
+        answer = await self.worker.run(Priority.VISION, self.answerer.start, "", NOTE_QUESTION,
+                                       suffix=memory_pieces([block]))
         text = ""
         try:
             for _ in range(self.max_tokens):
-                step = await self.worker.run(Priority.VISION, self.answerer.step, state)
+                step = await self.worker.run(Priority.VISION, answer.step)
                 text += step.delta
                 if step.done:
                     break
         finally:
-            await self.worker.run(Priority.CONTROL, self.answerer.release, state)
+            await self.worker.run(Priority.CONTROL, answer.release)
         text = " ".join(text.split())
         if not text:
             return
-        embedding = await self.worker.run(Priority.VISION, self.embed_text, text)
+        embedding = await self.worker.run(Priority.VISION, self.answerer.embed_text, text)
         if self.memory.set_note(segment.id, text, embedding):
             self.written += 1
             await self.emit(VideoNote(segment_id=segment.id, text=text, start=segment.start, end=segment.end,

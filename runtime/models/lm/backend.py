@@ -1,13 +1,105 @@
-"""TEMPORARY (replaced by the lm redesign branch)."""
+"""The seam between the pipeline and a language-model backend: what the pipeline calls, typed.
+
+A backend (`AnswerBackend`) is shared by the sessions of a process. Per stream it may keep state that it
+prefills as the transcript streams in (`open_stream() -> LMStream`, None when it prefills everything at
+question time). Per question, `start()` returns an `Answer`, stepped until done and then released. Every
+method runs on the device worker, one job each, so ASR chunks overtake decoding between steps and a cancel
+lands within one step. `NoAnswerer` is the backend of a session that loaded no language model.
+
+Backends: `generate_answerer.GenerateAnswerer` and `engine_answerer.EngineAnswerer`; `registry` picks one.
+"""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from runtime.errors import UserError
 from runtime.models.lm.pieces import Piece
+
+DecodingStats = dict[str, float | int | list[float]]
+
+
+@dataclass(frozen=True)
+class AnswerStep:
+    delta: str  # new text (may be "" while a multi-byte character is incomplete)
+    done: bool
+    finish_reason: str | None  # "stop" (eos) | "length" (max_new_tokens) | None
+    tokens: int = 1  # output tokens this step produced (speculative steps may accept several)
+
+
+class Answer(Protocol):
+    """One answer in progress; every method runs on the device worker."""
+
+    def step(self) -> AnswerStep:
+        """Decode and stream the next token(s); after the answer is done, an empty done step."""
+        ...
+
+    def release(self) -> None:
+        """End the answer now and free its KV (idempotent: the pipeline releases in `finally`)."""
+        ...
+
+    def stats(self) -> DecodingStats | None:
+        """Speculative-decoding counters, or None when the backend decodes plainly."""
+        ...
 
 
 class LMStream(Protocol):
-    def set_context(self, text: str, suffix: Sequence[Piece] | None = None) -> None: ...
+    """Per-stream state of a backend that prefills context as it streams in."""
 
-    def prefill_step(self) -> int: ...
+    def set_context(self, text: str, suffix: Sequence[Piece] | None = None) -> None:
+        """The transcript so far and, when given, the video-memory suffix after it (None keeps the last one);
+        cheap, safe from the event loop."""
+        ...
+
+    def prefill_step(self) -> int:
+        """Prefill one job's worth of what changed; tokens prefilled, 0 when caught up."""
+        ...
+
+
+class AnswerBackend(Protocol):
+    name: str
+
+    def open_stream(self) -> LMStream | None:
+        """A stream's state, kept for the stream's life; None: the backend prefills everything at question time."""
+        ...
+
+    def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
+              suffix: Sequence[Piece] | None = None) -> Answer:
+        """Open an answer to `question` about `context` (and a video-memory `suffix`), on `stream` when the
+        backend keeps streams."""
+        ...
+
+    def embed_text(self, text: str) -> torch.Tensor | None:
+        """Mean input embedding [hidden] (float32) of `text`'s tokens, for video-memory selection and notes;
+        None for text without tokens, or a backend without input embeddings."""
+        ...
+
+
+def new_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], emitted: str, *, final: bool) -> str:
+    """The text that `generated` adds after `emitted`. Byte-level tokens can end mid-character: until the
+    answer is final, a trailing U+FFFD is held back so a delta never carries half a character."""
+    text = tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    if not final:
+        text = text.rstrip("\ufffd")
+    return text[len(emitted):] if text.startswith(emitted) else ""
+
+
+class NoAnswerer:
+    """The backend of a session that takes no questions (`runtime transcribe`): no model, no stream state."""
+
+    name = "none"
+
+    def open_stream(self) -> None:
+        return None
+
+    def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
+              suffix: Sequence[Piece] | None = None) -> Answer:
+        raise UserError("this session loaded no language model, so it answers no questions")
+
+    def embed_text(self, text: str) -> None:
+        return None

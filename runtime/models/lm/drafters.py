@@ -23,7 +23,7 @@ import torch
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError
-from runtime.models.lm.speculative import sampling_probs
+from runtime.models.lm.sampling import Sampler, draw, greedy_token
 from runtime.models.lm.target import Target
 
 DRAFTERS = ("none", "ngram", "recycling", "draft-model", "auto")
@@ -184,7 +184,7 @@ class DraftModelDrafter:
     Each propose first feeds what it has not seen (the tokens accepted since, plus the pending token, which the
     main target always commits) and commits them, then drafts a chain of `budget` tokens with tentative
     forwards that are dropped again (`commit([])`), because the protocol cannot roll back a commit. With
-    temperature > 0 it samples each token from q = sampling_probs(draft logits) (the decoder's temperature and
+    temperature > 0 it samples each token from q = `Sampler.probs` (draft logits) (the decoder's temperature and
     top_p, which maximises acceptance) and reports q; at temperature 0 it drafts greedily and reports None.
     Cost: budget forwards of the draft model per step, the last ones on chains of up to budget tokens.
     """
@@ -202,6 +202,7 @@ class DraftModelDrafter:
             raise ValueError(f"draft target holds {draft.committed_tokens()} tokens, `fed` names {len(fed)}")
         self.draft, self.fed = draft, list(fed)
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.sampler = Sampler(temperature, top_p)
 
     def reset(self) -> None:
         """Nothing to forget: a new context must extend what was fed (else make a new draft session)."""
@@ -210,10 +211,10 @@ class DraftModelDrafter:
         pass
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if self.temperature <= 0:
-            return int(logits.argmax()), None
-        q = sampling_probs(logits, self.temperature, self.top_p)
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        if self.sampler.greedy:
+            return greedy_token(logits), None
+        q = self.sampler.probs(logits)
+        return draw(q, self.generator), q
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
@@ -237,7 +238,7 @@ class DraftModelDrafter:
                 break
             row = self.draft.score(tokens, chain(tokens))[-1]
             self.draft.commit([])
-        return Draft(tokens, chain(tokens), None if self.temperature <= 0 else qs)
+        return Draft(tokens, chain(tokens), None if self.sampler.greedy else qs)
 
 
 class AutoDrafter:

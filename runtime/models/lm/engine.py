@@ -3,7 +3,7 @@
 `LMEngine` is shared (model, tokenizer, config; loaded once); an `EngineSession` is one stream's cache and
 token bookkeeping. Every method but `set_context` runs on the device worker.
 
-Prompt layout (the same text as `answerer.Answerer.prompt_text`, cut in two where the transcript goes):
+Prompt layout (`prompt.prompt_parts`: the same text as `prompt.prompt_text`, cut in two where the transcript goes):
 
     source group:  <system prompt + user-turn framing "Transcript so far:\\n"> <transcript, growing and revised>
     target group:  <"\\n\\nQuestion: ..." + end of user turn + assistant header> <answer tokens>
@@ -29,38 +29,24 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
-from runtime.models.lm.decode_graph import DecodeGraph
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
+from runtime.models.lm.pieces import Piece, visual_id
+from runtime.models.lm.prompt import EMPTY_CONTEXT, prompt_parts
+from runtime.models.lm.sampling import eos_ids as eos_set
 from runtime.models.lm.transformer import Transformer
 from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
 
-EMPTY_CONTEXT = "(nothing yet)"  # as answerer.py writes an empty transcript
-_MARK = "<<runtime:context>>"
-
-
-@dataclass(frozen=True)
-class Visual:
-    """Input embeddings [n, hidden] standing in for n tokens (a VLM's visual tokens). `key` names this exact
-    content: equal keys promise equal embeddings, so the engine keeps their KV instead of recomputing it."""
-
-    key: int
-    embeds: torch.Tensor = field(compare=False)
-
-
-Piece = str | Visual  # what a source suffix is made of
-
-
-def visual_id(key: int, row: int) -> int:
-    """The negative stand-in id of row `row` of the visual piece `key` (token ids are never negative)."""
-    return -((key << 16) + row) - 1
+if TYPE_CHECKING:  # imported at run time only on CUDA, by `EngineSession._decode_graph`
+    from runtime.models.lm.cuda_graph import DecodeGraph
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -123,14 +109,12 @@ class LMEngine:
     """The shared half: model, tokenizer, prompt framing and the cache geometry every session gets."""
 
     def __init__(self, model: Transformer, tokenizer: PreTrainedTokenizerBase, cfg: LMConfig, *, name: str,
-                 seed: int = 0, eos_ids: Sequence[int] = (), max_question_tokens: int = 256,
+                 seed: int = 0, eos_ids: int | Iterable[int] | None = None, max_question_tokens: int = 256,
                  tree_tokens: int = 128, reserve_tokens: int | None = None, pin_head: bool = True) -> None:
         if cfg.sink_tokens < 0 or cfg.window_tokens <= 0 or cfg.prefill_chunk_tokens <= 0:
             raise ConfigError("lm.sink_tokens must be >= 0, lm.window_tokens and lm.prefill_chunk_tokens > 0")
         self.model, self.tokenizer, self.cfg, self.name, self.seed = model, tokenizer, cfg, name, seed
-        self.eos_ids = set(eos_ids)
-        if tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = eos_set(eos_ids, tokenizer.eos_token_id)  # the checkpoint's generation config's, the tokenizer's
         self.head = self.prompt_parts("")[0]
         self.sink = max(cfg.sink_tokens, len(self.encode(self.head)) if pin_head else 0)
         self.window = cfg.window_tokens
@@ -150,10 +134,9 @@ class LMEngine:
             if not getattr(tokenizer, "chat_template", None) and template.is_file():
                 tokenizer.chat_template = json.loads(template.read_text()).get("chat_template")
             model = Transformer.from_pretrained(path, device=device, dtype=torch_dtype(dtype))
-            eos: list[int] = []
+            eos = None
             if (path / "generation_config.json").is_file():
-                found = GenerationConfig.from_pretrained(path).eos_token_id
-                eos = [] if found is None else [found] if isinstance(found, int) else list(found)
+                eos = GenerationConfig.from_pretrained(path).eos_token_id
         return cls(model, tokenizer, cfg, name=cfg.model, seed=seed, eos_ids=eos, **options)
 
     def open_session(self) -> EngineSession:
@@ -173,19 +156,17 @@ class LMEngine:
 
     def prompt_parts(self, question: str) -> tuple[str, str]:
         """(head, tail): head + transcript + tail is exactly the plain answerer's prompt text."""
-        user = f"Transcript so far:\n{_MARK}\n\nQuestion: {question}"
-        text = f"{self.cfg.system_prompt}\n\n{user}\nAnswer:"
-        if getattr(self.tokenizer, "chat_template", None):
-            # plain string contents (text chat models), else typed parts (VLM templates such as LLaVA's)
-            for content in (lambda t: t, lambda t: [{"type": "text", "text": t}]):
-                messages = [{"role": "system", "content": content(self.cfg.system_prompt)},
-                            {"role": "user", "content": content(user)}]
-                chat = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                if _MARK in chat:
-                    text = chat
-                    break
-        head, tail = text.split(_MARK, 1)
-        return head, tail
+        return prompt_parts(self.tokenizer, self.cfg.system_prompt, question)
+
+    @torch.inference_mode()
+    def embed_text(self, text: str) -> torch.Tensor | None:
+        """Mean input embedding [hidden] of `text`'s tokens (float32), or None for text without tokens: a
+        question or a segment note in the visual tokens' embedding space (video-memory selection)."""
+        ids = self.encode(text)
+        if not ids:
+            return None
+        table = self.model.model.embed_tokens
+        return table(torch.tensor(ids, dtype=torch.long, device=self.model.device)).float().mean(0)
 
     def cache_bytes(self) -> int:
         """KV bytes one session holds, constant for its lifetime: K, V and rotated K, two int64 position vectors."""
@@ -369,6 +350,8 @@ class EngineSession:
     def _decode_graph(self) -> DecodeGraph | None:
         """This session's recorded one-token step, on CUDA with `lm.cuda_graphs` (made on first use)."""
         if self._graph is None and self.engine.cfg.cuda_graphs and self.cache.k.device.type == "cuda":
+            from runtime.models.lm.cuda_graph import DecodeGraph  # the CUDA-only boundary: imported only here
+
             self._graph = DecodeGraph(self.engine.model, self.cache, graph=True)
         return self._graph
 

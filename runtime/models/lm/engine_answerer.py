@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from runtime.config import LMConfig
-from runtime.models.lm.answerer import AnswerStep, new_text
+from runtime.models.lm.backend import AnswerStep, DecodingStats, LMStream, new_text
 from runtime.models.lm.drafters import Drafter, make_drafter
-from runtime.models.lm.engine import EngineSession, LMEngine, Piece
+from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.pieces import Piece
+from runtime.models.lm.sampling import Sampler, StopRule
 from runtime.models.lm.speculative import SpeculativeDecoder
 
 
@@ -47,10 +49,14 @@ class StreamLM:
         return done
 
 
-@dataclass
-class EngineAnswerState:
+@dataclass(eq=False)
+class EngineAnswer:
+    """One answer on a stream: its speculative decoder and what it has streamed so far."""
+
     stream: StreamLM
     decoder: SpeculativeDecoder
+    tokenizer: PreTrainedTokenizerBase
+    stop: StopRule
     prompt_ids: list[int]  # what the answer conditions on: pinned head, transcript window, question framing
     context_tokens: int  # transcript tokens in the window
     context_cut: bool  # True once the window has evicted older transcript
@@ -59,8 +65,40 @@ class EngineAnswerState:
     first: int | None = None  # the token `decoder.start` chose, not yet streamed
     done: bool = False
     finish_reason: str | None = None
-    pooled: bool = False
     released: bool = False
+    on_release: Callable[[StreamLM], None] | None = None  # a pooled stream goes back to its pool
+
+    def step(self) -> AnswerStep:
+        """One target forward (the first call only streams the token the prompt's forward chose)."""
+        if self.done:
+            return AnswerStep("", True, self.finish_reason, 0)
+        if self.first is not None:
+            tokens, self.first = [self.first], None
+        else:
+            tokens = self.decoder.step(self.stop.room(len(self.generated)))
+        before = len(self.generated)
+        reason = self.stop.take(tokens, self.generated)
+        if reason is not None:
+            self.done, self.finish_reason = True, reason
+        delta = new_text(self.tokenizer, self.generated, self.emitted, final=self.done)
+        self.emitted += delta
+        if self.done:
+            self.release()
+        return AnswerStep(delta, self.done, self.finish_reason, len(self.generated) - before)
+
+    def release(self) -> None:
+        """End the answer (its target group is dropped); the stream's prefilled source stays."""
+        if not self.released:
+            self.released = True
+            self.stream.session.end_answer()
+            if self.stream.draft_session is not None:
+                self.stream.draft_session.end_answer()
+            if self.on_release is not None:
+                self.on_release(self.stream)
+        self.done = True
+
+    def stats(self) -> DecodingStats:
+        return self.decoder.stats.as_dict()
 
 
 class EngineAnswerer:
@@ -69,7 +107,8 @@ class EngineAnswerer:
     def __init__(self, engine: LMEngine, draft_engine: LMEngine | None = None) -> None:
         self.engine, self.draft_engine = engine, draft_engine
         self.cfg, self.tokenizer, self.name, self.seed = engine.cfg, engine.tokenizer, engine.name, engine.seed
-        self.eos_ids = set(engine.eos_ids)
+        self.sampler = Sampler(self.cfg.temperature, self.cfg.top_p)
+        self.eos_ids = frozenset(engine.eos_ids)
         self._idle: list[StreamLM] = []
 
     @classmethod
@@ -82,72 +121,43 @@ class EngineAnswerer:
             draft = LMEngine.load(draft_cfg, device=device, dtype=dtype, seed=seed, progress=progress)
         return cls(engine, draft)
 
-    def open_session(self) -> StreamLM:
+    def open_stream(self) -> StreamLM:
         """A stream's state; the pipeline keeps it for the stream's life. Runs on the worker (allocates KV)."""
         draft_session = self.draft_engine.open_session() if self.draft_engine is not None else None
         drafter = None if self.cfg.drafter == "draft-model" else make_drafter(
             self.cfg, vocab_size=self.engine.model.args.vocab_size)
         return StreamLM(self.engine.open_session(), drafter, draft_session)
 
-    def start(self, context: str, question: str, *, seed: int | None = None, session: StreamLM | None = None,
-              suffix: Sequence[Piece] | None = None) -> EngineAnswerState:
-        """Open an answer. With `session` (the pipeline's stream) the suffix it was last given is kept unless
-        `suffix` replaces it; a pooled stream gets `suffix` or none."""
-        pooled = session is None
-        stream = session if session is not None else (self._idle.pop() if self._idle else self.open_session())
-        stream.set_context(context, () if pooled and suffix is None else suffix)
-        stream.session.begin_answer(question)
-        generator = None
-        if self.cfg.temperature > 0:
-            generator = torch.Generator().manual_seed(self.seed if seed is None else seed)
-        drafter = stream.drafter
-        if stream.draft_session is not None:
-            stream.draft_session.begin_answer(question)
+    def _pool(self, stream: StreamLM) -> None:
+        if len(self._idle) < self.max_idle_streams:
+            self._idle.append(stream)
+
+    def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
+              suffix: Sequence[Piece] | None = None) -> EngineAnswer:
+        """Open an answer. With `stream` (the pipeline's, from `open_stream`) the suffix it was last given is
+        kept unless `suffix` replaces it; without one, a pooled stream gets `suffix` or none."""
+        if stream is not None and not isinstance(stream, StreamLM):
+            raise TypeError(f"an engine answer needs a stream from EngineAnswerer.open_stream, not {type(stream)}")
+        pooled = stream is None
+        lm = stream if stream is not None else (self._idle.pop() if self._idle else self.open_stream())
+        lm.set_context(context, () if pooled and suffix is None else suffix)
+        lm.session.begin_answer(question)
+        generator = self.sampler.generator(self.seed if seed is None else seed)
+        drafter = lm.drafter
+        if lm.draft_session is not None:
+            lm.draft_session.begin_answer(question)
             drafter = make_drafter(self.cfg, vocab_size=self.engine.model.args.vocab_size,
-                                   draft_target=stream.draft_session,
-                                   draft_fed=stream.draft_session.answer_ids(), generator=generator)
-        decoder = SpeculativeDecoder(stream.session, drafter, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                   draft_target=lm.draft_session,
+                                   draft_fed=lm.draft_session.answer_ids(), generator=generator)
+        decoder = SpeculativeDecoder(lm.session, drafter, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                      max_draft_tokens=self.cfg.max_draft_tokens, generator=generator,
                                      stop_ids=self.eos_ids)
-        prompt = stream.session.answer_ids()
-        first = decoder.start(stream.session.next_logits(), prompt)
-        cache = stream.session.cache
-        return EngineAnswerState(stream, decoder, prompt, max(0, cache.source_len - self.engine.sink),
-                                 cache.evicted > 0, first=first, pooled=pooled)
+        prompt = lm.session.answer_ids()
+        first = decoder.start(lm.session.next_logits(), prompt)
+        cache = lm.session.cache
+        return EngineAnswer(lm, decoder, self.tokenizer, StopRule(frozenset(self.eos_ids), self.cfg.max_new_tokens),
+                            prompt, max(0, cache.source_len - self.engine.sink), cache.evicted > 0, first=first,
+                            on_release=self._pool if pooled else None)
 
-    def step(self, state: EngineAnswerState) -> AnswerStep:
-        """One target forward (the first call only streams the token the prompt's forward chose)."""
-        if state.done:
-            return AnswerStep("", True, state.finish_reason, 0)
-        if state.first is not None:
-            tokens, state.first = [state.first], None
-        else:
-            tokens = state.decoder.step(self.cfg.max_new_tokens - len(state.generated))
-        before = len(state.generated)
-        for token in tokens:
-            if token in self.eos_ids:
-                state.done, state.finish_reason = True, "stop"
-                break
-            state.generated.append(token)
-            if len(state.generated) >= self.cfg.max_new_tokens:
-                state.done, state.finish_reason = True, "length"
-                break
-        delta = new_text(self.tokenizer, state.generated, state.emitted, final=state.done)
-        state.emitted += delta
-        if state.done:
-            self.release(state)
-        return AnswerStep(delta, state.done, state.finish_reason, len(state.generated) - before)
-
-    def release(self, state: EngineAnswerState) -> None:
-        """End the answer (its target group is dropped); the stream's prefilled source stays."""
-        if not state.released:
-            state.released = True
-            state.stream.session.end_answer()
-            if state.stream.draft_session is not None:
-                state.stream.draft_session.end_answer()
-            if state.pooled and len(self._idle) < self.max_idle_streams:
-                self._idle.append(state.stream)
-        state.done = True
-
-    def stats(self, state: EngineAnswerState) -> dict[str, Any]:
-        return state.decoder.stats.as_dict()
+    def embed_text(self, text: str) -> torch.Tensor | None:
+        return self.engine.embed_text(text)

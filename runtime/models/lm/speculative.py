@@ -18,7 +18,7 @@ Lossless:
   drawn from q_j (its drafter's distribution given its ancestors and earlier siblings; one-hot for
   deterministic drafters), is accepted with probability min(1, r(x)/q_j(x)); on rejection the residual becomes
   r <- norm(max(0, r - q_j)) (for a one-hot q: r with x zeroed). r starts as p, the target's distribution after
-  temperature and top-p exactly as plain sampling computes it (`sampling_probs`). If no child is accepted the
+  temperature and top-p exactly as plain sampling computes it (`sampling.sampling_probs`). If no child is accepted the
   token is drawn from r. Each node's output is therefore distributed exactly as p (Leviathan/Chen for chains,
   SpecTr-style recursive rejection for siblings), and the walk descends into the accepted child.
 """
@@ -28,32 +28,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from runtime.models.lm.drafters import Drafter
+from runtime.models.lm.sampling import Sampler, draw, greedy_token
 from runtime.models.lm.target import Target
-
-if TYPE_CHECKING:
-    from runtime.models.lm.drafters import Drafter
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """float64 probabilities [..., vocab] as plain sampling uses them (the generate answerer's rule): softmax of
-    logits / temperature in float32, then keep the smallest most-likely head whose mass reaches top_p. The
-    residual arithmetic of rejection sampling runs in float64 so that tiny probabilities are not lost."""
-    probs = torch.softmax(logits.detach().float().cpu() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    probs = probs.double()
-    return probs / probs.sum(-1, keepdim=True)
-
-
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 @dataclass
@@ -199,6 +179,7 @@ class SpeculativeDecoder:
     ) -> None:
         self.target, self.drafter = target, drafter
         self.temperature, self.top_p = temperature, top_p
+        self.sampler = Sampler(temperature, top_p)
         self.max_draft_tokens = max(0, max_draft_tokens) if drafter is not None else 0
         self.generator, self.adapt = generator, adapt
         self.stop_ids = frozenset(stop_ids)
@@ -210,12 +191,12 @@ class SpeculativeDecoder:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return self.sampler.greedy
 
     def _choose(self, logits: torch.Tensor) -> int:
         if self.greedy:
-            return int(logits.argmax())
-        return _sample(sampling_probs(logits, self.temperature, self.top_p), self.generator)
+            return greedy_token(logits)
+        return draw(self.sampler.probs(logits), self.generator)
 
     @torch.inference_mode()
     def start(self, first_logits: torch.Tensor, context: Sequence[int] = ()) -> int:
@@ -314,10 +295,10 @@ class SpeculativeDecoder:
                 nxt = next((c for c in kids[node] if tokens[c] == want), None)
                 residual = None
             else:
-                residual = sampling_probs(logits[node], self.temperature, self.top_p)
+                residual = self.sampler.probs(logits[node])
                 nxt = self._accept(residual, tokens, kids[node], qs)
             if nxt is None:
-                out.append(argmax[node] if residual is None else _sample(residual, self.generator))
+                out.append(argmax[node] if residual is None else draw(residual, self.generator))
                 break
             out.append(tokens[nxt])
             if tokens[nxt] in self.stop_ids:  # stop inside the draft: emit it as pending, commit what precedes

@@ -286,7 +286,7 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward_fixed(self, tokens: Tensor, rope_q: Rope, mask: Tensor, cache: CacheBuffers, slot: Tensor) -> Tensor:
         """One token's cached forward with every shape and address fixed and no host synchronisation, the form
-        a CUDA graph can record (decode_graph.py): `tokens` [1], `rope_q` its cos/sin [1, 1, d], `mask` [1, S]
+        a CUDA graph can record (cuda_graph.py): `tokens` [1], `rope_q` its cos/sin [1, 1, d], `mask` [1, S]
         over all S cache slots, `slot` [1] where its K/V go. Keys the caller has not rotated at their
         positions must not be under the mask (`rerotate` first). Logits [1, vocab] float32."""
         x = self.model.embed_tokens(tokens)[None]

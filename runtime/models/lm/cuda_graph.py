@@ -1,5 +1,10 @@
 """The one-token decode step in fixed form, recorded once per session as a CUDA graph and replayed.
 
+Boundary: this module is the engine's CUDA-only part. Nothing imports it at module level; the engine imports
+it lazily (`EngineSession._decode_graph`) only when `lm.cuda_graphs` is on and the session's cache lives on a
+CUDA device, so CPU runs never touch `torch.cuda`. Everything here may assume CUDA except the eager fixed-form
+step (`graph=False`), which runs on any device and is what the CPU tests compare with `EngineSession.score`.
+
 Why: on a GPU, decoding one token of a 0.5B-7B model is bound by kernel launches, not arithmetic: every layer
 launches a dozen small kernels from Python. A CUDA graph records the step's kernels once and replays them
 with one launch. A graph needs every shape, address and branch fixed, which `Transformer.forward` is not: it

@@ -1,0 +1,192 @@
+"""The naive peer (`lm.backend = "generate"`): prefill the prompt at question time, then decode one token per
+step with transformers.
+
+One token per `step()` keeps each unit of device work short, so the worker can run ASR chunks between
+tokens and a cancelled answer stops within one step. Greedy output must stay token-identical to
+`model.generate(do_sample=False)`, which the tests check against this loop; the engine answerer must equal it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from runtime.config import LMConfig
+from runtime.errors import UserError
+from runtime.models.lm.backend import AnswerStep, LMStream, new_text
+from runtime.models.lm.pieces import Piece
+from runtime.models.lm.prompt import CUT_MARK, prompt_text
+from runtime.models.lm.sampling import Sampler, StopRule, eos_ids
+from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+
+
+@dataclass(eq=False)
+class GenerateAnswer:
+    """One answer: everything it needs between steps; its KV is dropped by `release()`."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    sampler: Sampler
+    stop: StopRule
+    prompt_ids: list[int]
+    cache: DynamicCache | None
+    next_logits: torch.Tensor | None  # logits for the next token, from the last forward
+    generator: torch.Generator | None  # sampling only; seeded per answer
+    generated: list[int] = field(default_factory=list)
+    emitted: str = ""  # text sent so far (a prefix of the decoded generated ids)
+    context_tokens: int = 0  # tokens of context kept in the prompt
+    context_cut: bool = False  # True when the context was cut from the front to fit
+    done: bool = False
+    finish_reason: str | None = None
+
+    @torch.inference_mode()
+    def step(self) -> AnswerStep:
+        """Choose one token, stream its text, and run the forward that prepares the next one."""
+        if self.done or self.next_logits is None:
+            return AnswerStep("", True, self.finish_reason, 0)
+        before = len(self.generated)
+        token = self.sampler.choose(self.next_logits, self.generator)
+        reason = self.stop.take([token], self.generated)
+        if reason is not None:
+            self.done, self.finish_reason = True, reason
+        delta = new_text(self.tokenizer, self.generated, self.emitted, final=self.done)
+        self.emitted += delta
+        if self.done:
+            self.release()
+        else:
+            out = self.model(
+                input_ids=torch.tensor([[token]], device=self.model.device),
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+            self.next_logits = out.logits[0, -1]
+        return AnswerStep(delta, self.done, self.finish_reason, len(self.generated) - before)
+
+    def release(self) -> None:
+        """Drop the KV cache now (a cancelled answer must not hold device memory until collected)."""
+        self.cache = None
+        self.next_logits = None
+        self.generator = None
+        self.done = True
+
+    def stats(self) -> None:
+        """Plain decoding: no speculative counters."""
+        return None
+
+
+class GenerateAnswerer:
+    """A causal LM answering questions about the transcript; shared by sessions, state per answer."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: LMConfig,
+        *,
+        name: str,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.name = name
+        self.seed = seed
+        self.sampler = Sampler(cfg.temperature, cfg.top_p)
+        self.eos_ids = eos_ids(model.generation_config.eos_token_id, tokenizer.eos_token_id)
+
+    @classmethod
+    def load(
+        cls,
+        cfg: LMConfig,
+        *,
+        device: str,
+        dtype: str,
+        seed: int = 0,
+        progress: Callable[[str], None] | None = None,
+    ) -> GenerateAnswerer:
+        with load_progress(progress, "lm", cfg.model, device, dtype):
+            path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
+        return cls(model, tokenizer, cfg, name=cfg.model, seed=seed)
+
+    # -- prompt ---------------------------------------------------------------------------------------
+
+    def prompt_text(self, context: str, question: str) -> str:
+        return prompt_text(self.tokenizer, self.cfg.system_prompt, context, question)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def build_prompt(self, context: str, question: str) -> tuple[list[int], int, bool]:
+        """Prompt ids within `max_context_tokens`, keeping the END of the context (the latest speech).
+
+        Returns (ids, context tokens kept, whether the context was cut)."""
+        budget = self.cfg.max_context_tokens
+        ids = self._ids(self.prompt_text(context, question))
+        if len(ids) <= budget:
+            return ids, len(self._ids(context)), False
+        overhead = len(self._ids(self.prompt_text(CUT_MARK, question)))
+        if overhead > budget:
+            raise UserError(
+                f"the question needs {overhead} prompt tokens, more than lm.max_context_tokens={budget}; "
+                "ask a shorter question or raise lm.max_context_tokens"
+            )
+        context_ids = self._ids(context)
+        keep = budget - overhead
+        while True:  # re-tokenising at the cut can merge differently: shrink until it fits
+            tail = self._decode(context_ids[max(0, len(context_ids) - keep) :] if keep else []).lstrip("\ufffd")
+            ids = self._ids(self.prompt_text(CUT_MARK + tail, question))
+            if len(ids) <= budget or keep == 0:
+                return ids, keep, True
+            keep = max(0, keep - (len(ids) - budget))
+
+    # -- the backend ----------------------------------------------------------------------------------
+
+    def open_stream(self) -> None:
+        """No per-stream state: this answerer prefills everything at question time."""
+        return None
+
+    def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
+              suffix: Sequence[Piece] | None = None) -> GenerateAnswer:
+        """Build and prefill the prompt; the first token is chosen by the first `step()`. `stream` is always
+        None here (`open_stream` opens none); a text model reads no video memory, so `suffix` must be empty."""
+        if suffix:
+            raise UserError(f"lm.backend = generate reads no video memory ({self.name} is a text model)")
+        ids, kept, cut = self.build_prompt(context, question)
+        cache = DynamicCache(config=self.model.config)
+        input_ids = torch.tensor([ids], device=self.model.device)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return GenerateAnswer(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            sampler=self.sampler,
+            stop=StopRule(frozenset(self.eos_ids), self.cfg.max_new_tokens),
+            prompt_ids=ids,
+            cache=cache,
+            next_logits=out.logits[0, -1],
+            generator=self.sampler.generator(self.seed if seed is None else seed),
+            context_tokens=kept,
+            context_cut=cut,
+        )
+
+    @torch.inference_mode()
+    def embed_text(self, text: str) -> torch.Tensor | None:
+        """Mean input embedding [hidden] (float32) of `text`'s tokens, or None for text without tokens."""
+        ids = self._ids(text)
+        if not ids:
+            return None
+        table = self.model.get_input_embeddings()
+        return table(torch.tensor(ids, dtype=torch.long, device=self.model.device)).float().mean(0)

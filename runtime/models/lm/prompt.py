@@ -1,0 +1,88 @@
+"""Every prompt text the language model reads, and every use of the tokenizer's chat template.
+
+An answer's prompt frames the transcript and the question in the user turn, after the system prompt:
+
+    <system prompt> <"Transcript so far:\\n"> <transcript> <"\\n\\nQuestion: ..."> <assistant header>
+
+`prompt_text` writes it whole (the generate answerer prefills it at question time); `prompt_parts` cuts the
+same text in two where the transcript goes, so the engine can prefill the head and the transcript as they
+stream in and add the tail at question time: head + transcript + tail == prompt_text, exactly (tested).
+A base model without a chat template gets the same parts in plain text, ending in "Answer:".
+
+The video memory's labels (`MEMORY_INTRO`, `HEADINGS`; `runtime.models.vlm.prompt` builds the pieces) and the
+question a segment note answers (`NOTE_QUESTION`) are prompt text too, so they live here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+CUT_MARK = "... "  # prefixed to a context that was cut from the front
+EMPTY_CONTEXT = "(nothing yet)"  # the transcript before anything was heard
+NOTE_QUESTION = "In one short sentence, what happens in these video frames?"  # a closed video segment's note
+MEMORY_INTRO = "\n\nVideo memory (times are m:ss of the stream):"  # opens the video-memory suffix
+HEADINGS = {  # one per kind of memory block, before the first block of that kind
+    "temporal": "\nEarlier (consolidated):",
+    "abstract": "\nOverview:",
+    "retrieved": "\nMoments:",
+    "spatial": "\nNow:",
+}
+_MARK = "<<runtime:context>>"  # where the transcript goes, while the prompt is cut in two
+
+Content = Callable[[str], str | list[dict[str, str]]]  # a message's text as the template wants it
+
+
+def plain_content(text: str) -> str:
+    """Message content as a plain string (text chat models)."""
+    return text
+
+
+def typed_content(text: str) -> list[dict[str, str]]:
+    """Message content as typed parts (VLM templates such as LLaVA's)."""
+    return [{"type": "text", "text": text}]
+
+
+def user_turn(context: str, question: str) -> str:
+    return f"Transcript so far:\n{context}\n\nQuestion: {question}"
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_text(tokenizer: PreTrainedTokenizerBase, system_prompt: str, user: str,
+              content: Content = plain_content) -> str:
+    """The chat template applied to a system and a user message, ending with the assistant's header."""
+    messages = [{"role": "system", "content": content(system_prompt)}, {"role": "user", "content": content(user)}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def plain_text(system_prompt: str, user: str) -> str:
+    """The prompt of a base model without a chat template."""
+    return f"{system_prompt}\n\n{user}\nAnswer:"
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, system_prompt: str, context: str, question: str) -> str:
+    """The whole prompt for answering `question` about `context` (empty: `EMPTY_CONTEXT`)."""
+    user = user_turn(context or EMPTY_CONTEXT, question)
+    if has_chat_template(tokenizer):
+        return chat_text(tokenizer, system_prompt, user)
+    return plain_text(system_prompt, user)
+
+
+def prompt_parts(tokenizer: PreTrainedTokenizerBase, system_prompt: str, question: str) -> tuple[str, str]:
+    """(head, tail): head + transcript + tail is exactly `prompt_text(..., transcript, question)` for a
+    non-empty transcript. Templates that want typed message parts (VLM templates) get them when plain string
+    contents lose the transcript."""
+    user = user_turn(_MARK, question)
+    text = plain_text(system_prompt, user)
+    if has_chat_template(tokenizer):
+        for content in (plain_content, typed_content):
+            chat = chat_text(tokenizer, system_prompt, user, content)
+            if _MARK in chat:
+                text = chat
+                break
+    head, tail = text.split(_MARK, 1)
+    return head, tail

@@ -1,0 +1,106 @@
+"""Token choice and the stop rule: the one home of greedy, temperature and top-p, of the end-of-sequence ids
+and of when an answer ends. Every decoding path uses it: the generate answerer, the engine answerer, the
+speculative decoder, the drafters and the reference targets' tests.
+
+Two consumers need the same distribution in two precisions, and each is kept bit for bit as it was (seeded
+outputs must not change):
+- plain sampling (`Sampler.choose`, the generate answerer) draws from the float32 nucleus probabilities;
+- speculative decoding (`Sampler.probs` = `sampling_probs`) needs them in float64, renormalised, since its
+  residual arithmetic (rejection sampling) must not lose tiny probabilities; it draws with `draw`.
+Greedy is `argmax`, which picks the first maximum on ties, as transformers' `generate` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The most likely token; on ties the lowest id (torch.argmax's first maximum, as `generate`)."""
+    return int(logits.argmax())
+
+
+def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """float32 probabilities [..., vocab] on the CPU: softmax of logits / temperature, then only the smallest
+    most-likely head whose mass reaches top_p (always at least the most likely token). Not renormalised."""
+    probs = torch.softmax(logits.detach().float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before a token already reaches top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """`nucleus_probs` in float64, renormalised: what rejection sampling's residual arithmetic runs on."""
+    probs = nucleus_probs(logits, temperature, top_p).double()
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from `probs` (need not sum to 1) with `generator`."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """The configured rule (`lm.temperature`, `lm.top_p`): greedy when temperature <= 0."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def generator(self, seed: int) -> torch.Generator | None:
+        """A CPU generator seeded for one answer; None when greedy (nothing is drawn)."""
+        return None if self.greedy else torch.Generator().manual_seed(seed)
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """Plain sampling of one token (argmax when greedy or without a generator)."""
+        if self.greedy or generator is None:
+            return greedy_token(logits)
+        return draw(nucleus_probs(logits, self.temperature, self.top_p), generator)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """float64 probabilities for speculative sampling (`sampling_probs`)."""
+        return sampling_probs(logits, self.temperature, self.top_p)
+
+
+def eos_ids(generation_eos: int | Iterable[int] | None, tokenizer_eos: int | None) -> frozenset[int]:
+    """The ids that end an answer: the generation config's `eos_token_id` (an id, a list, or None) and the
+    tokenizer's own eos token."""
+    ids = set() if generation_eos is None else {generation_eos} if isinstance(generation_eos, int) \
+        else set(generation_eos)
+    if tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
+    return frozenset(ids)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When an answer ends: an end-of-sequence token ends it with "stop" (the token is not part of the answer);
+    the `max_new_tokens`-th answer token ends it with "length"."""
+
+    eos_ids: frozenset[int]
+    max_new_tokens: int
+
+    def take(self, tokens: Iterable[int], generated: list[int]) -> str | None:
+        """Append `tokens` to `generated` in order until one ends the answer; returns the finish reason
+        ("stop" | "length") or None when the answer goes on. Tokens after the end are dropped."""
+        for token in tokens:
+            if token in self.eos_ids:
+                return "stop"
+            generated.append(token)
+            if len(generated) >= self.max_new_tokens:
+                return "length"
+        return None
+
+    def room(self, generated: int) -> int:
+        """How many more tokens the answer may take."""
+        return self.max_new_tokens - generated
