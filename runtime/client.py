@@ -18,10 +18,10 @@ import base64
 import json
 import logging
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import av
 import numpy as np
@@ -32,6 +32,12 @@ from websockets.frames import CloseCode
 from runtime.chunks import AudioChunk
 from runtime.events import Event, new_id, parse_event
 from runtime.web.protocol import binary_audio, binary_frame
+
+if TYPE_CHECKING:
+    from runtime.io.source import Source
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -141,14 +147,14 @@ class AsyncRealtimeClient:
     def close_code(self) -> int | None:
         return None if self.ws is None else self.ws.close_code
 
-    async def send(self, type: str, **fields: Any) -> str:
+    async def send(self, type: str, **fields: object) -> str:
         """Send one client event; returns its event_id (what `error.event_id` names if it is refused)."""
         assert self.ws is not None, "connect() first"
         event_id = fields.pop("event_id", None) or new_id("cevt")
         await self.ws.send(json.dumps({"type": type, "event_id": event_id, **fields}))
         return event_id
 
-    async def update_session(self, **session: Any) -> str:
+    async def update_session(self, **session: object) -> str:
         return await self.send("session.update", session=session)
 
     async def append_audio(self, samples: np.ndarray) -> str:
@@ -216,7 +222,7 @@ class AsyncRealtimeClient:
 
         return await self.stream_source(MicrophoneSource(device, backend=backend), seconds=seconds)
 
-    async def stream_source(self, source: Any, *, seconds: float | None = None) -> float:
+    async def stream_source(self, source: Source, *, seconds: float | None = None) -> float:
         """Send what a `runtime.io` source yields (audio chunks, frames) until it ends or `seconds` of media;
         the source is closed either way. Returns the media seconds sent."""
         reached = 0.0
@@ -252,14 +258,16 @@ class RealtimeClient:
 
     THREAD_NAME = "realtime-client"
 
-    def __init__(self, url: str, *, token: str | None = None, **kwargs: Any) -> None:
-        self._async = AsyncRealtimeClient(url, token=token, **kwargs)
+    def __init__(self, url: str, *, token: str | None = None, max_size: int = 16 * 1024 * 1024,
+                 binary: bool = False, keepalive_s: float = 20.0) -> None:
+        self._async = AsyncRealtimeClient(url, token=token, max_size=max_size, binary=binary,
+                                          keepalive_s=keepalive_s)
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=self.THREAD_NAME, daemon=True)
         self._thread.start()
 
-    def _call(self, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _call(self, make: Callable[P, Coroutine[object, object, T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `make(*args, **kwargs)` (a coroutine function) on the private loop and wait for it. The
         coroutine is only created once the client is known to be open: one made for a stopped loop would
         never be awaited (a RuntimeWarning on top of the error)."""
@@ -303,7 +311,7 @@ class RealtimeClient:
     def close_code(self) -> int | None:
         return self._async.close_code
 
-    def update_session(self, **session: Any) -> str:
+    def update_session(self, **session: object) -> str:
         return self._call(self._async.update_session, **session)
 
     def append_audio(self, samples: np.ndarray) -> str:

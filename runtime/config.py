@@ -12,9 +12,15 @@ import os
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.memory.video import MemorySizes
+
+C = TypeVar("C")  # a settings dataclass
+V = TypeVar("V")  # a setting's value
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -164,9 +170,9 @@ def find_profile(name: str) -> Path:
     raise ConfigError(f"unknown profile {name!r} (known: {known}); or pass a path to a .toml file")
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+def _build(cls: type[C], data: dict[str, object], where: str) -> C:
     known = {f.name: f for f in fields(cls)}
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     for key, value in data.items():
         if key not in known:
             raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -180,7 +186,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
-def _coerce(value: Any, default: Any, where: str) -> Any:
+def _coerce(value: object, default: V, where: str) -> V:
     """Accept the default's type; an int where a float is expected is widened. bool is never an int here."""
     kind = type(default)
     if isinstance(value, bool) != (kind is bool):
@@ -290,7 +296,7 @@ def check_memory_fits(profile: Profile) -> None:
                           f"{profile.lm.window_tokens}; raise the window or shrink the video memory")
 
 
-def memory_sizes(profile: Profile) -> Any:
+def memory_sizes(profile: Profile) -> MemorySizes:
     """The profile's `runtime.memory.video.MemorySizes` (its fields are VideoConfig's of the same names)."""
     from runtime.memory.video import MemorySizes  # lazy: it imports torch
 

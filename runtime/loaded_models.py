@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.config import Profile, check_memory_fits
-from runtime.models.asr.base import StreamingASR, load_asr
+from runtime.models.asr.base import StreamingASR
+from runtime.models.asr.registry import load_asr
 from runtime.models.lm import AnswerBackend, NoAnswerer, load_answerer
 from runtime.models.lm.weights import is_vlm
 from runtime.models.loading import configure_threads, resolve_checkpoint

@@ -4,7 +4,6 @@ end, and plain greedy decoding with transformers, the reference every answerer m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -29,7 +28,7 @@ def run_answer(answer: Answer, max_new_tokens: int = N) -> list[AnswerStep]:
     return steps
 
 
-def greedy_ids(model: PreTrainedModel, prompt: list[int], *, pad_token_id: int = 0, **kwargs: Any) -> list[int]:
+def greedy_ids(model: PreTrainedModel, prompt: list[int], *, pad_token_id: int = 0, **kwargs: object) -> list[int]:
     """transformers' own greedy decoding of N new tokens (an explicit mask: pad id 0 may occur in prompts)."""
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N,

@@ -10,7 +10,8 @@ import pytest
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
-from runtime.models.asr import TranscriptUpdate, load_asr
+from runtime.models.asr import TranscriptUpdate
+from runtime.models.asr.registry import load_asr
 from runtime.models.asr.whisper_buffered import WhisperBuffered, WhisperBufferedStream
 
 CFG = ASRConfig(step_s=0.5, segment_s=2.0, max_new_tokens=24)

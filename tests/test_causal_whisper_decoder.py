@@ -14,8 +14,7 @@ from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.models.asr import TranscriptUpdate
-from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder, context_ids, prompt_ids
-from runtime.models.asr.causal_whisper.stream import (
+from runtime.models.asr.causal_whisper.asr import (
     CausalWhisperASR,
     CausalWhisperStream,
     ItemDecoder,
@@ -23,6 +22,7 @@ from runtime.models.asr.causal_whisper.stream import (
     keep_count,
     plan_reset,
 )
+from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder, context_ids, prompt_ids
 
 
 def load(**kw) -> CausalWhisperASR:

@@ -14,7 +14,7 @@ from runtime.errors import ConfigError
 from runtime.io.sample import demo_speech
 from runtime.models.asr.causal_whisper.encoder import (
     CausalWhisperEncoder,
-    EncoderStreamFull,
+    EncoderWindowFull,
     block_causal_mask,
     block_frames_for,
 )
@@ -265,7 +265,7 @@ def test_thirty_seconds_then_full(tiny: WhisperForConditionalGeneration) -> None
     mel = torch.randn(80, 3000) * 0.5
     stream = encoder.open()
     head = stream.accept(mel)
-    with pytest.raises(EncoderStreamFull, match="open a new stream"):
+    with pytest.raises(EncoderWindowFull, match="open a new stream"):
         stream.accept(mel[:, :1])
     out = torch.cat([head, stream.flush()])  # the refused chunk left the stream intact
     assert out.shape == (1500, 64) and (out - full(encoder, mel)).abs().max().item() <= TOL
@@ -273,7 +273,7 @@ def test_thirty_seconds_then_full(tiny: WhisperForConditionalGeneration) -> None
         stream.accept(mel[:, :1])
     audio = encoder.open_audio()
     audio.accept(np.zeros(480_000, np.float32))
-    with pytest.raises(EncoderStreamFull):
+    with pytest.raises(EncoderWindowFull):
         audio.accept(np.zeros(1, np.float32))
     assert audio.frames_done + audio.flush().shape[0] == 1500
 

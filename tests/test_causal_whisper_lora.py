@@ -16,10 +16,10 @@ from transformers import AutoTokenizer, WhisperForConditionalGeneration
 
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
+from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
 from runtime.models.asr.causal_whisper.decoder import prompt_ids
 from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder
 from runtime.models.asr.causal_whisper.lora import add_lora, load_adapter
-from runtime.models.asr.causal_whisper.stream import CausalWhisperASR
 from runtime.models.loading import resolve_checkpoint
 from runtime.train import causal_whisper
 from runtime.train.causal_whisper import TrainConfig, decoder_logits, encode_text, loss_and_logits, make_batch, train

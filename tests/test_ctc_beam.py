@@ -188,7 +188,7 @@ def test_demo_stream_with_beam_equals_the_same_search_offline():
     from runtime.chunks import AudioChunk
     from runtime.config import ASRConfig
     from runtime.io.sample import demo_speech
-    from runtime.models.asr.fastconformer.stream import FastConformerASR, find_checkpoint, load_any
+    from runtime.models.asr.fastconformer.asr import FastConformerASR, find_checkpoint, load_any
 
     checkpoint = find_checkpoint("builtin:demo-fastconformer")
     model, tokenizer = load_any(checkpoint)

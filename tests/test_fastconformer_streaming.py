@@ -12,7 +12,12 @@ import torch
 
 from runtime.chunks import AudioChunk
 from runtime.config import ASRConfig
-from runtime.models.asr.fastconformer import EncoderStream, FastConformerASR, build_tiny_fastconformer, load_nemo
+from runtime.models.asr.fastconformer import (
+    CacheAwareEncoderStream,
+    FastConformerASR,
+    build_tiny_fastconformer,
+    load_nemo,
+)
 from runtime.models.asr.fastconformer.model import chunked_limited_mask
 from runtime.models.asr.fastconformer.tiny import synthetic_audio
 
@@ -51,7 +56,7 @@ def cuts(kind: str, total: int, seed: int) -> list[int]:
 
 
 def stream_encode(model, audio: np.ndarray, context, sizes: list[int]) -> torch.Tensor:
-    stream, outs, pos = EncoderStream(model, context), [], 0
+    stream, outs, pos = CacheAwareEncoderStream(model, context), [], 0
     for size in sizes:
         outs.append(stream.accept(audio[pos : pos + size]))
         pos += size
@@ -100,7 +105,7 @@ def test_frames_released_as_soon_as_right_context_arrives(tiny, context):
     for frame in (0, 3, 13, 14, 27, 30):
         need = 1280 * frame + 200
         for samples, ready in ((need - 1, frame), (need, frame + 1)):
-            stream = EncoderStream(model, context)
+            stream = CacheAwareEncoderStream(model, context)
             got = stream.accept(audio[:samples]).shape[0]
             assert got == (ready // chunk) * chunk, (frame, samples)
 
@@ -131,7 +136,7 @@ def test_state_is_constant_as_the_stream_grows(tiny):
     model, _ = tiny
     cfg = model.cfg
     audio = synthetic_audio(30.0, seed=11)
-    stream = EncoderStream(model, (70, 13))
+    stream = CacheAwareEncoderStream(model, (70, 13))
     sizes, step = [], 8000
     for pos in range(0, len(audio), step):
         stream.accept(audio[pos : pos + step])

@@ -22,9 +22,9 @@ from runtime.cli import main
 from runtime.cli_parser import build_parser
 from runtime.config import ASRConfig
 from runtime.errors import CheckpointNotFound, ConfigError
-from runtime.models.asr.base import load_asr
+from runtime.models.asr.fastconformer.asr import find_checkpoint
 from runtime.models.asr.fastconformer.checkpoint import load_checkpoint
-from runtime.models.asr.fastconformer.stream import find_checkpoint
+from runtime.models.asr.registry import load_asr
 from runtime.train.ctc_batched import encode_batch
 from runtime.train.ctc_data import batch_for_step, collate, load_split, make_batches, shortest_pool
 from runtime.train.fastconformer import TrainConfig, train_model

@@ -27,8 +27,8 @@ from runtime.bench.shapes import whisper_config
 from runtime.bench.timing import machine, percentiles_ms, timed
 from runtime.chunks import SAMPLE_RATE
 from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_frames_for
+from runtime.models.asr.fastconformer.cache_aware_encoder import CacheAwareEncoderStream
 from runtime.models.asr.fastconformer.model import FastConformerCTC
-from runtime.models.asr.fastconformer.streaming import EncoderStream
 from runtime.models.asr.fastconformer.tiny import build_fastconformer, fastconformer_114m_config
 from runtime.models.loading import configure_threads, torch_dtype
 
@@ -183,7 +183,7 @@ def conformer_exactness(model: FastConformerCTC, context: tuple[int, int], secon
     rng = np.random.default_rng(2)
     worst = 0.0
     for sizes in ([chunk], [chunk + 37, 11, 3 * chunk], list(rng.integers(1, 2 * chunk, 64))):
-        stream = EncoderStream(model, context)
+        stream = CacheAwareEncoderStream(model, context)
         parts = [stream.accept(audio[a:b]) for a, b in _split(len(audio), sizes)] + [stream.finish()]
         worst = max(worst, float((torch.cat(parts).float() - full).abs().max()))
     return worst
@@ -194,7 +194,7 @@ def conformer_stream_cost(model: FastConformerCTC, context: tuple[int, int], aud
     """Feed audio one encoder chunk at a time (what a live source at that look-ahead delivers)."""
     chunk_s = (context[1] + 1) * 0.08
     step = round(chunk_s * SAMPLE_RATE)
-    stream = EncoderStream(model, context)
+    stream = CacheAwareEncoderStream(model, context)
     times = [timed(lambda s=start: stream.accept(audio[s:s + step]), device)[1]
              for start in range(0, len(audio) - step + 1, step)]
     per_window = []

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import soundfile
@@ -40,6 +40,11 @@ from runtime.bench.timing import at_most, machine
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.models.asr.base import StreamingASR
+    from runtime.models.asr.fastconformer.asr import FastConformerASR
+    from runtime.models.asr.fastconformer.model import FastConformerCTC
 
 DEFAULT_MODEL = "builtin:demo-fastconformer"
 CHUNK_MS = 100
@@ -69,7 +74,7 @@ def heldout_set(data: str | None, status: Callable[[str], None]) -> tuple[Path, 
     return folder, rows
 
 
-def stream_transcript(asr: Any, audio: np.ndarray, waits: list[float] | None = None) -> str:
+def stream_transcript(asr: StreamingASR, audio: np.ndarray, waits: list[float] | None = None) -> str:
     """What a user sees: the audio in 100 ms chunks through the runtime's ASR stream, completed items joined.
 
     `waits`, when given, gets `word_waits` of this audio."""
@@ -116,13 +121,13 @@ def _wait_summary(waits: list[float]) -> dict[str, float]:
             "max": round(max(waits), 2)}
 
 
-def offline_logprobs(model: Any, audio: np.ndarray, context: tuple[int, int]) -> np.ndarray:
+def offline_logprobs(model: FastConformerCTC, audio: np.ndarray, context: tuple[int, int]) -> np.ndarray:
     """CTC log-probabilities [T, V] of a whole signal in one forward."""
     with torch.inference_mode():
         return model.decoder(model.encode_offline(audio, context).unsqueeze(0))[0].float().cpu().numpy()
 
 
-def offline_text(asr: Any, logprobs: np.ndarray) -> str:
+def offline_text(asr: FastConformerASR, logprobs: np.ndarray) -> str:
     """The decoder of `asr` (greedy or beam) over a whole utterance's frames, as one item."""
     text = asr.item_text()
     for label, row in zip(logprobs.argmax(-1).tolist(), logprobs, strict=True):
@@ -132,8 +137,8 @@ def offline_text(asr: Any, logprobs: np.ndarray) -> str:
 
 def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, Any]:
     from runtime.io.sample import demo_script, demo_speech
+    from runtime.models.asr.fastconformer.asr import FastConformerASR, find_checkpoint, load_any
     from runtime.models.asr.fastconformer.decoding import LM_FILE
-    from runtime.models.asr.fastconformer.stream import FastConformerASR, find_checkpoint, load_any
     from runtime.models.loading import cache_dir, configure_threads, load_progress, torch_dtype
     from runtime.train.text_norm import cer, normalize, wer
 

@@ -3,7 +3,7 @@
 Why it trains the way it does:
 - **The inference mask and convolutions.** Every batch runs the encoder offline over whole utterances with the
   chunked-limited attention mask of one of the model's [left, right] contexts and the causal depthwise and
-  subsampling convolutions, which is exactly what streaming.py reproduces chunk by chunk (tests prove the
+  subsampling convolutions, which is exactly what cache_aware_encoder.py reproduces chunk by chunk (tests prove the
   equality). Padding cannot leak: each subsampling stage zeroes the frames past an utterance's own length (the
   offline forward's right padding is zeros) and attention never sees padded keys, so every utterance's valid
   frames equal its own unbatched forward (tested). What is learnt is what runs live.

@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import multiprocessing.pool
 import os
 import re
 import sys
@@ -151,7 +152,7 @@ def _progress_entries(out: Path, fingerprint: dict[str, Any]) -> dict[tuple[str,
     return done
 
 
-def _short(value: Any, limit: int = 40) -> str:
+def _short(value: object, limit: int = 40) -> str:
     text = json.dumps(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -174,7 +175,8 @@ def settings_difference(previous: dict[str, Any], current: dict[str, Any]) -> st
     return ", ".join(parts)
 
 
-def _results(tasks: list[Task], done: dict[tuple[str, int], dict[str, Any]], pool: Any) -> Iterator[dict[str, Any]]:
+def _results(tasks: list[Task], done: dict[tuple[str, int], dict[str, Any]],
+             pool: multiprocessing.pool.Pool | None) -> Iterator[dict[str, Any]]:
     """Entries in task order: from the previous run when recorded, else synthesised (in the pool if any)."""
     todo = [t for t in tasks if (t.split, t.index) not in done]
     made = iter(pool.imap(make_utterance, todo) if pool is not None else map(make_utterance, todo))

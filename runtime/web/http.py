@@ -15,7 +15,6 @@ import json
 import mimetypes
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
@@ -30,7 +29,7 @@ MAX_METHOD_BYTES = 16  # longer than any HTTP method
 class PostConnection(ServerConnection):
     """A websockets server connection that also reads `POST` requests (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:  # websockets' own arguments, passed through
         super().__init__(*args, **kwargs)
         self.body: bytes | None = None  # set for a POST once read whole
         self.post_error: HTTPStatus | None = None  # set instead when the POST could not be read
@@ -108,7 +107,7 @@ def _with_type(response: Response, kind: str, cache: str) -> Response:
     return response
 
 
-def json_response(connection: ServerConnection, status: int, payload: Any) -> Response:
+def json_response(connection: ServerConnection, status: int, payload: object) -> Response:
     return _with_type(connection.respond(status, json.dumps(payload) + "\n"), "application/json", "no-store")
 
 

@@ -21,7 +21,7 @@ import json
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import av
 import numpy as np
@@ -40,6 +40,8 @@ ALLOWED_SESSION_FIELDS = {"input_audio_format", "modalities"}
 BINARY_AUDIO, BINARY_FRAME = b"A"[0], b"V"[0]
 BINARY_HEADER = struct.Struct("<BI")  # kind, sequence number
 BINARY_TIMESTAMP = struct.Struct("<d")
+
+K = TypeVar("K")  # the type a client event's field must have
 
 
 class ProtocolError(ValueError):
@@ -141,7 +143,7 @@ def parse_client_event(message: str | bytes, *, max_side: int = 640) -> Command:
         raise
 
 
-def _holds_lone_surrogate(data: Any) -> bool:
+def _holds_lone_surrogate(data: object) -> bool:
     """Whether any key or string value of parsed JSON holds a surrogate code point (json.loads joins escaped
     pairs into one character, so what is left is unpaired). A loop, not recursion: the nesting is the client's."""
     stack = [data]
@@ -196,7 +198,7 @@ def parse_binary(message: bytes, *, max_side: int = 640) -> Command:
         raise
 
 
-def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+def _field(data: dict[str, Any], name: str, kind: type[K] | tuple[type[K], ...], what: str) -> K:
     if name not in data:
         raise ProtocolError(f"{data['type']}: missing '{name}' ({what})", code="missing_field", param=name)
     value = data[name]

@@ -25,8 +25,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
 
 import av
 import numpy as np
@@ -112,7 +111,7 @@ class WebRTCPeer:
                 self.inbox.get_nowait()
             self.inbox.put_nowait(None)  # ends the driver's reader
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
         task = asyncio.create_task(coro, name=f"{self.session.id}:{name}")
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)

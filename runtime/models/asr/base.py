@@ -1,20 +1,18 @@
 """The interface between the pipeline and any streaming ASR backend.
 
-A loaded model (`StreamingASR`) is shared by sessions; each session opens its own `ASRStream`, which holds
-all per-session state, so the device worker can interleave many streams on one model. Backends report
+A loaded model (`StreamingASR`, chosen by `registry.load_asr`) is shared by sessions; each session opens its
+own `ASRStream`, which holds all per-session state, so the device worker can interleave many streams on one
+model. Backends report
 progress as `TranscriptUpdate`s: text that became stable (never retracted), the unstable tail, and item
 completion, all stamped with media time so latency is measurable.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.chunks import AudioChunk
-from runtime.config import ASRConfig
-from runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -48,23 +46,3 @@ class StreamingASR(Protocol):
     name: str
 
     def open_stream(self) -> ASRStream: ...
-
-
-BACKENDS = ("whisper-buffered", "causal-whisper", "fastconformer")
-
-
-def load_asr(cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str], None] | None = None) -> StreamingASR:
-    """Load the backend named by `cfg.backend` (imported lazily: each pulls its own model code)."""
-    if cfg.backend == "whisper-buffered":
-        from runtime.models.asr.whisper_buffered import WhisperBuffered
-
-        return WhisperBuffered.load(cfg, device=device, dtype=dtype, progress=progress)
-    if cfg.backend == "causal-whisper":
-        from runtime.models.asr.causal_whisper.stream import CausalWhisperASR
-
-        return CausalWhisperASR.load(cfg, device=device, dtype=dtype, progress=progress)
-    if cfg.backend == "fastconformer":
-        from runtime.models.asr.fastconformer.stream import FastConformerASR
-
-        return FastConformerASR.load(cfg, device=device, dtype=dtype, progress=progress)
-    raise ConfigError(f"unknown asr.backend {cfg.backend!r} (known: {', '.join(BACKENDS)})")

@@ -5,6 +5,7 @@ teach an offline Whisper to read block-causal encoder states.
 - `features`: a causal log-mel front end (`StreamingLogMel`, `log_mel`) whose chunked output equals its
   offline output exactly, so a model trained offline sees in streaming exactly what it was trained on.
 - `encoder`: `CausalWhisperEncoder` (offline `forward_full` with the block-causal mask, for training and
-  reference) and its exact incremental `EncoderStream` / `StreamingEncoder`.
-- `decoder`, `stream`, `lora`: the decoder side and the stream policy.
+  reference) and its exact incremental `MelEncoderStream` / `AudioEncoderStream`.
+- `decoder`, `asr`, `lora`: the decoder side, the `StreamingASR` backend with its stream policy, and the
+  adapters.
 """

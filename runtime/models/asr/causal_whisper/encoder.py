@@ -4,7 +4,7 @@ Encoder frames are 20 ms (mel hop 10 ms, conv2 stride 2). Frames are grouped in 
 (`gran`, = chunk_ms / 20); the first block is widened by one block (2 * gran frames), so the first output
 has enough context. A frame in block b attends to every frame of blocks <= b: bidirectional inside a block,
 causal across blocks. `forward_full` runs that mask over a whole mel in one pass (training, reference);
-`EncoderStream` computes the same states chunk by chunk, each frame exactly once:
+`MelEncoderStream` computes the same states chunk by chunk, each frame exactly once:
 
 - The convolutions run incrementally: between calls only their receptive-field context is carried (two
   mel frames for conv1, at most two conv1 frames for conv2). Encoder frame s reads mel frames 2s-2..2s+2,
@@ -16,7 +16,7 @@ causal across blocks. `forward_full` runs that mask over a whole mel in one pass
   Attention to the past is the only cost that grows with the stream.
 
 A stream holds at most `max_source_positions` (1500, 30 s) encoder frames, the size of the positional
-table; feeding more raises `EncoderStreamFull` before any state changes. The caller resets by opening a new
+table; feeding more raises `EncoderWindowFull` before any state changes. The caller resets by opening a new
 stream (CarelessWhisper resets its caches at 30 s and carries text, not audio, across the reset).
 
 `forward_full` calls the HF modules themselves (q/k/v/out projections, fc1/fc2, layer norms, convs), looked up
@@ -46,7 +46,7 @@ FRAME_MS = 20  # one encoder frame: two 10 ms mel hops
 MEL_PER_FRAME = 2
 
 
-class EncoderStreamFull(RuntimeError):
+class EncoderWindowFull(RuntimeError):
     """More audio than the positional table holds (1500 frames, 30 s): open a new stream."""
 
 
@@ -253,20 +253,20 @@ class CausalWhisperEncoder:
 
     @torch.inference_mode()
     def encode_audio(self, samples: np.ndarray, *, init_max: float = INIT_MAX) -> torch.Tensor:
-        """Offline states [frames, d_model] of up to 30 s of 16 kHz audio: what `StreamingEncoder` emits."""
+        """Offline states [frames, d_model] of up to 30 s of 16 kHz audio: what `AudioEncoderStream` emits."""
         return self.forward_full(log_mel(samples, self.n_mels, init_max=init_max)[None])[0]
 
     @torch.inference_mode()
-    def open(self) -> EncoderStream:
+    def open(self) -> MelEncoderStream:
         """A new mel-frame stream with empty caches."""
-        return EncoderStream(self)
+        return MelEncoderStream(self)
 
-    def open_audio(self, *, init_max: float = INIT_MAX) -> StreamingEncoder:
+    def open_audio(self, *, init_max: float = INIT_MAX) -> AudioEncoderStream:
         """A new audio stream (causal log-mel + encoder stream)."""
-        return StreamingEncoder(self, init_max=init_max)
+        return AudioEncoderStream(self, init_max=init_max)
 
 
-class EncoderStream:
+class MelEncoderStream:
     """Exact incremental `forward_full` of one mel stream; see the module docstring.
 
     `accept(mel [n_mels, n])` returns the encoder frames [k, d_model] of every block it completes (k is a
@@ -338,12 +338,12 @@ class EncoderStream:
     def accept(self, mel: torch.Tensor) -> torch.Tensor:
         """Feed mel frames [n_mels, n]; returns the encoder frames [k, d_model] of the blocks they complete."""
         if self.closed:
-            raise RuntimeError("EncoderStream.accept after flush: open a new stream")
+            raise RuntimeError("MelEncoderStream.accept after flush: open a new stream")
         if mel.ndim != 2 or mel.shape[0] != self.owner.n_mels:
             raise ValueError(f"mel must be [{self.owner.n_mels}, frames], got {tuple(mel.shape)}")
         limit = self.owner.max_frames * MEL_PER_FRAME
         if self.mel_frames + mel.shape[1] > limit:
-            raise EncoderStreamFull(
+            raise EncoderWindowFull(
                 f"encoder stream full: {self.mel_frames + mel.shape[1]} mel frames exceed {limit} "
                 f"({self.owner.max_frames} encoder frames, 30 s); flush it and open a new stream"
             )
@@ -355,14 +355,14 @@ class EncoderStream:
     def flush(self) -> torch.Tensor:
         """End of input: the held-back frames (right edge zero-padded as in `forward_full`); closes the stream."""
         if self.closed:
-            raise RuntimeError("EncoderStream.flush called twice")
+            raise RuntimeError("MelEncoderStream.flush called twice")
         self.closed = True
         self._front(self._mel[:, :0], last=True)
         return self._layers(last=True)
 
 
-class StreamingEncoder:
-    """Audio in, encoder states out: `StreamingLogMel` feeding an `EncoderStream`.
+class AudioEncoderStream:
+    """Audio in, encoder states out: `StreamingLogMel` feeding an `MelEncoderStream`.
 
     Block b (ending at encoder frame e, i.e. e * 20 ms) is emitted by the `accept` that brings the audio to
     e * 20 ms + 10 ms (sample 160 * (2e + 1)): its last 10 ms hop of mel plus one hop of conv look-ahead.
@@ -381,7 +381,7 @@ class StreamingEncoder:
     def accept(self, samples: np.ndarray) -> torch.Tensor:
         """Feed float32 16 kHz samples; returns the new encoder frames [k, d_model]."""
         if self.mel.samples_seen + len(samples) > self.max_samples:
-            raise EncoderStreamFull(
+            raise EncoderWindowFull(
                 f"encoder stream full: {self.mel.samples_seen + len(samples)} samples exceed "
                 f"{self.max_samples} (30 s); flush it and open a new stream"
             )

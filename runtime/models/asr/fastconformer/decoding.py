@@ -1,6 +1,6 @@
 """The open item's text as CTC frames arrive: greedy, or a beam search with a word LM (`asr.decoder`).
 
-The stream (stream.py) decides where items start and end from the frames' argmax labels, the same rule for
+The stream (asr.py) decides where items start and end from the frames' argmax labels, the same rule for
 both decoders, so both cut the audio at the same places; these classes only say what the item's frames
 spell. `stable()` is text that no later frame can change, `unstable()` the tail that may still change, and
 `finish()` the item's final text, which always starts with the last `stable()`.

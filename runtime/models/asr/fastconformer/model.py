@@ -3,7 +3,7 @@
 Module and parameter names mirror NeMo's (`preprocessor.featurizer`, `encoder.pre_encode.conv.N`,
 `encoder.layers.N.{feed_forward1,self_attn,conv,feed_forward2,norm_*}`, `decoder.decoder_layers.0`), so a
 `.nemo` state dict loads with no renaming (see nemo.py). Everything here is the *offline* forward: one pass
-over a whole utterance with the chunked-limited attention mask. streaming.py runs the same modules
+over a whole utterance with the chunked-limited attention mask. cache_aware_encoder.py runs the same modules
 incrementally with caches and must reproduce this forward exactly; that equality is what the tests check.
 
 - Subsampling `dw_striding` (NeMo `causal_downsampling: true`): conv2d 3x3 stride 2, then (log2(factor) - 1)

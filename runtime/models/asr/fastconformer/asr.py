@@ -27,6 +27,7 @@ from runtime.config import ASRConfig
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.asr.fastconformer.cache_aware_encoder import CacheAwareEncoderStream
 from runtime.models.asr.fastconformer.checkpoint import (
     CHECKPOINT_FILES,
     CONFIG_FILE,
@@ -37,7 +38,6 @@ from runtime.models.asr.fastconformer.checkpoint import (
 from runtime.models.asr.fastconformer.decoding import DECODERS, BeamParts, GreedyText, ItemText, find_word_lm
 from runtime.models.asr.fastconformer.model import FastConformerCTC
 from runtime.models.asr.fastconformer.nemo import load_nemo
-from runtime.models.asr.fastconformer.streaming import EncoderStream
 from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer
 from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
 
@@ -140,7 +140,7 @@ class FastConformerStream:
 
     def __init__(self, asr: FastConformerASR) -> None:
         self._asr = asr
-        self._encoder: EncoderStream | None = EncoderStream(asr.model, asr.context)
+        self._encoder: CacheAwareEncoderStream | None = CacheAwareEncoderStream(asr.model, asr.context)
         self._blank = asr.model.blank
         self._frame_s = asr.model.cfg.frame_seconds
         self._next_sample: int | None = None

@@ -1,6 +1,6 @@
 """Causal streaming Whisper (CarelessWhisper, design.md §3): the emission rule, cache resets, the stream.
 
-Audio goes into a block-causal `StreamingEncoder`; after each block of encoder frames the decoder
+Audio goes into a block-causal `AudioEncoderStream`; after each block of encoder frames the decoder
 (`IncrementalDecoder`, cross-attention K/V appended per block) runs the emission rule (`ItemDecoder.step`):
 
 1. re-check the unstable tail (the last `lookback_tokens` tokens not yet stable): a token stays if its
@@ -63,7 +63,7 @@ CARRY_TOKENS = 64  # stable tokens carried across a reset as prompt / forced pre
 
 def emission_sample(frame_end: int) -> int:
     """Samples after which the block ending at encoder frame `frame_end` is emitted (its last 10 ms hop
-    plus the conv's 10 ms look-ahead; see `StreamingEncoder`)."""
+    plus the conv's 10 ms look-ahead; see `AudioEncoderStream`)."""
     return FRAME_SAMPLES * frame_end + FRAME_SAMPLES // 2
 
 

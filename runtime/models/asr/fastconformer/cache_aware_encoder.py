@@ -83,7 +83,7 @@ class SubsamplingStream:
         return self._project(x)
 
 
-class EncoderStream:
+class CacheAwareEncoderStream:
     """One stream of encoder frames for a fixed [left, right] attention context."""
 
     def __init__(self, model: FastConformerCTC, context: tuple[int, int]) -> None:
