@@ -233,19 +233,19 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
         if source is None:  # before the "serving" line: a signal sent after it always stops cleanly
             on_stop_signals(stop.set)
         try:
+            local = Broadcast(source.description) if source is not None else None
             server = await RealtimeServer(profile, models, worker, host=args.host, port=args.port,
                                           max_sessions=args.max_sessions, token=token,
-                                          allow_origins=args.allow_origins).start()
+                                          allow_origins=args.allow_origins, local=local).start()
         except OSError as err:
             raise UserError(f"cannot serve on {args.host}:{args.port}: {err.strerror or err}") from None
         console.status(f"serving the browser demo at http://{args.host}:{server.port}/ and the websocket at "
                        f"ws://{args.host}:{server.port}/v1/realtime (health: /healthz)")
         try:
-            if source is not None:
-                server.local = Broadcast(source.description)
+            if source is not None and local is not None:
                 console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else "")
                                + f"; watch it at http://{args.host}:{server.port}/?watch=1")
-                await _run_session(profile, models, worker, source, args, console, (), True, server.local.publish)
+                await _run_session(profile, models, worker, source, args, console, (), True, local.publish)
                 console.status(f"{source.description} ended: stopping the server")
             else:
                 await stop.wait()

@@ -197,8 +197,9 @@ async def test_page_watches_the_servers_local_session(tiny, tmp_path):
     from runtime.web.broadcast import Broadcast
 
     deadline, problems = Deadline(TOTAL_TIMEOUT_S), []
-    async with RealtimeServer(*tiny, port=0) as server, browser_page(tmp_path, problems) as page:
-        server.local = Broadcast("demo speech")
+    async with RealtimeServer(*tiny, port=0, local=Broadcast("demo speech")) as server, \
+            browser_page(tmp_path, problems) as page:
+        assert server.local is not None
         session = await (await open_session(*tiny)).start()
 
         async def publish() -> None:

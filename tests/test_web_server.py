@@ -553,7 +553,9 @@ async def test_browsers_watch_the_local_session_without_slowing_it(tiny):
             async with connect(watch_url):
                 pass
         assert refused.value.response.status_code == 404
-        server.local = Broadcast("camera test")
+    async with RealtimeServer(*tiny, port=0, local=Broadcast("camera test")) as server:
+        watch_url = f"ws://127.0.0.1:{server.port}/v1/watch"
+        assert server.local is not None
         for i in range(3):
             server.local.publish(caption(i))  # before anyone watches: kept as history
         async with connect(watch_url) as ws:

@@ -112,7 +112,7 @@ def test_the_frame_sampler_keeps_video_fps_from_a_camera_off_its_grid():
 async def test_a_data_channel_append_beside_a_microphone_track_is_refused_and_the_session_goes_on(tiny):  # noqa: F811
     profile, models, worker = tiny
     peer = await _peer(profile, models, worker)
-    peer.driver.audio_from_track = True  # as _on_track sets it when the offer has a microphone
+    peer.driver.take_audio_from_track()  # as _on_track does when the offer has a microphone
     sent: list[dict] = []
 
     async def send(text: str) -> None:

@@ -55,9 +55,12 @@ class SessionDriver:
         self.pending_text: list[str] = []
         self.finishing: asyncio.Task[None] | None = None
         self.started = asyncio.Event()  # set once the session runs: media may be pushed from then on
-        # A WebRTC peer's microphone track feeds the audio: a second source would break the one sample clock
-        # (two producers interleaving chunks), so data-channel appends are then refused.
-        self.audio_from_track = False
+        self.audio_from_track = False  # see take_audio_from_track
+
+    def take_audio_from_track(self) -> None:
+        """A WebRTC peer's microphone track feeds the audio from now on: a second source would break the one
+        sample clock (two producers interleaving chunks), so data-channel appends are refused."""
+        self.audio_from_track = True
 
     async def run(self, messages: AsyncIterable[str | bytes], send: Send) -> bool:
         """Drive the session until the client goes or, after commit, every event is out (then True: the

@@ -66,7 +66,8 @@ class RealtimeServer:
 
     def __init__(self, profile: Profile, models: Models, worker: DeviceWorker, *, host: str = "127.0.0.1",
                  port: int = 8765, max_sessions: int = 8, token: str | None = None,
-                 allow_origins: Sequence[str] | None = None, keepalive_s: float = 20.0) -> None:
+                 allow_origins: Sequence[str] | None = None, keepalive_s: float = 20.0,
+                 local: Broadcast | None = None) -> None:
         self.profile, self.models, self.worker = profile, models, worker
         self.keepalive_s = keepalive_s
         self.host, self.requested_port, self.max_sessions = host, port, max_sessions
@@ -75,7 +76,7 @@ class RealtimeServer:
         self.sessions: dict[str, Session] = {}
         self._opening = 0  # sessions being built: they hold a slot before their first await
         self.peers: set[asyncio.Task[None]] = set()  # one per WebRTC peer, cancelled by stop()
-        self.local: Broadcast | None = None  # the terminal's own session (serve --camera/--source), if any
+        self.local = local  # the terminal's own session (serve --camera/--source) that browsers may watch
         self.loop_lag = LoopLagMonitor(interval_s=0.01)  # the whole server's loop: every session shares it
         self._server: Server | None = None
 

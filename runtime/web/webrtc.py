@@ -124,7 +124,7 @@ class WebRTCPeer:
 
     def _on_track(self, track: MediaStreamTrack) -> None:
         if track.kind == "audio":
-            self.driver.audio_from_track = True  # one audio source: data-channel appends are refused
+            self.driver.take_audio_from_track()
             self._spawn(self._consume_audio(track), "rtc-audio-in")
             self._spawn(self._feed_audio(), "rtc-audio-feed")
         elif track.kind == "video":
