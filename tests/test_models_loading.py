@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -189,8 +189,33 @@ def test_uncached_hub_id_offline_fails_fast_with_one_line(monkeypatch: pytest.Mo
 
 
 def test_path_like_refs() -> None:
-    for ref in ["/abs", "./rel", "../up", "~/home", "a/b/c", "dir/"]:
+    for ref in ["/abs", "./rel", "../up", ".", "~/home", "~", "a/b/c", "a/b/c/d", "dir/", "owner/name/"]:
         assert is_path_like(ref), ref
-    for ref in ["openai/whisper-base", "gpt2", "Qwen/Qwen2.5-0.5B-Instruct"]:
+    # A hub id is `name` or `owner/name`: one slash at most, not at either end, no leading `.`/`~`.
+    for ref in ["openai/whisper-base", "gpt2", "Qwen/Qwen2.5-0.5B-Instruct", "", "a~b", "a.b/c"]:
         assert not is_path_like(ref), ref
-    assert os.sep == "/" or is_path_like(f"a{os.sep}b")
+
+
+@pytest.mark.parametrize(
+    ("sep", "ref", "expected"),
+    [
+        # POSIX: a backslash is an ordinary character, so these are (odd) hub ids, never paths.
+        ("/", "a\\b", False),
+        ("/", "dir\\", False),
+        ("/", "C:\\models\\x", False),
+        ("/", "a/b", False),
+        ("/", "a/b/c", True),
+        # Windows: a backslash anywhere (or at the end) makes a path; a single forward slash is still a hub id.
+        ("\\", "a\\b", True),
+        ("\\", "dir\\", True),
+        ("\\", "C:\\models\\x", True),
+        ("\\", "a/b", False),
+        ("\\", "gpt2", False),
+        ("\\", "dir/", True),
+        ("\\", "a/b/c", True),
+    ],
+)
+def test_path_like_follows_the_platform_separator(monkeypatch, sep: str, ref: str, expected: bool) -> None:
+    # Swap the `os` that loading.py sees, not the real one: the rest of the process keeps its own separator.
+    monkeypatch.setattr(loading, "os", SimpleNamespace(sep=sep))
+    assert is_path_like(ref) is expected
