@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint mutation clean
 
 install: $(STAMP)
 
@@ -25,5 +25,11 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check runtime tests examples
 
+# Mutation testing of the session's wiring, channels and memories (docs/testing.md); not part of test or CI.
+mutation: install
+	$(PY) -m pip install -q -e '.[mutation]'
+	HF_HUB_OFFLINE=1 $(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info mutants

@@ -3,163 +3,25 @@ waiting for the words heard before a question, errors that cost nothing else, ca
 video sampling and clean shutdown. The real tiny models run end to end in test_end_to_end.py."""
 
 import asyncio
-import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from session_fakes import (
+    EchoAnswerer,
+    StreamingEchoAnswerer,
+    WordASR,
+    audio_chunks,
+    collect,
+    profile_for,
+    types_of,
+)
 
-from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
-from runtime.config import load_profile, with_overrides
+from runtime.chunks import AudioChunk, VideoFrame
+from runtime.config import with_overrides
 from runtime.loaded_models import Models
-from runtime.models.asr.base import TranscriptUpdate
-from runtime.models.lm import AnswerStep
-from runtime.session import Session
 from runtime.session_builder import open_session
 from runtime.worker import DeviceWorker
-
-CHUNK = SAMPLE_RATE // 10  # 100 ms
-
-
-class WordASR:
-    """Hears one word per chunk: 'w<index>'; completes an item every `per_item` chunks."""
-
-    name = "words"
-
-    def __init__(self, per_item: int = 5, delay_s: float = 0.0, fail_on: int | None = None) -> None:
-        self.per_item, self.delay_s, self.fail_on = per_item, delay_s, fail_on
-        self.streams: list[WordStream] = []
-
-    def open_stream(self) -> "WordStream":
-        self.streams.append(WordStream(self))
-        return self.streams[-1]
-
-
-@dataclass
-class WordStream:
-    model: WordASR
-    chunks: list[int] = field(default_factory=list)
-    item: int = 0
-    words: list[str] = field(default_factory=list)
-    item_start: float = 0.0
-    closed: bool = False
-    threads: set[str] = field(default_factory=set)
-
-    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
-        self.threads.add(threading.current_thread().name)
-        index = chunk.start_sample // CHUNK
-        if index == self.model.fail_on:
-            raise RuntimeError("corrupt chunk")
-        time.sleep(self.model.delay_s)
-        self.chunks.append(index)
-        self.words.append(f"w{index}")
-        out = [TranscriptUpdate(f"item{self.item}", f"w{index} ", "", self.item_start, chunk.end)]
-        if len(self.words) == self.model.per_item:
-            out.append(self._complete(chunk.end))
-        return out
-
-    def _complete(self, end: float) -> TranscriptUpdate:
-        update = TranscriptUpdate(f"item{self.item}", "", "", self.item_start, end, True, " ".join(self.words))
-        self.item, self.words, self.item_start = self.item + 1, [], end
-        return update
-
-    def finish(self) -> list[TranscriptUpdate]:
-        return [self._complete(len(self.chunks) * CHUNK / SAMPLE_RATE)] if self.words else []
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class EchoAnswerer:
-    """Answers by spelling back the last word of its context, one character per step."""
-
-    name = "echo"
-
-    def __init__(self, step_s: float = 0.0) -> None:
-        self.step_s = step_s
-        self.contexts: list[str] = []
-        self.released = 0
-
-    def open_stream(self) -> None:
-        return None
-
-    def start(self, context: str, question: str, *, seed=None, stream=None, suffix=None) -> "EchoAnswer":
-        self.contexts.append(context)
-        last = context.split()[-1] if context.split() else "nothing"
-        return EchoAnswer(self, f"{question}->{last}")
-
-    def embed_text(self, text: str) -> None:
-        return None
-
-
-class EchoAnswer:
-    def __init__(self, answerer: EchoAnswerer, text: str) -> None:
-        self.answerer, self.text, self.i = answerer, text, 0
-
-    def step(self) -> AnswerStep:
-        time.sleep(self.answerer.step_s)
-        ch = self.text[self.i]
-        self.i += 1
-        done = self.i == len(self.text)
-        return AnswerStep(ch, done, "stop" if done else None)
-
-    def release(self) -> None:
-        self.answerer.released += 1
-
-    def stats(self) -> None:
-        return None
-
-
-class StreamingEchoAnswerer(EchoAnswerer):
-    """Keeps per-stream state like the engine: records every context it was handed and prefills it in
-    pieces of 5 characters (one worker job each)."""
-
-    def open_stream(self) -> "StreamState":
-        return StreamState()
-
-    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> "EchoAnswer":
-        assert stream is not None and stream.pending() == 0, "the pipeline must prefill before answering"
-        stream.prefilled_at_question.append(stream.prefilled)
-        return super().start(context, question)
-
-
-class StreamState:
-    def __init__(self) -> None:
-        self.target, self.prefilled, self.contexts, self.prefilled_at_question = "", "", [], []
-        self.threads: set[str] = set()
-
-    def set_context(self, text: str) -> None:
-        self.contexts.append(text)
-        keep = 0
-        while keep < min(len(text), len(self.prefilled)) and text[keep] == self.prefilled[keep]:
-            keep += 1
-        self.target, self.prefilled = text, self.prefilled[:keep]  # update mode: keep the common prefix
-
-    def pending(self) -> int:
-        return len(self.target) - len(self.prefilled)
-
-    def prefill_step(self) -> int:
-        self.threads.add(threading.current_thread().name)
-        n = min(5, self.pending())
-        self.prefilled = self.target[: len(self.prefilled) + n]
-        return n
-
-
-def _profile(**pipeline):
-    return with_overrides(load_profile("tiny"), pipeline={"metrics_interval_s": 0.0, **pipeline})
-
-
-def _audio(n_chunks: int, start: int = 0) -> list[AudioChunk]:
-    return [AudioChunk(np.zeros(CHUNK, np.float32), (start + i) * CHUNK) for i in range(n_chunks)]
-
-
-async def _collect(session: Session) -> list:
-    return [event async for event in session.events]
-
-
-def _types(events) -> list[str]:
-    return [e.type for e in events]
 
 
 @pytest.fixture
@@ -171,14 +33,14 @@ def worker():
 @pytest.mark.asyncio
 async def test_transcript_then_answer_in_order_with_no_task_left(worker):
     asr, answerer = WordASR(), EchoAnswerer()
-    session = await (await open_session(_profile(), Models(asr, answerer), worker)).start()
-    events = asyncio.create_task(_collect(session))
-    for chunk in _audio(12):
+    session = await (await open_session(profile_for(), Models(asr, answerer), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for chunk in audio_chunks(12):
         await session.push_audio(chunk)
     await session.ask("q", media_time=1.2)
     await session.finish()
     out = await events
-    types = _types(out)
+    types = types_of(out)
     assert types[0] == "session.created" and types[-1] == "metrics"
     completed = [e.transcript for e in out if e.type.endswith("transcription.completed")]
     assert completed == ["w0 w1 w2 w3 w4", "w5 w6 w7 w8 w9", "w10 w11"]
@@ -196,12 +58,12 @@ async def test_transcript_then_answer_in_order_with_no_task_left(worker):
 @pytest.mark.asyncio
 async def test_question_mid_stream_sees_only_what_was_heard(worker):
     answerer = EchoAnswerer()
-    session = await (await open_session(_profile(), Models(WordASR(per_item=100), answerer), worker)).start()
-    events = asyncio.create_task(_collect(session))
-    for chunk in _audio(5):
+    session = await (await open_session(profile_for(), Models(WordASR(per_item=100), answerer), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for chunk in audio_chunks(5):
         await session.push_audio(chunk)
     await session.ask("mid")  # media time 0.5 s: words w0..w4
-    for chunk in _audio(5, start=5):
+    for chunk in audio_chunks(5, start=5):
         await session.push_audio(chunk)
     await session.finish()
     await events
@@ -210,9 +72,9 @@ async def test_question_mid_stream_sees_only_what_was_heard(worker):
 
 @pytest.mark.asyncio
 async def test_media_times_line_up(worker):
-    session = await (await open_session(_profile(), Models(WordASR(per_item=3), EchoAnswerer()), worker)).start()
-    events = asyncio.create_task(_collect(session))
-    for chunk in _audio(9):
+    session = await (await open_session(profile_for(), Models(WordASR(per_item=3), EchoAnswerer()), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for chunk in audio_chunks(9):
         await session.push_audio(chunk)
     await session.finish()
     out = [e for e in await events if e.type.startswith("conversation.item")]
@@ -228,12 +90,12 @@ async def test_media_times_line_up(worker):
 @pytest.mark.asyncio
 async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
     asr = WordASR(fail_on=2)
-    session = await (await open_session(_profile(), Models(asr, EchoAnswerer()), worker)).start()
-    events = asyncio.create_task(_collect(session))
+    session = await (await open_session(profile_for(), Models(asr, EchoAnswerer()), worker)).start()
+    events = asyncio.create_task(collect(session))
     assert await session.ask("   ", client_event_id="evt_client") is None
     with pytest.raises(ValueError, match="contiguous"):
         await session.push_audio(AudioChunk(np.zeros(10, np.float32), 999))
-    for chunk in _audio(4):
+    for chunk in audio_chunks(4):
         await session.push_audio(chunk)
     await session.ask("still there?")
     await session.finish()
@@ -248,7 +110,7 @@ async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
 @pytest.mark.asyncio
 async def test_cancel_stops_the_answer_within_a_step(worker):
     answerer = EchoAnswerer(step_s=0.02)
-    session = await (await open_session(_profile(), Models(WordASR(), answerer), worker)).start()
+    session = await (await open_session(profile_for(), Models(WordASR(), answerer), worker)).start()
     seen: list = []
 
     async def consume():
@@ -268,12 +130,12 @@ async def test_cancel_stops_the_answer_within_a_step(worker):
 
 
 @pytest.mark.asyncio
-async def test_slow_asr_slows_the_source_and_loses_no_audio(worker):
+async def test_slow_asr_slows_the_source_and_loses_noaudio_chunks(worker):
     asr = WordASR(per_item=1000, delay_s=0.01)
-    session = await (await open_session(_profile(audio_queue_chunks=3), Models(asr, EchoAnswerer()), worker)).start()
-    events = asyncio.create_task(_collect(session))
+    session = await (await open_session(profile_for(audio_queue_chunks=3), Models(asr, EchoAnswerer()), worker)).start()
+    events = asyncio.create_task(collect(session))
     started = time.perf_counter()
-    for chunk in _audio(40):
+    for chunk in audio_chunks(40):
         await session.push_audio(chunk)
         assert len(session.audio_in) <= 3
     pushing_s = time.perf_counter() - started
@@ -287,9 +149,9 @@ async def test_slow_asr_slows_the_source_and_loses_no_audio(worker):
 
 @pytest.mark.asyncio
 async def test_video_is_sampled_at_the_configured_fps(worker):
-    profile = with_overrides(_profile(), video={"fps": 2.0})
+    profile = with_overrides(profile_for(), video={"fps": 2.0})
     session = await (await open_session(profile, Models(WordASR(), EchoAnswerer()), worker)).start()
-    events = asyncio.create_task(_collect(session))
+    events = asyncio.create_task(collect(session))
     image = np.zeros((8, 8, 3), np.uint8)
     kept = [session.push_video(VideoFrame(image, i / 30)) for i in range(90)]  # 3 s at 30 fps
     await session.finish()
@@ -303,9 +165,9 @@ async def test_video_is_sampled_at_the_configured_fps(worker):
 @pytest.mark.asyncio
 async def test_stop_mid_answer_leaves_nothing_behind(worker):
     asr, answerer = WordASR(), EchoAnswerer(step_s=0.05)
-    session = await (await open_session(_profile(), Models(asr, answerer), worker)).start()
-    events = asyncio.create_task(_collect(session))
-    for chunk in _audio(3):
+    session = await (await open_session(profile_for(), Models(asr, answerer), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for chunk in audio_chunks(3):
         await session.push_audio(chunk)
     await session.ask("something long enough to still be answering")
     await asyncio.sleep(0.2)
@@ -320,9 +182,9 @@ async def test_stop_mid_answer_leaves_nothing_behind(worker):
 
 @pytest.mark.asyncio
 async def test_full_question_queue_is_refused_with_an_error(worker):
-    session = await (await open_session(_profile(question_queue=1), Models(WordASR(), EchoAnswerer(step_s=0.05)),
+    session = await (await open_session(profile_for(question_queue=1), Models(WordASR(), EchoAnswerer(step_s=0.05)),
                                         worker)).start()
-    events = asyncio.create_task(_collect(session))
+    events = asyncio.create_task(collect(session))
     ids = [await session.ask(f"q{i}") for i in range(4)]
     await session.stop()
     out = await events
@@ -333,8 +195,8 @@ async def test_full_question_queue_is_refused_with_an_error(worker):
 @pytest.mark.asyncio
 async def test_metrics_are_emitted_periodically(worker):
     models = Models(WordASR(), EchoAnswerer())
-    session = await (await open_session(_profile(metrics_interval_s=0.05), models, worker)).start()
-    events = asyncio.create_task(_collect(session))
+    session = await (await open_session(profile_for(metrics_interval_s=0.05), models, worker)).start()
+    events = asyncio.create_task(collect(session))
     await asyncio.sleep(0.3)
     await session.finish()
     metrics = [e.metrics for e in await events if e.type == "metrics"]
@@ -346,9 +208,9 @@ async def test_metrics_are_emitted_periodically(worker):
 @pytest.mark.asyncio
 async def test_transcript_is_prefilled_as_it_arrives(worker):
     answerer = StreamingEchoAnswerer()
-    session = await (await open_session(_profile(), Models(WordASR(per_item=4), answerer), worker)).start()
-    events = asyncio.create_task(_collect(session))
-    for chunk in _audio(8):
+    session = await (await open_session(profile_for(), Models(WordASR(per_item=4), answerer), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for chunk in audio_chunks(8):
         await session.push_audio(chunk)
     await asyncio.sleep(0.2)  # idle: the prefiller catches up in the background
     stream = session.answers.lm_stream

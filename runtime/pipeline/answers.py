@@ -79,7 +79,8 @@ class QuestionProcessor:
         item_id = new_id("item")
         response: dict[str, object] = {"id": q.response_id, "object": "realtime.response",
                                        "status": "in_progress", "question": q.text}
-        await self.emit(ResponseCreated(response=response, media_time=q.media_time))
+        # A copy: `response` is completed below, and a consumer reading this event later must see it in progress.
+        await self.emit(ResponseCreated(response=dict(response), media_time=q.media_time))
         await self.heard.reached(q.hear_until)
         parts: list[str] = []
         status, reason, first_token_s, tokens, steps = "completed", None, None, 0, 0
