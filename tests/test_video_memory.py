@@ -330,3 +330,25 @@ def test_default_retrieval_takes_buffer_frames_nearest_the_largest_clusters():
     assert retrieved_times(2) == [float(near_a), float(near_b)]
     # More frames than slots: the largest slot again, with the next-nearest frame (frames are distinct).
     assert retrieved_times(3) == sorted([float(near_a), float(second_a), float(near_b)])
+
+
+def test_a_note_for_no_segment_is_refused_and_a_wrong_embedding_is_an_error():
+    memory = VideoMemory(MemorySizes(segment_s=2.0), DIM)
+    assert not memory.set_note(0, "nothing written yet")  # no closed and no open segment
+    memory.write(frames(2, gen=torch.Generator().manual_seed(0)), [0.0, 1.0])
+    sid = memory.snapshot().segments[0].id
+    assert not memory.set_note(sid + 1, "no such segment")
+    with pytest.raises(ValueError, match=r"note embedding must be \[16\], got \(3,\)"):
+        memory.set_note(sid, "bad", torch.zeros(3))
+    assert memory.set_note(sid, "fine", torch.ones(DIM, dtype=torch.float64))
+    stored = memory.snapshot().segments[0].note_embedding
+    assert stored.dtype == torch.float32 and torch.equal(stored, torch.ones(DIM))  # the memory's own dtype
+
+
+def test_selection_takes_the_configured_number_of_segments_by_default():
+    memory = VideoMemory(MemorySizes(segment_s=1.0, retrieved_frames=2), DIM)
+    memory.write(frames(6, gen=torch.Generator().manual_seed(4)), [float(t) for t in range(6)])
+    snap = memory.snapshot()
+    q = torch.randn(DIM, generator=torch.Generator().manual_seed(9))
+    assert len(snap.segments) == 6 and len(snap.select(q)) == 2 and len(snap.select(q, 4)) == 4
+    assert {s.id for s in snap.select(q)} <= {s.id for s in snap.select(q, 4)}  # the best two are among the best four
