@@ -79,7 +79,8 @@ class QuestionProcessor:
         item_id = new_id("item")
         response: dict[str, object] = {"id": q.response_id, "object": "realtime.response",
                                        "status": "in_progress", "question": q.text}
-        await self.emit(ResponseCreated(response=response, media_time=q.media_time))
+        # a copy: `response` is completed below, and the event may still be queued (serialised later)
+        await self.emit(ResponseCreated(response=dict(response), media_time=q.media_time))
         await self.heard.reached(q.hear_until)
         parts: list[str] = []
         status, reason, first_token_s, tokens, steps = "completed", None, None, 0, 0
