@@ -7,10 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.chunks import VideoFrame
+from runtime.channels import BlockingChannel, LatestChannel
+from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
+from runtime.memory.transcript import TranscriptMemory
+from runtime.models.asr.base import TranscriptUpdate
 from runtime.memory.snapshot import Segment
 from runtime.models.lm import AnswerStep
+from runtime.pipeline.audio import AudioProcessor
 from runtime.pipeline.notes import NoteWriter
+from runtime.pipeline.prefill import ContextPrefiller
+from runtime.pipeline.video import VideoProcessor
 from runtime.session import FrameSampler
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 from runtime.worker import DeviceWorker
@@ -136,3 +142,308 @@ async def test_the_note_writer_waits_while_a_question_is_open_then_writes_the_ne
     assert model.log == ["start", "release", "start", "release"]
     assert [(e.segment_id, e.text, e.start, e.end) for e in emitted] == [(1, "a note", 1.0, 2.0),
                                                                         (2, "a note", 2.0, 3.0)]
+
+
+def test_answer_activity_counts_open_questions_and_never_goes_below_zero():
+    activity = AnswerActivity()
+    assert not activity.busy and activity.open == 0
+    activity.asked()
+    activity.asked()
+    activity.ended()
+    assert activity.busy and activity.open == 1 and not activity._idle.is_set()
+    activity.ended()
+    assert not activity.busy and activity._idle.is_set()
+    activity.ended()  # an extra end (a refused put) must not make the count negative
+    assert activity.open == 0
+    activity.asked()
+    assert activity.open == 1 and activity.busy
+
+
+@pytest.mark.asyncio
+async def test_answer_activity_idle_waits_for_the_last_open_question():
+    activity = AnswerActivity()
+    await asyncio.wait_for(activity.idle(), 1)  # idle from the start
+    activity.asked()
+    activity.asked()
+    waiting = asyncio.create_task(activity.idle())
+    activity.ended()
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    activity.ended()
+    await asyncio.wait_for(waiting, 1)
+
+
+@pytest.mark.asyncio
+async def test_heard_clock_reached_is_inclusive_and_finished_releases_every_waiter():
+    clock = HeardClock()
+    await clock.advance(0.3)
+    await asyncio.wait_for(clock.reached(0.3), 1)  # exactly there counts as heard
+    await asyncio.wait_for(clock.reached(0.1 + 0.2), 1)  # 0.30000000000000004: float noise is heard too
+    short = asyncio.create_task(clock.reached(0.31))
+    await asyncio.sleep(0.01)
+    assert not short.done() and not clock.finished
+    await clock.finish()
+    await asyncio.wait_for(short, 1)
+    assert clock.finished and clock.until == 0.3
+
+
+class _ScriptedStream:
+    """An ASR stream that returns scripted updates per chunk index, raises on `fail_on`, and records how far the
+    heard clock was when each call came (calls run on the worker, the clock is only read)."""
+
+    def __init__(self, heard: HeardClock, by_chunk: dict, final: list, fail_on: set) -> None:
+        self.heard, self.by_chunk, self.final, self.fail_on = heard, by_chunk, final, fail_on
+        self.heard_at_call: list[float] = []
+
+    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
+        self.heard_at_call.append(self.heard.until)
+        index = chunk.start_sample // (SAMPLE_RATE // 10)
+        if index in self.fail_on:
+            raise RuntimeError(f"corrupt {index}")
+        return self.by_chunk.get(index, [])
+
+    def finish(self) -> list[TranscriptUpdate]:
+        self.heard_at_call.append(self.heard.until)
+        if "finish" in self.fail_on:
+            raise RuntimeError("corrupt end")
+        return self.final
+
+
+async def _run_audio(n_chunks: int, by_chunk: dict, final: list, fail_on: set = frozenset()):
+    channel: BlockingChannel[AudioChunk] = BlockingChannel(n_chunks, "audio")
+    for i in range(n_chunks):
+        await channel.put(AudioChunk(np.zeros(SAMPLE_RATE // 10, np.float32), i * (SAMPLE_RATE // 10)))
+    channel.close()
+    heard, changes, transcript, emitted = HeardClock(), ContextChanges(), TranscriptMemory(), []
+
+    async def emit(event) -> None:
+        emitted.append(event)
+
+    stream = _ScriptedStream(heard, by_chunk, final, set(fail_on))
+    with DeviceWorker() as worker:
+        await AudioProcessor(channel, stream, worker, emit, transcript, heard, changes).run()
+    return stream, heard, changes, transcript, emitted
+
+
+@pytest.mark.asyncio
+async def test_audio_processor_publishes_updates_advances_the_clock_to_each_chunk_end_and_survives_a_bad_chunk():
+    by_chunk = {0: [TranscriptUpdate("i0", "a ", "", 0.0, 0.1)],
+                2: [TranscriptUpdate("i0", "", "b", 0.0, 0.3), TranscriptUpdate("i0", "", "", 0.0, 0.3)]}
+    final = [TranscriptUpdate("i0", "", "", 0.0, 0.3, True, "a b")]
+    stream, heard, changes, transcript, out = await _run_audio(3, by_chunk, final, {1})
+    assert stream.heard_at_call == pytest.approx([0.0, 0.1, 0.2, 0.3])  # a failed chunk still counts as heard
+    assert heard.finished and heard.until == pytest.approx(0.3)
+    assert [e.type.rsplit(".", 1)[-1] if e.type != "error" else "error" for e in out] == [
+        "delta", "error", "delta", "completed"]  # the update with nothing new is applied, not emitted
+    delta, error, tail, done = out
+    assert (delta.item_id, delta.delta, delta.unstable, delta.start, delta.end, delta.media_time) == (
+        "i0", "a ", "", 0.0, 0.1, 0.1)
+    assert error.error["code"] == "asr_failed" and error.error["type"] == "server_error"
+    assert error.error["message"] == "speech recognition failed: corrupt 1" and error.media_time == pytest.approx(0.1)
+    assert (tail.delta, tail.unstable, tail.media_time) == ("", "b", 0.3)
+    assert (done.item_id, done.transcript, done.start, done.end, done.media_time) == ("i0", "a b", 0.0, 0.3, 0.3)
+    assert transcript.final_text() == "a b"
+    await asyncio.wait_for(changes.wait(), 1)  # the context changed
+
+
+@pytest.mark.asyncio
+async def test_audio_processor_without_words_marks_no_change_and_a_failed_finish_is_reported_at_the_heard_time():
+    stream, heard, changes, transcript, out = await _run_audio(2, {}, [], {"finish"})
+    assert heard.finished and heard.until == pytest.approx(0.2)
+    assert [(e.error["code"], e.error["message"]) for e in out] == [("asr_failed", "speech recognition failed: "
+                                                                                   "corrupt end")]
+    assert out[0].media_time == pytest.approx(0.2)
+    assert not changes._dirty.is_set() and transcript.items == []
+
+
+class _Encoder:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.batches = fail, []
+
+    def encode(self, images: list) -> torch.Tensor:
+        self.batches.append(len(images))
+        if self.fail:
+            raise RuntimeError("bad pixels")
+        return torch.zeros(len(images), 2)
+
+
+class _WrittenMemory:
+    def __init__(self, closed: list) -> None:
+        self.closed, self.times = closed, []
+
+    def write(self, features: torch.Tensor, times: list[float]) -> list:
+        self.times.append(list(times))
+        return self.closed
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.added: list = []
+
+    def add(self, segments: list) -> None:
+        self.added.append([s.id for s in segments])
+
+
+async def _run_video(times: list[float], encoder, memory, notes):
+    channel: LatestChannel[VideoFrame] = LatestChannel(8, "video")
+    for t in times:
+        channel.put_nowait(VideoFrame(np.zeros((2, 2, 3), np.uint8), t))
+    channel.close()
+    changes, emitted = ContextChanges(), []
+
+    async def emit(event) -> None:
+        emitted.append(event)
+
+    with DeviceWorker() as worker:
+        video = VideoProcessor(channel, worker, emit, changes, encoder=encoder, memory=memory, notes=notes)
+        reached = asyncio.create_task(video.settled_to(len(times)))
+        beyond = asyncio.create_task(video.settled_to(len(times) + 1))
+        await video.run()
+        await asyncio.wait_for(reached, 1)
+        assert not beyond.done()
+        beyond.cancel()
+    return video, changes, emitted
+
+
+@pytest.mark.asyncio
+async def test_video_processor_encodes_what_queued_as_one_batch_and_hands_closed_segments_to_the_notes():
+    encoder, memory, sink = _Encoder(), _WrittenMemory([_segment(0), _segment(1)]), _Sink()
+    video, changes, out = await _run_video([0.0, 1.0, 2.0], encoder, memory, sink)
+    assert encoder.batches == [3] and memory.times == [[0.0, 1.0, 2.0]]
+    assert (video.frames, video.settled, video.encoded, video.batches) == (3, 3, 3, 1)
+    assert video.latest.time == 2.0 and sink.added == [[0, 1]] and out == []
+    await asyncio.wait_for(changes.wait(), 1)
+
+
+@pytest.mark.asyncio
+async def test_video_processor_hands_nothing_to_the_notes_when_no_segment_closed():
+    sink = _Sink()
+    video, _, _ = await _run_video([0.0], _Encoder(), _WrittenMemory([]), sink)
+    assert sink.added == [] and video.encoded == 1
+
+
+@pytest.mark.asyncio
+async def test_a_failed_video_batch_is_an_error_at_its_newest_frame_and_its_frames_still_settle():
+    sink = _Sink()
+    video, changes, out = await _run_video([0.5, 1.5], _Encoder(fail=True), _WrittenMemory([_segment(0)]), sink)
+    assert [(e.error["code"], e.error["type"], e.error["message"], e.media_time) for e in out] == [
+        ("video_failed", "server_error", "video encoding failed: bad pixels", 1.5)]
+    assert (video.frames, video.settled, video.encoded, video.batches) == (2, 2, 0, 0)
+    assert sink.added == [] and not changes._dirty.is_set()
+
+
+@pytest.mark.asyncio
+async def test_video_processor_without_an_encoder_only_counts_and_keeps_the_newest_frame():
+    video, changes, out = await _run_video([0.0, 1.0], None, None, None)
+    assert (video.frames, video.settled, video.encoded, video.batches) == (2, 2, 0, 0)
+    assert video.latest.time == 1.0 and out == [] and not changes._dirty.is_set()
+
+
+class _LMStream:
+    """Logs set_context and prefill steps; each context prefills in steps of 3 tokens then 2."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self._left: list[int] = []
+
+    def set_context(self, text: str, *suffix) -> None:
+        self.log.append(("set", text, *suffix))
+        self._left = [3, 2, 0]
+
+    def prefill_step(self) -> int:
+        n = self._left.pop(0)
+        self.log.append(("step", n))
+        return n
+
+
+class _Snap:
+    def __init__(self, segments: list) -> None:
+        self.segments, self.queries = segments, []
+
+    def select(self, query: torch.Tensor) -> list:
+        return self.segments[1:]
+
+    def blocks(self, query: torch.Tensor | None) -> list:
+        self.queries.append(query)
+        return []
+
+
+class _VideoMem:
+    def __init__(self, snap: _Snap) -> None:
+        self.snap = snap
+
+    def snapshot(self) -> _Snap:
+        return self.snap
+
+
+def _transcript(text: str) -> TranscriptMemory:
+    transcript = TranscriptMemory()
+    transcript.apply(TranscriptUpdate("i0", text, "", 0.0, 1.0))
+    return transcript
+
+
+@pytest.mark.asyncio
+async def test_prefill_without_video_sets_the_transcript_alone_and_counts_every_token():
+    stream, changes = _LMStream(), ContextChanges()
+    with DeviceWorker() as worker:
+        prefiller = ContextPrefiller(stream, worker, _transcript("hello"), changes)
+        await prefiller.catch_up()
+        await prefiller.catch_up("a question")
+    assert stream.log == [("set", "[00:00.0] hello"), ("step", 3), ("step", 2), ("step", 0)] * 2
+    assert prefiller.prefilled_tokens == 10 and prefiller.selected == []
+
+
+@pytest.mark.asyncio
+async def test_a_question_selects_the_memory_until_its_answer_ends():
+    snap, embedded = _Snap([_segment(0), _segment(1), _segment(2)]), []
+
+    def embed(text: str) -> torch.Tensor:
+        embedded.append(text)
+        return torch.ones(8)
+
+    stream, changes = _LMStream(), ContextChanges()
+    with DeviceWorker() as worker:
+        prefiller = ContextPrefiller(stream, worker, _transcript("hi"), changes, video=_VideoMem(snap),
+                                     embed_text=embed)
+        await prefiller.catch_up()
+        assert prefiller.selected == [] and embedded == [] and snap.queries == [None]
+        await prefiller.catch_up("what?")
+        assert prefiller.question == "what?" and prefiller.selected == [(1.0, 2.0), (2.0, 3.0)]
+        await prefiller.catch_up()  # a background round while the answer runs keeps the question's selection
+        assert embedded == ["what?", "what?"] and prefiller.selected == [(1.0, 2.0), (2.0, 3.0)]
+        prefiller.end_question()
+        assert prefiller.question is None
+        await asyncio.wait_for(changes.wait(), 1)  # the memory goes back to its own selection: a new round
+        await prefiller.catch_up()
+        assert prefiller.selected == [] and embedded == ["what?", "what?"]
+    assert [entry[0] for entry in stream.log if entry[0] == "set"] == ["set"] * 4
+    assert stream.log[0] == ("set", "[00:00.0] hi", [])  # with video the (empty) memory suffix is passed
+    assert prefiller.prefilled_tokens == 20
+
+
+@pytest.mark.asyncio
+async def test_prefill_rounds_never_interleave():
+    stream, changes = _LMStream(), ContextChanges()
+    with DeviceWorker() as worker:
+        prefiller = ContextPrefiller(stream, worker, _transcript("x"), changes)
+        await asyncio.gather(prefiller.catch_up(), prefiller.catch_up("q"), prefiller.catch_up())
+    one_round = [("set", "[00:00.0] x"), ("step", 3), ("step", 2), ("step", 0)]
+    assert stream.log == one_round * 3
+
+
+@pytest.mark.asyncio
+async def test_the_prefiller_runs_a_round_per_coalesced_change():
+    stream, changes = _LMStream(), ContextChanges()
+    with DeviceWorker() as worker:
+        prefiller = ContextPrefiller(stream, worker, _transcript("x"), changes)
+        task = asyncio.create_task(prefiller.run())
+        changes.mark()
+        changes.mark()
+        for _ in range(100):
+            if len(stream.log) == 4:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert len(stream.log) == 4 and prefiller.prefilled_tokens == 5
