@@ -9,9 +9,9 @@ import torch
 
 from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
+from runtime.memory.snapshot import Segment
 from runtime.memory.transcript import TranscriptMemory
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.memory.snapshot import Segment
 from runtime.models.lm import AnswerStep
 from runtime.pipeline.audio import AudioProcessor
 from runtime.pipeline.notes import NoteWriter
