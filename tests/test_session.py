@@ -16,7 +16,9 @@ from runtime.loaded_models import Models
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm import AnswerStep
 from runtime.session import Session
+from runtime.models.lm import NoAnswerer
 from runtime.session_builder import open_session
+from runtime.session_state import TransportStats
 from runtime.worker import DeviceWorker
 
 CHUNK = SAMPLE_RATE // 10  # 100 ms
@@ -513,3 +515,142 @@ async def test_a_question_after_the_end_is_refused_as_closed(worker):
     err = next(e for e in await events if e.type == "error")
     assert err.error["message"] == "question queue is closed; ask again after the current answer"
     assert err.error["event_id"] == "c9" and err.media_time == 2.5 and session.activity.open == 0
+
+
+@pytest.mark.asyncio
+async def test_final_metrics_report_the_numbers_measured(worker):
+    transport = TransportStats(audio_buffered_s=0.25, audio_dropped_s=0.5, rate_limited={"audio": 2.0})
+    session = await (await open_session(_profile(), Models(WordASR(), EchoAnswerer()), worker,
+                                        transport=transport)).start()
+    events = asyncio.create_task(_collect(session))
+    for chunk in _audio(5):
+        await session.push_audio(chunk)
+    image = np.zeros((8, 8, 3), np.uint8)
+    kept = [session.push_video(VideoFrame(image, t)) for t in (0.0, 0.5, 1.0, 1.2)]  # 1 fps: 0.0 and 1.0
+    assert kept == [True, False, True, False] and session.media_time == 1.2
+    await session.ask("q", wait=True)  # asked at media time 1.2, after 0.5 s of audio
+    await session.finish()
+    out = await events
+    created = next(e for e in out if e.type == "response.created")
+    assert created.media_time == 1.2
+    final = out[-1]
+    assert final.type == "metrics" and final.media_time == 1.2
+    m = final.metrics
+    # heard 0.5 s of the 0.5 s pushed, and the transport holds 0.25 s more: 0.25 s behind
+    assert m["asr"] == {"pushed_until": 0.5, "heard_until": 0.5, "lag_s": 0.25, "dropped_s": 0.5}
+    assert m["answers"] == {"answered": 1, "prefilled_tokens": 0}
+    assert m["rate_limited"] == {"audio": 2.0}
+    assert m["video"] == {"frames_in": 4, "fps_skipped": 2, "dropped_full": 0, "processed": 2, "encoded": 0,
+                          "batches": 0}
+    assert list(m["channels"]) == ["audio", "video", "questions", "events"]
+    assert (m["channels"]["audio"]["got"], m["channels"]["questions"]["got"]) == (5, 1)
+    assert [e.type for e in out].count("metrics") == 1  # metrics_interval_s = 0: only the final report
+
+
+@pytest.mark.asyncio
+async def test_session_created_describes_the_models_and_settings(worker):
+    profile = with_overrides(_profile(), video={"fps": 2.0})
+    session = await (await open_session(profile, Models(WordASR(), EchoAnswerer()), worker)).start()
+    events = asyncio.create_task(_collect(session))
+    await session.finish()
+    created = (await events)[0]
+    assert created.type == "session.created"
+    assert created.session == {
+        "id": session.id, "object": "realtime.session", "profile": "tiny", "device": "cpu", "dtype": "float32",
+        "random_weights": profile.random_weights,
+        "asr": {"backend": "causal-whisper", "model": "tiny:whisper", "language": "en"},
+        "lm": {"backend": "engine", "model": "tiny:llava-onevision", "max_new_tokens": 24},
+        "video": {"fps": 2.0, "max_side": 320, "memory_tokens": 0},
+    }
+    transcribe = await (await open_session(profile, Models(WordASR(), NoAnswerer()), worker)).start()
+    events = asyncio.create_task(_collect(transcribe))
+    await transcribe.finish()
+    assert (await events)[0].session["lm"] == {"backend": "none"}
+
+
+@pytest.mark.asyncio
+async def test_cancel_names_the_current_answer_only(worker):
+    answerer = EchoAnswerer(step_s=0.02)
+    session = await (await open_session(_profile(), Models(WordASR(), answerer), worker)).start()
+    events = asyncio.create_task(_collect(session))
+    assert not session.cancel_response()  # nothing is being answered
+    rid = await session.ask("a question long enough to cancel")
+    for _ in range(100):
+        if session.answers.current is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert not session.cancel_response("resp_someone_else")
+    assert session.cancel_response(rid)
+    await session.finish()
+    out = await events
+    done = next(e for e in out if e.type == "response.done")
+    assert done.response["status"] == "cancelled" and done.response["status_details"] == {
+        "reason": "client_cancelled"}
+    assert done.response["usage"]["decode_steps"] <= 2 and answerer.released == 1
+    assert not session.cancel_response(rid)  # over
+
+
+@pytest.mark.asyncio
+async def test_finish_and_stop_run_once(worker):
+    asr = WordASR()
+    session = await (await open_session(_profile(), Models(asr, EchoAnswerer()), worker)).start()
+    assert await session.start() is session  # a second start starts nothing more
+    events = asyncio.create_task(_collect(session))
+    await session.finish()
+    await session.finish()
+    await session.stop()
+    out = await events
+    assert [e.type for e in out] == ["session.created", "metrics"] and asr.streams[0].closed
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+@pytest.mark.asyncio
+async def test_leaving_the_session_with_an_error_stops_it_and_a_clean_exit_finishes_it(worker):
+    answerer = EchoAnswerer(step_s=0.05)
+    with pytest.raises(RuntimeError, match="the caller failed"):
+        async with await open_session(_profile(), Models(WordASR(), answerer), worker) as session:
+            events = asyncio.create_task(_collect(session))
+            await session.ask("a question that takes a while to answer")
+            await asyncio.sleep(0.1)
+            raise RuntimeError("the caller failed")
+    out = await events
+    assert "response.done" not in [e.type for e in out] and answerer.released == 1  # stopped, not drained
+    async with await open_session(_profile(), Models(WordASR(), EchoAnswerer()), worker) as session:
+        events = asyncio.create_task(_collect(session))
+        await session.ask("q")
+    assert [e.response["status"] for e in await events if e.type == "response.done"] == ["completed"]
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+@pytest.mark.asyncio
+async def test_video_settled_waits_for_the_frames_kept_minus_those_dropped(worker):
+    session = await (await open_session(_profile(), Models(WordASR(), EchoAnswerer()), worker)).start()
+    events = asyncio.create_task(_collect(session))
+    image = np.zeros((8, 8, 3), np.uint8)
+    for t in (0.0, 1.0, 2.0):  # no yield in between: the queue of 2 drops the oldest
+        assert session.push_video(VideoFrame(image, t))
+    await asyncio.wait_for(session.video_settled(), 2)
+    assert session.video_in.stats.dropped == 1 and session.video.settled == 2 and session.video.latest.time == 2.0
+    await session.finish()
+    await events
+
+
+@pytest.mark.asyncio
+async def test_pushed_until_counts_only_audio_in_the_queue_and_a_question_waits_for_no_more(worker):
+    asr = WordASR(per_item=100, delay_s=0.03)
+    session = await (await open_session(_profile(audio_queue_chunks=1), Models(asr, EchoAnswerer()),
+                                        worker)).start()
+    events = asyncio.create_task(_collect(session))
+    for chunk in _audio(3):
+        await session.push_audio(chunk)
+    pending = asyncio.create_task(session.push_audio(_audio(1, start=3)[0]))  # waits for room
+    await asyncio.sleep(0)
+    assert session.received_until == pytest.approx(0.4) and session.pushed_until == pytest.approx(0.3)
+    await pending
+    assert session.pushed_until == pytest.approx(0.4)
+    await session.ask("q", media_time=0.2)  # heard up to 0.2 s is enough: w0 w1
+    await session.finish()
+    out = await events
+    assert "".join(e.delta for e in out if e.type == "response.output_text.delta") in ("q->w1", "q->w2", "q->w3")
