@@ -14,9 +14,8 @@ from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.config import load_profile, with_overrides
 from runtime.loaded_models import Models
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.models.lm import AnswerStep
+from runtime.models.lm import AnswerStep, NoAnswerer
 from runtime.session import Session
-from runtime.models.lm import NoAnswerer
 from runtime.session_builder import open_session
 from runtime.session_state import TransportStats
 from runtime.worker import DeviceWorker
