@@ -447,3 +447,114 @@ async def test_the_prefiller_runs_a_round_per_coalesced_change():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert len(stream.log) == 4 and prefiller.prefilled_tokens == 5
+
+
+class _ScriptedNoteModel:
+    """Plays one list of deltas per note (an empty list of steps never finishes: it says 'x' forever); records
+    what each note was asked with, what it embedded, and releases."""
+
+    name = "notes"
+
+    def __init__(self, *notes, fail: set = frozenset()) -> None:
+        self.notes, self.fail = list(notes), set(fail)
+        self.calls: list = []
+        self.embedded: list[str] = []
+        self.released = 0
+        self.steps = 0
+
+    def start(self, context, question, *, seed=None, stream=None, suffix=None):
+        self.calls.append((context, question, suffix))
+        if len(self.calls) in self.fail:
+            raise RuntimeError("note failed")
+        return _ScriptedNote(self, self.notes.pop(0))
+
+    def embed_text(self, text: str) -> torch.Tensor:
+        self.embedded.append(text)
+        return torch.full((8,), float(len(self.embedded)))
+
+
+class _ScriptedNote:
+    def __init__(self, model: _ScriptedNoteModel, deltas: list[str]) -> None:
+        self.model, self.deltas, self.i = model, deltas, 0
+
+    def step(self) -> AnswerStep:
+        self.model.steps += 1
+        if not self.deltas:
+            return AnswerStep("x", False, None)
+        self.i += 1
+        done = self.i == len(self.deltas)
+        return AnswerStep(self.deltas[self.i - 1], done, "stop" if done else None)
+
+    def release(self) -> None:
+        self.model.released += 1
+
+
+class _NoteMemory:
+    def __init__(self, accept: bool = True) -> None:
+        self.accept, self.notes = accept, []
+
+    def set_note(self, segment_id: int, text: str, embedding: torch.Tensor | None = None) -> bool:
+        self.notes.append((segment_id, text, None if embedding is None else embedding[0].item()))
+        return self.accept
+
+
+async def _write_notes(model, memory, segments, **kwargs):
+    emitted: list = []
+
+    async def emit(event) -> None:
+        emitted.append(event)
+
+    with DeviceWorker() as worker:
+        writer = NoteWriter(model, worker, memory, emit, AnswerActivity(), **kwargs)
+        task = asyncio.create_task(writer.run())
+        writer.add(segments)
+        for _ in range(200):
+            if not writer.pending and len(model.calls) >= len(segments) and model.released + len(
+                    getattr(model, "fail", ())) >= len(segments):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return writer, emitted
+
+
+@pytest.mark.asyncio
+async def test_a_note_is_asked_about_the_segment_keyframe_collapsed_to_one_line_and_stored_with_its_embedding():
+    from runtime.models.lm.pieces import Visual
+    from runtime.models.lm.prompt import HEADINGS, MEMORY_INTRO, NOTE_QUESTION
+
+    model, memory = _ScriptedNoteModel(["  a ", "\n red  ", "ball "]), _NoteMemory()
+    segment = _segment(3)
+    writer, out = await _write_notes(model, memory, [segment])
+    (context, question, suffix), = model.calls
+    assert context == "" and question == NOTE_QUESTION
+    assert suffix[:3] == [MEMORY_INTRO, HEADINGS["retrieved"], " [0:03-0:04]"] and len(suffix) == 4
+    assert isinstance(suffix[3], Visual) and suffix[3].embeds is segment.keyframe
+    assert model.embedded == ["a red ball"] and memory.notes == [(3, "a red ball", 1.0)]
+    assert writer.written == 1 and model.released == 1
+    assert [(e.type, e.segment_id, e.text, e.start, e.end, e.media_time) for e in out] == [
+        ("video.note", 3, "a red ball", 3.0, 4.0, 4.0)]
+
+
+@pytest.mark.asyncio
+async def test_a_note_stops_at_max_tokens_and_an_empty_or_refused_note_is_not_counted():
+    model = _ScriptedNoteModel([], [" ", "  "], ["kept?"])
+    writer, out = await _write_notes(model, _NoteMemory(accept=False), [_segment(0), _segment(1), _segment(2)],
+                                     max_tokens=3)
+    assert model.steps == 3 + 2 + 1  # the endless note is cut after max_tokens steps
+    assert model.embedded == ["xxx", "kept?"]  # the blank note is not embedded nor stored
+    assert writer.written == 0 and out == [] and model.released == 3
+
+
+@pytest.mark.asyncio
+async def test_a_failed_note_costs_only_itself():
+    model = _ScriptedNoteModel(["second"], fail={1})
+    writer, out = await _write_notes(model, _NoteMemory(), [_segment(0), _segment(1)])
+    assert writer.written == 1 and [(e.segment_id, e.text) for e in out] == [(1, "second")]
+
+
+def test_the_note_writer_keeps_at_most_four_pending_segments_by_default():
+    writer = NoteWriter(_ScriptedNoteModel(), None, _NoteMemory(), None, AnswerActivity())
+    writer.add([_segment(i) for i in range(6)])
+    assert [s.id for s in writer.pending] == [2, 3, 4, 5] and writer.max_tokens == 24
