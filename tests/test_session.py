@@ -336,10 +336,13 @@ async def test_metrics_are_emitted_periodically(worker):
     models = Models(WordASR(), EchoAnswerer())
     session = await (await open_session(_profile(metrics_interval_s=0.05), models, worker)).start()
     events = asyncio.create_task(_collect(session))
+    await session.push_audio(_audio(1)[0])
     await asyncio.sleep(0.3)
     await session.finish()
-    metrics = [e.metrics for e in await events if e.type == "metrics"]
-    assert len(metrics) >= 3
+    reports = [e for e in await events if e.type == "metrics"]
+    assert [e.media_time for e in reports] == [pytest.approx(0.1)] * len(reports)  # the newest media time pushed
+    metrics = [e.metrics for e in reports]
+    assert len(metrics) >= 3 and metrics[0]["asr"]["pushed_until"] == 0.1
     assert {"loop_lag", "channels", "video", "asr", "worker"} <= set(metrics[-1])
     assert metrics[-1]["loop_lag"]["samples"] > 0
 
