@@ -656,3 +656,31 @@ async def test_pushed_until_counts_only_audio_in_the_queue_and_a_question_waits_
     await session.finish()
     out = await events
     assert "".join(e.delta for e in out if e.type == "response.output_text.delta") in ("q->w1", "q->w2", "q->w3")
+
+
+class _NoLM(EchoAnswerer):
+    def open_stream(self) -> None:
+        raise RuntimeError("out of memory")
+
+
+@pytest.mark.asyncio
+async def test_a_failed_lm_stream_closes_the_asr_stream_already_opened(worker):
+    asr = WordASR()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        await open_session(_profile(), Models(asr, _NoLM()), worker)
+    assert len(asr.streams) == 1 and asr.streams[0].closed
+
+
+@pytest.mark.asyncio
+async def test_the_builder_sizes_the_channels_from_the_profile(worker):
+    profile = _profile(audio_queue_chunks=3, video_queue_frames=4, question_queue=5, event_queue=6)
+    session = await open_session(profile, Models(WordASR(), StreamingEchoAnswerer()), worker)
+    channels = (session.audio_in, session.video_in, session.questions, session.events)
+    assert [(c.name, c.capacity) for c in channels] == [("audio", 3), ("video", 4), ("questions", 5), ("events", 6)]
+    assert session.sampler.period == 1.0 and session.video_memory is None and session.notes is None
+    assert session.prefiller is not None and session.answers.prefiller is session.prefiller
+    assert session.answers.lm_stream is session.prefiller.stream
+    await session.start()
+    events = asyncio.create_task(_collect(session))
+    await session.finish()
+    await events
