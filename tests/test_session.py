@@ -231,7 +231,7 @@ async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
     asr = WordASR(fail_on=2)
     session = await (await open_session(_profile(), Models(asr, EchoAnswerer()), worker)).start()
     events = asyncio.create_task(_collect(session))
-    assert await session.ask("   ", client_event_id="evt_client") is None
+    assert await session.ask("   ", client_event_id="evt_client", media_time=1.5) is None
     with pytest.raises(ValueError, match="contiguous"):
         await session.push_audio(AudioChunk(np.zeros(10, np.float32), 999))
     for chunk in _audio(4):
@@ -242,6 +242,7 @@ async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
     errors = [e.error for e in out if e.type == "error"]
     assert [e["code"] for e in errors] == ["empty_question", "asr_failed"]
     assert errors[0]["event_id"] == "evt_client" and errors[0]["param"] == "text"
+    assert next(e for e in out if e.type == "error").media_time == 1.5
     assert asr.streams[0].chunks == [0, 1, 3]  # only the bad chunk was lost
     assert "".join(e.delta for e in out if e.type == "response.output_text.delta") == "still there?->w3"
 
@@ -502,6 +503,7 @@ async def test_the_question_queue_takes_exactly_its_capacity(worker):
     refused = [e.error for e in out if e.type == "error"]
     assert [(e["code"], e["event_id"]) for e in refused] == [("question_queue_full", "c2"),
                                                              ("question_queue_full", "c3")]
+    assert [e.media_time for e in out if e.type == "error"] == [0.0, 0.0]
     assert refused[0]["message"] == "question queue is full (2 waiting); ask again after the current answer"
     assert [e.response["id"] for e in out if e.type == "response.done"] == ids[:2]
     assert session.activity.open == 0
@@ -684,3 +686,24 @@ async def test_the_builder_sizes_the_channels_from_the_profile(worker):
     events = asyncio.create_task(_collect(session))
     await session.finish()
     await events
+
+
+@pytest.mark.asyncio
+async def test_finish_closes_the_session_even_when_a_processor_crashed(worker):
+    asr = WordASR()
+    session = await open_session(_profile(), Models(asr, EchoAnswerer()), worker)
+
+    async def crash(*_):
+        raise RuntimeError("processor bug")
+
+    session.audio._publish = crash
+    session.answers._answer = crash
+    await session.start()
+    events = asyncio.create_task(_collect(session))
+    await session.push_audio(_audio(1)[0])
+    await session.ask("q")
+    await session.finish()  # the crashed tasks' errors do not stop the close
+    out = await events
+    assert out[-1].type == "metrics" and asr.streams[0].closed and session.activity.open == 0
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}

@@ -13,6 +13,7 @@ from runtime.memory.snapshot import Segment
 from runtime.memory.transcript import TranscriptMemory
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm import AnswerStep
+from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.audio import AudioProcessor
 from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
@@ -558,3 +559,50 @@ def test_the_note_writer_keeps_at_most_four_pending_segments_by_default():
     writer = NoteWriter(_ScriptedNoteModel(), None, _NoteMemory(), None, AnswerActivity())
     writer.add([_segment(i) for i in range(6)])
     assert [s.id for s in writer.pending] == [2, 3, 4, 5] and writer.max_tokens == 24
+
+
+class _SelectingPrefiller:
+    """Stands in for the prefiller of a session with video: the question selected two memory spans."""
+
+    def __init__(self) -> None:
+        self.video, self.selected, self.log = object(), [], []
+
+    async def catch_up(self, question: str | None = None) -> None:
+        self.log.append(("catch_up", question))
+        self.selected = [(1.23456, 2.34567), (10.0, 12.5)]
+
+    def end_question(self) -> None:
+        self.log.append(("end",))
+
+
+class _OneWordModel:
+    name = "one"
+
+    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> _NoteAnswer:
+        return _NoteAnswer([])
+
+
+@pytest.mark.asyncio
+async def test_an_answer_with_video_reports_the_segments_its_question_selected():
+    channel: BlockingChannel[Question] = BlockingChannel(2, "questions")
+    heard, activity, prefiller, emitted = HeardClock(), AnswerActivity(), _SelectingPrefiller(), []
+    await heard.finish()
+
+    async def emit(event) -> None:
+        emitted.append(event)
+
+    class _Context:
+        def context(self) -> str:
+            return ""
+
+    activity.asked()
+    await channel.put(Question("what moved?", 3.0, 0.0))
+    channel.close()
+    with DeviceWorker() as worker:
+        answers = QuestionProcessor(channel, _OneWordModel(), worker, emit, _Context(), heard, activity,
+                                    prefiller=prefiller)
+        await answers.run()
+    done = emitted[-1].response
+    assert done["video"] == {"selected_segments": [[1.235, 2.346], [10.0, 12.5]]}
+    assert prefiller.log == [("catch_up", "what moved?"), ("end",)]
+    assert done["output"][0]["content"][0]["text"] == "a note" and answers.answered == 1 and activity.open == 0
