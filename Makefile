@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint mutation clean
 
 install: $(STAMP)
 
@@ -25,5 +25,11 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check runtime tests examples
 
+# Mutation testing of the session and its pipeline ([tool.mutmut] in pyproject.toml); slow, never run by `make test`.
+# Needs mutmut (pip install mutmut==3.8.1); ARGS narrows it to some mutants, e.g. ARGS='"runtime.session_state*"'.
+mutation: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/mutmut run --max-children 1 $(ARGS)
+	$(VENV)/bin/mutmut results
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info mutants
