@@ -558,7 +558,7 @@ async def test_session_created_describes_the_models_and_settings(worker):
     events = asyncio.create_task(_collect(session))
     await session.finish()
     created = (await events)[0]
-    assert created.type == "session.created"
+    assert created.type == "session.created" and session.id.startswith("sess_")
     assert created.session == {
         "id": session.id, "object": "realtime.session", "profile": "tiny", "device": "cpu", "dtype": "float32",
         "random_weights": profile.random_weights,
@@ -605,6 +605,7 @@ async def test_finish_and_stop_run_once(worker):
     await session.stop()
     out = await events
     assert [e.type for e in out] == ["session.created", "metrics"] and asr.streams[0].closed
+    assert out[-1].media_time == 0.0  # no media came
     await asyncio.sleep(0)
     assert asyncio.all_tasks() == {asyncio.current_task()}
 
