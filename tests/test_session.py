@@ -529,6 +529,7 @@ async def test_final_metrics_report_the_numbers_measured(worker):
     events = asyncio.create_task(_collect(session))
     for chunk in _audio(5):
         await session.push_audio(chunk)
+    await session.push_audio(AudioChunk(np.zeros(1, np.float32), 5 * CHUNK))  # ends at 0.5000625 s
     image = np.zeros((8, 8, 3), np.uint8)
     kept = [session.push_video(VideoFrame(image, t)) for t in (0.0, 0.5, 1.0, 1.2)]  # 1 fps: 0.0 and 1.0
     assert kept == [True, False, True, False] and session.media_time == 1.2
@@ -540,14 +541,14 @@ async def test_final_metrics_report_the_numbers_measured(worker):
     final = out[-1]
     assert final.type == "metrics" and final.media_time == 1.2
     m = final.metrics
-    # heard 0.5 s of the 0.5 s pushed, and the transport holds 0.25 s more: 0.25 s behind
+    # heard all 0.5000625 s pushed (reported to the millisecond), and the transport holds 0.25 s more
     assert m["asr"] == {"pushed_until": 0.5, "heard_until": 0.5, "lag_s": 0.25, "dropped_s": 0.5}
     assert m["answers"] == {"answered": 1, "prefilled_tokens": 0}
     assert m["rate_limited"] == {"audio": 2.0}
     assert m["video"] == {"frames_in": 4, "fps_skipped": 2, "dropped_full": 0, "processed": 2, "encoded": 0,
                           "batches": 0}
     assert list(m["channels"]) == ["audio", "video", "questions", "events"]
-    assert (m["channels"]["audio"]["got"], m["channels"]["questions"]["got"]) == (5, 1)
+    assert (m["channels"]["audio"]["got"], m["channels"]["questions"]["got"]) == (6, 1)
     assert [e.type for e in out].count("metrics") == 1  # metrics_interval_s = 0: only the final report
 
 
