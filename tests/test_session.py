@@ -242,6 +242,7 @@ async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
     errors = [e.error for e in out if e.type == "error"]
     assert [e["code"] for e in errors] == ["empty_question", "asr_failed"]
     assert errors[0]["event_id"] == "evt_client" and errors[0]["param"] == "text"
+    assert errors[0]["message"] == "the question is empty"
     assert next(e for e in out if e.type == "error").media_time == 1.5
     assert asr.streams[0].chunks == [0, 1, 3]  # only the bad chunk was lost
     assert "".join(e.delta for e in out if e.type == "response.output_text.delta") == "still there?->w3"
@@ -433,6 +434,7 @@ async def test_an_answer_cut_at_max_tokens_is_incomplete_with_its_usage(worker):
                                 "question": "why?"}
     assert [d.delta for d in deltas] == ["ab", "c"]  # an empty delta (a partial character) is not emitted
     item = deltas[0].item_id
+    assert item.startswith("item_") and rid.startswith("resp_")
     assert {d.item_id for d in deltas} == {item} and text_done.item_id == item and text_done.text == "abc"
     assert {d.response_id for d in deltas} == {rid} and text_done.response_id == rid and done.response["id"] == rid
     r = done.response
@@ -523,7 +525,7 @@ async def test_a_question_after_the_end_is_refused_as_closed(worker):
 
 @pytest.mark.asyncio
 async def test_final_metrics_report_the_numbers_measured(worker):
-    transport = TransportStats(audio_buffered_s=0.25, audio_dropped_s=0.5, rate_limited={"audio": 2.0})
+    transport = TransportStats(audio_buffered_s=0.25006, audio_dropped_s=0.5, rate_limited={"audio": 2.0})
     session = await (await open_session(_profile(), Models(WordASR(), EchoAnswerer()), worker,
                                         transport=transport)).start()
     events = asyncio.create_task(_collect(session))
@@ -541,7 +543,7 @@ async def test_final_metrics_report_the_numbers_measured(worker):
     final = out[-1]
     assert final.type == "metrics" and final.media_time == 1.2
     m = final.metrics
-    # heard all 0.5000625 s pushed (reported to the millisecond), and the transport holds 0.25 s more
+    # heard all 0.5000625 s pushed and the transport holds 0.25006 s more (reported to the millisecond)
     assert m["asr"] == {"pushed_until": 0.5, "heard_until": 0.5, "lag_s": 0.25, "dropped_s": 0.5}
     assert m["answers"] == {"answered": 1, "prefilled_tokens": 0}
     assert m["rate_limited"] == {"audio": 2.0}
@@ -709,3 +711,33 @@ async def test_finish_closes_the_session_even_when_a_processor_crashed(worker):
     assert out[-1].type == "metrics" and asr.streams[0].closed and session.activity.open == 0
     await asyncio.sleep(0)
     assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+class _BadClose(WordASR):
+    def open_stream(self) -> "WordStream":
+        stream = super().open_stream()
+
+        def close() -> None:
+            stream.closed = True
+            raise OSError("close failed too")
+
+        stream.close = close
+        return stream
+
+
+@pytest.mark.asyncio
+async def test_when_the_lm_stream_fails_its_error_is_raised_not_the_asr_close_error(worker):
+    asr = _BadClose()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        await open_session(_profile(), Models(asr, _NoLM()), worker)
+    assert asr.streams[0].closed
+
+
+@pytest.mark.asyncio
+async def test_a_session_never_started_can_still_be_stopped_or_finished(worker):
+    for end in ("stop", "finish"):
+        asr = WordASR()
+        session = await open_session(_profile(), Models(asr, EchoAnswerer()), worker)
+        events = asyncio.create_task(_collect(session))
+        await getattr(session, end)()
+        assert [e.type for e in await events] == ["metrics"] and asr.streams[0].closed

@@ -606,3 +606,31 @@ async def test_an_answer_with_video_reports_the_segments_its_question_selected()
     assert done["video"] == {"selected_segments": [[1.235, 2.346], [10.0, 12.5]]}
     assert prefiller.log == [("catch_up", "what moved?"), ("end",)]
     assert done["output"][0]["content"][0]["text"] == "a note" and answers.answered == 1 and activity.open == 0
+
+
+class _FailingPrefiller(_SelectingPrefiller):
+    async def catch_up(self, question: str | None = None) -> None:
+        raise RuntimeError("prefill failed")
+
+
+@pytest.mark.asyncio
+async def test_an_answer_whose_prefill_fails_is_failed_and_reports_no_segment():
+    channel: BlockingChannel[Question] = BlockingChannel(2, "questions")
+    heard, activity, prefiller, emitted = HeardClock(), AnswerActivity(), _FailingPrefiller(), []
+    await heard.finish()
+
+    async def emit(event) -> None:
+        emitted.append(event)
+
+    class _Context:
+        def context(self) -> str:
+            return ""
+
+    await channel.put(Question("q", 0.0, 0.0))
+    channel.close()
+    with DeviceWorker() as worker:
+        await QuestionProcessor(channel, _OneWordModel(), worker, emit, _Context(), heard, activity,
+                                prefiller=prefiller).run()
+    done = emitted[-1].response
+    assert done["status"] == "failed" and done["video"] == {"selected_segments": []}
+    assert prefiller.log == [("end",)]
