@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+import torch
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.config import load_profile, with_overrides
@@ -741,3 +742,25 @@ async def test_a_session_never_started_can_still_be_stopped_or_finished(worker):
         events = asyncio.create_task(_collect(session))
         await getattr(session, end)()
         assert [e.type for e in await events] == ["metrics"] and asr.streams[0].closed
+
+
+class _BrokenVision:
+    """A vision tower that cannot encode: each batch is an error event, the session goes on."""
+
+    dim, dtype = 8, torch.float32
+
+    def encode(self, images):
+        raise RuntimeError("no vision today")
+
+
+@pytest.mark.asyncio
+async def test_a_failing_vision_tower_is_an_error_event_in_a_session(worker):
+    models = Models(WordASR(), EchoAnswerer(), vision=_BrokenVision())
+    session = await (await open_session(_profile(), models, worker)).start()
+    events = asyncio.create_task(_collect(session))
+    session.push_video(VideoFrame(np.zeros((8, 8, 3), np.uint8), 0.0))
+    await session.video_settled()
+    await session.finish()
+    errors = [e for e in await events if e.type == "error"]
+    assert [(e.error["code"], e.media_time) for e in errors] == [("video_failed", 0.0)]
+    assert session.video.encoded == 0 and session.video.settled == 1
