@@ -25,10 +25,11 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check runtime tests examples
 
-# Mutation testing of the session's wiring, channels and memories (docs/testing.md); not part of test or CI.
+# Mutation testing of the session's wiring, the pipeline, the channels and the memories (docs/testing.md); slow,
+# never run by `make test` or CI. ARGS narrows it to some mutants, e.g. ARGS='"runtime.session_state*"'.
 mutation: install
 	$(PY) -m pip install -q -e '.[mutation]'
-	HF_HUB_OFFLINE=1 $(VENV)/bin/mutmut run --max-children 2
+	HF_HUB_OFFLINE=1 $(VENV)/bin/mutmut run --max-children 2 $(ARGS)
 	$(VENV)/bin/mutmut results
 
 clean:

@@ -6,9 +6,11 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import load_profile, with_overrides
+from runtime.memory.snapshot import Segment
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm import AnswerStep
 from runtime.session import Session
@@ -154,3 +156,27 @@ async def collect(session: Session) -> list:
 
 def types_of(events) -> list[str]:
     return [e.type for e in events]
+
+
+class TwoStepAnswer:
+    """Says "a note" in two steps; logs its release."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.i = log, 0
+
+    def step(self) -> AnswerStep:
+        self.i += 1
+        return AnswerStep(["a ", "note"][self.i - 1], self.i == 2, "stop" if self.i == 2 else None)
+
+    def release(self) -> None:
+        self.log.append("release")
+
+    def stats(self) -> None:
+        return None
+
+
+def closed_segment(i: int) -> Segment:
+    """A closed segment [i, i + 1) s whose keyframe is 4 rows of 8 features, all equal to i."""
+    z = torch.full((4, 8), float(i))
+    return Segment(id=i, start=float(i), end=i + 1.0, frames=1, mean=z[0], keyframe=z, keyframe_time=float(i),
+                   closed=True)

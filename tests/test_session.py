@@ -92,7 +92,7 @@ async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
     asr = WordASR(fail_on=2)
     session = await (await open_session(profile_for(), Models(asr, EchoAnswerer()), worker)).start()
     events = asyncio.create_task(collect(session))
-    assert await session.ask("   ", client_event_id="evt_client") is None
+    assert await session.ask("   ", client_event_id="evt_client", media_time=1.5) is None
     with pytest.raises(ValueError, match="contiguous"):
         await session.push_audio(AudioChunk(np.zeros(10, np.float32), 999))
     for chunk in audio_chunks(4):
@@ -103,6 +103,8 @@ async def test_bad_input_is_an_error_event_and_the_session_goes_on(worker):
     errors = [e.error for e in out if e.type == "error"]
     assert [e["code"] for e in errors] == ["empty_question", "asr_failed"]
     assert errors[0]["event_id"] == "evt_client" and errors[0]["param"] == "text"
+    assert errors[0]["message"] == "the question is empty"
+    assert next(e for e in out if e.type == "error").media_time == 1.5
     assert asr.streams[0].chunks == [0, 1, 3]  # only the bad chunk was lost
     assert "".join(e.delta for e in out if e.type == "response.output_text.delta") == "still there?->w3"
 

@@ -85,29 +85,8 @@ async def test_a_completed_answer_ties_its_events_together_and_reports_usage_and
     assert "video" not in r  # no video memory, so no selection to report
 
 
-@pytest.mark.asyncio
-async def test_an_answer_cut_by_its_length_is_incomplete(worker):
-    (rid,), events = await _answer(worker, CountingAnswerer(limit=3), "long")
-    done = next(e for e in events if e.type == "response.done")
-    assert done.response["status"] == "incomplete"
-    assert done.response["status_details"] == {"reason": "max_output_tokens"}
-    assert done.response["output"][0]["content"][0]["text"] == "lon"
 
 
-@pytest.mark.asyncio
-async def test_a_failed_answer_is_an_error_and_a_failed_response_and_the_next_one_works(worker):
-    answerer = CountingAnswerer()
-    (bad, good), events = await _answer(worker, answerer, "explode", "again", client_event_id="c7")
-    errors = [e for e in events if e.type == "error"]
-    assert len(errors) == 1
-    error = errors[0].error
-    assert (error["type"], error["code"], error["event_id"]) == ("server_error", "response_failed", "c7")
-    assert "the model fell over" in error["message"] and errors[0].media_time == 0.25
-    done = {e.response["id"]: e.response for e in events if e.type == "response.done"}
-    assert done[bad]["status"] == "failed" and done[bad]["status_details"] == {"reason": "error"}
-    assert done[bad]["usage"] == {"output_tokens": 0, "decode_steps": 0} and "decoding" not in done[bad]
-    assert done[good]["status"] == "completed" and done[good]["output"][0]["content"][0]["text"] == "again->w2"
-    assert answerer.released == 1  # the one answer that started was released; the failed start held nothing
 
 
 @pytest.mark.asyncio
@@ -125,3 +104,179 @@ async def test_cancel_names_the_answer_it_stops(worker):
     assert done.response["status"] == "cancelled"
     assert done.response["status_details"] == {"reason": "client_cancelled"}
     assert session.answers.answered == 1 and session.answers.current is None
+
+
+class ScriptedAnswerer:
+    """Plays a script of steps per answer (one script per question, in order); `fail_start` raises in `start`,
+    `fail_step` raises at that step index. Counts releases; `stats` returns `decoding`."""
+
+    name = "scripted"
+
+    def __init__(self, *scripts: list[AnswerStep], fail_start: bool = False, fail_step: int | None = None,
+                 decoding: dict | None = None) -> None:
+        self.scripts, self.fail_start, self.fail_step, self.decoding = list(scripts), fail_start, fail_step, decoding
+        self.released = 0
+        self.steps_taken = 0
+
+    def open_stream(self) -> None:
+        return None
+
+    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> "ScriptedAnswer":
+        if self.fail_start:
+            raise RuntimeError("out of memory")
+        return ScriptedAnswer(self, self.scripts.pop(0))
+
+    def embed_text(self, text: str) -> None:
+        return None
+
+
+class ScriptedAnswer:
+    def __init__(self, model: ScriptedAnswerer, script: list[AnswerStep]) -> None:
+        self.model, self.script, self.i = model, script, 0
+
+    def step(self) -> AnswerStep:
+        if self.i == self.model.fail_step:
+            raise RuntimeError("bad step")
+        self.i += 1
+        self.model.steps_taken += 1
+        return self.script[self.i - 1]
+
+    def release(self) -> None:
+        self.model.released += 1
+
+    def stats(self) -> dict | None:
+        return self.model.decoding
+
+
+async def _answer_events(worker, answerer, *questions: tuple[str, float]) -> list:
+    session = await (await open_session(profile_for(), Models(WordASR(), answerer), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for text, at in questions:
+        await session.ask(text, media_time=at, wait=True)
+    await session.finish()
+    return await events
+
+
+@pytest.mark.asyncio
+async def test_an_answer_cut_at_max_tokens_is_incomplete_with_its_usage(worker):
+    steps = [AnswerStep("ab", False, None, tokens=2), AnswerStep("", False, None, tokens=1),
+             AnswerStep("c", True, "length", tokens=3)]
+    out = await _answer_events(worker, ScriptedAnswerer(steps, decoding={"target_forwards": 3}), ("  why?  ", 0.7))
+    created = next(e for e in out if e.type == "response.created")
+    deltas = [e for e in out if e.type == "response.output_text.delta"]
+    text_done = next(e for e in out if e.type == "response.output_text.done")
+    done = next(e for e in out if e.type == "response.done")
+    rid = created.response["id"]
+    assert created.response == {"id": rid, "object": "realtime.response", "status": "in_progress",
+                                "question": "why?"}
+    assert [d.delta for d in deltas] == ["ab", "c"]  # an empty delta (a partial character) is not emitted
+    item = deltas[0].item_id
+    assert item.startswith("item_") and rid.startswith("resp_")
+    assert {d.item_id for d in deltas} == {item} and text_done.item_id == item and text_done.text == "abc"
+    assert {d.response_id for d in deltas} == {rid} and text_done.response_id == rid and done.response["id"] == rid
+    r = done.response
+    assert r["status"] == "incomplete" and r["status_details"] == {"reason": "max_output_tokens"}
+    assert r["usage"] == {"output_tokens": 6, "decode_steps": 3}
+    assert r["output"] == [{"id": item, "type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": "abc"}]}]
+    assert r["decoding"] == {"target_forwards": 3} and "video" not in r
+    assert 0 <= r["timing"]["first_token_s"] <= r["timing"]["total_s"]
+    assert {e.media_time for e in (created, *deltas, text_done, done)} == {0.7}
+    assert out[-1].metrics["answers"]["answered"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_completed_answer_has_no_status_details_and_no_decoding_stats(worker):
+    out = await _answer_events(worker, ScriptedAnswerer([AnswerStep("ok", True, "stop")]), ("q", 0.0))
+    r = next(e for e in out if e.type == "response.done").response
+    assert r["status"] == "completed" and r["status_details"] is None and "decoding" not in r
+    assert r["usage"] == {"output_tokens": 1, "decode_steps": 1}
+
+
+@pytest.mark.asyncio
+async def test_an_answer_that_fails_to_start_is_failed_and_the_next_question_is_answered(worker):
+    answerer = ScriptedAnswerer([AnswerStep("fine", True, "stop")], fail_start=True)
+    session = await (await open_session(profile_for(), Models(WordASR(), answerer), worker)).start()
+    events = asyncio.create_task(collect(session))
+    await session.ask("first", media_time=0.3, client_event_id="c1", wait=True)
+    answerer.fail_start = False
+    await session.ask("second", wait=True)
+    await session.finish()
+    out = await events
+    errors = [e for e in out if e.type == "error"]
+    assert len(errors) == 1 and errors[0].media_time == 0.3
+    assert errors[0].error == {"type": "server_error", "code": "response_failed", "event_id": "c1", "param": None,
+                               "message": "answering failed: out of memory"}
+    first, second = [e.response for e in out if e.type == "response.done"]
+    assert first["status"] == "failed" and first["status_details"] == {"reason": "error"}
+    assert first["usage"] == {"output_tokens": 0, "decode_steps": 0} and first["timing"]["first_token_s"] is None
+    assert first["output"][0]["content"][0]["text"] == ""
+    assert second["status"] == "completed" and second["output"][0]["content"][0]["text"] == "fine"
+    assert answerer.released == 1  # only the answer that started holds state to release
+    assert out[-1].metrics["answers"]["answered"] == 2 and session.activity.open == 0
+
+
+@pytest.mark.asyncio
+async def test_an_answer_failing_mid_decode_keeps_its_text_and_releases_its_state(worker):
+    steps = [AnswerStep("ab", False, None), AnswerStep("cd", False, None), AnswerStep("e", True, "stop")]
+    answerer = ScriptedAnswerer(steps, fail_step=2)
+    out = await _answer_events(worker, answerer, ("q", 0.0))
+    assert "".join(e.delta for e in out if e.type == "response.output_text.delta") == "abcd"
+    assert next(e for e in out if e.type == "response.output_text.done").text == "abcd"
+    r = next(e for e in out if e.type == "response.done").response
+    assert r["status"] == "failed" and r["usage"] == {"output_tokens": 2, "decode_steps": 2}
+    assert answerer.released == 1
+
+
+@pytest.mark.asyncio
+async def test_the_question_queue_takes_exactly_its_capacity(worker):
+    session = await (await open_session(profile_for(question_queue=2), Models(WordASR(), EchoAnswerer(step_s=0.01)),
+                                        worker)).start()
+    events = asyncio.create_task(collect(session))
+    ids = [await session.ask(f"q{i}", client_event_id=f"c{i}") for i in range(4)]  # no yield: none taken yet
+    assert [i is not None for i in ids] == [True, True, False, False]
+    assert session.activity.open == 2  # a refused question is not waited for
+    await session.finish()
+    assert await session.ask("late", client_event_id="c-late") is None
+    out = await events
+    refused = [e.error for e in out if e.type == "error"]
+    assert [(e["code"], e["event_id"]) for e in refused] == [("question_queue_full", "c2"),
+                                                             ("question_queue_full", "c3")]
+    assert [e.media_time for e in out if e.type == "error"] == [0.0, 0.0]
+    assert refused[0]["message"] == "question queue is full (2 waiting); ask again after the current answer"
+    assert [e.response["id"] for e in out if e.type == "response.done"] == ids[:2]
+    assert session.activity.open == 0
+
+
+@pytest.mark.asyncio
+async def test_a_question_after_the_end_is_refused_as_closed(worker):
+    session = await (await open_session(profile_for(), Models(WordASR(), EchoAnswerer()), worker)).start()
+    events = asyncio.create_task(collect(session))
+    session.questions.close()
+    assert await session.ask("late", media_time=2.5, client_event_id="c9") is None
+    await session.finish()
+    err = next(e for e in await events if e.type == "error")
+    assert err.error["message"] == "question queue is closed; ask again after the current answer"
+    assert err.error["event_id"] == "c9" and err.media_time == 2.5 and session.activity.open == 0
+
+
+@pytest.mark.asyncio
+async def test_cancel_names_the_current_answer_only(worker):
+    answerer = EchoAnswerer(step_s=0.02)
+    session = await (await open_session(profile_for(), Models(WordASR(), answerer), worker)).start()
+    events = asyncio.create_task(collect(session))
+    assert not session.cancel_response()  # nothing is being answered
+    rid = await session.ask("a question long enough to cancel")
+    for _ in range(100):
+        if session.answers.current is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert not session.cancel_response("resp_someone_else")
+    assert session.cancel_response(rid)
+    await session.finish()
+    out = await events
+    done = next(e for e in out if e.type == "response.done")
+    assert done.response["status"] == "cancelled" and done.response["status_details"] == {
+        "reason": "client_cancelled"}
+    assert done.response["usage"]["decode_steps"] <= 2 and answerer.released == 1
+    assert not session.cancel_response(rid)  # over

@@ -92,8 +92,14 @@ async def test_notes_are_written_for_closed_segments_when_idle(models, worker):
     await wait_for(lambda: session.notes.written >= 2)
     await session.finish()
     await collector
+    assert session.notes.max_tokens == 8  # the profile's video.note_tokens
+    created = events[0].session
+    assert created["video"] == {"fps": 1.0, "max_side": 320, "memory_tokens": 84}  # 16 + 8*4 + 4 + 2*16
     notes = [e for e in events if isinstance(e, VideoNote)]
     assert len(notes) >= 2
+    final = [e for e in events if e.type == "metrics"][-1].metrics["video"]
+    assert final["notes"] == session.notes.written
+    assert final["segments"] == len(session.video_memory.snapshot().segments) >= 2
     by_id = {s.id: s for s in session.video_memory.snapshot().segments}
     for note in notes:
         assert note.end <= 10 and note.start < note.end
@@ -113,6 +119,7 @@ async def test_text_only_model_counts_frames_and_remembers_nothing(worker):
     await session.finish()
     await collector
     assert session.video_memory is None and session.video.frames == 3
+    assert session.prefiller is not None and session.notes is None  # no memory: nothing to note
 
 
 def test_memory_larger_than_the_window_is_refused(worker):
