@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from runtime.worker import DeviceWorker
+
 
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
@@ -45,3 +47,10 @@ def hf(tiny_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture
+def worker():
+    """A device worker of the test's own, stopped after it (a module may keep one with a wider scope)."""
+    with DeviceWorker() as w:
+        yield w

@@ -192,26 +192,34 @@ class _OneWordModel:
         return TwoStepAnswer([])
 
 
-@pytest.mark.asyncio
-async def test_an_answer_with_video_reports_the_segments_its_question_selected():
+class _NoContext:
+    def context(self) -> str:
+        return ""
+
+
+async def _answer_one(prefiller, question: Question) -> tuple[list, QuestionProcessor, AnswerActivity]:
+    """Answer `question` alone, its audio already heard; returns the events, the processor and the activity."""
     channel: BlockingChannel[Question] = BlockingChannel(2, "questions")
-    heard, activity, prefiller, emitted = HeardClock(), AnswerActivity(), _SelectingPrefiller(), []
+    heard, activity, emitted = HeardClock(), AnswerActivity(), []
     await heard.finish()
 
     async def emit(event) -> None:
         emitted.append(event)
 
-    class _Context:
-        def context(self) -> str:
-            return ""
-
     activity.asked()
-    await channel.put(Question("what moved?", 3.0, 0.0))
+    await channel.put(question)
     channel.close()
     with DeviceWorker() as worker:
-        answers = QuestionProcessor(channel, _OneWordModel(), worker, emit, _Context(), heard, activity,
+        answers = QuestionProcessor(channel, _OneWordModel(), worker, emit, _NoContext(), heard, activity,
                                     prefiller=prefiller)
         await answers.run()
+    return emitted, answers, activity
+
+
+@pytest.mark.asyncio
+async def test_an_answer_with_video_reports_the_segments_its_question_selected():
+    prefiller = _SelectingPrefiller()
+    emitted, answers, activity = await _answer_one(prefiller, Question("what moved?", 3.0, 0.0))
     done = emitted[-1].response
     assert done["video"] == {"selected_segments": [[1.235, 2.346], [10.0, 12.5]]}
     assert prefiller.log == [("catch_up", "what moved?"), ("end",)]
@@ -225,22 +233,8 @@ class _FailingPrefiller(_SelectingPrefiller):
 
 @pytest.mark.asyncio
 async def test_an_answer_whose_prefill_fails_is_failed_and_reports_no_segment():
-    channel: BlockingChannel[Question] = BlockingChannel(2, "questions")
-    heard, activity, prefiller, emitted = HeardClock(), AnswerActivity(), _FailingPrefiller(), []
-    await heard.finish()
-
-    async def emit(event) -> None:
-        emitted.append(event)
-
-    class _Context:
-        def context(self) -> str:
-            return ""
-
-    await channel.put(Question("q", 0.0, 0.0))
-    channel.close()
-    with DeviceWorker() as worker:
-        await QuestionProcessor(channel, _OneWordModel(), worker, emit, _Context(), heard, activity,
-                                prefiller=prefiller).run()
+    prefiller = _FailingPrefiller()
+    emitted, _, _ = await _answer_one(prefiller, Question("q", 0.0, 0.0))
     done = emitted[-1].response
     assert done["status"] == "failed" and done["video"] == {"selected_segments": []}
     assert prefiller.log == [("end",)]

@@ -21,13 +21,6 @@ from runtime.chunks import AudioChunk, VideoFrame
 from runtime.config import with_overrides
 from runtime.loaded_models import Models
 from runtime.session_builder import open_session
-from runtime.worker import DeviceWorker
-
-
-@pytest.fixture
-def worker():
-    with DeviceWorker() as w:
-        yield w
 
 
 @pytest.mark.asyncio

@@ -9,13 +9,6 @@ from session_fakes import EchoAnswer, EchoAnswerer, WordASR, audio_chunks, colle
 from runtime.loaded_models import Models
 from runtime.models.lm import AnswerStep
 from runtime.session_builder import open_session
-from runtime.worker import DeviceWorker
-
-
-@pytest.fixture
-def worker():
-    with DeviceWorker() as w:
-        yield w
 
 
 class CountingAnswer(EchoAnswer):

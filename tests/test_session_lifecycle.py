@@ -24,13 +24,6 @@ from runtime.loaded_models import Models
 from runtime.models.lm import NoAnswerer
 from runtime.session_builder import open_session
 from runtime.session_state import TransportStats
-from runtime.worker import DeviceWorker
-
-
-@pytest.fixture
-def worker():
-    with DeviceWorker() as w:
-        yield w
 
 
 @pytest.mark.asyncio
