@@ -174,8 +174,10 @@ async def test_video_processor_without_an_encoder_only_counts_and_keeps_the_newe
 class _SelectingPrefiller:
     """Stands in for the prefiller of a session with video: the question selected two memory spans."""
 
+    sees_video = True
+
     def __init__(self) -> None:
-        self.video, self.selected, self.log = object(), [], []
+        self.selected, self.log = [], []
 
     async def catch_up(self, question: str | None = None) -> None:
         self.log.append(("catch_up", question))

@@ -19,7 +19,6 @@ from runtime.channels import BlockingChannel
 from runtime.events import ResponseCreated, ResponseDone, ResponseTextDelta, ResponseTextDone, error_event, new_id
 from runtime.models.lm.backend import Answer, AnswerBackend, DecodingStats, LMStream
 from runtime.pipeline import Emit
-from runtime.pipeline.prefill import ContextPrefiller
 from runtime.session_state import AnswerActivity, HeardClock
 from runtime.worker import DeviceWorker, Priority
 
@@ -30,6 +29,20 @@ class ContextSource(Protocol):
     """What an answer reads besides its question (the transcript so far)."""
 
     def context(self) -> str: ...
+
+
+class QuestionPrefill(Protocol):
+    """What an answer needs of the prefiller (`prefill.ContextPrefiller`): the context caught up with the
+    question choosing the video memory's segments, which it keeps until `end_question`."""
+
+    selected: list[tuple[float, float]]  # media spans the last question selected
+
+    @property
+    def sees_video(self) -> bool: ...
+
+    async def catch_up(self, question: str | None = None) -> None: ...
+
+    def end_question(self) -> None: ...
 
 
 @dataclass
@@ -48,7 +61,7 @@ class QuestionProcessor:
 
     def __init__(self, channel: BlockingChannel[Question], answerer: AnswerBackend, worker: DeviceWorker,
                  emit: Emit, context: ContextSource, heard: HeardClock, activity: AnswerActivity, *,
-                 lm_stream: LMStream | None = None, prefiller: ContextPrefiller | None = None) -> None:
+                 lm_stream: LMStream | None = None, prefiller: QuestionPrefill | None = None) -> None:
         self.channel, self.answerer, self.worker, self.emit = channel, answerer, worker, emit
         self.context, self.heard, self.activity = context, heard, activity
         self.lm_stream, self.prefiller = lm_stream, prefiller
@@ -136,6 +149,6 @@ class QuestionProcessor:
         )
         if decoding is not None:  # speculative decoding: target forwards, drafted and accepted tokens
             response["decoding"] = decoding
-        if self.prefiller is not None and self.prefiller.video is not None:
+        if self.prefiller is not None and self.prefiller.sees_video:
             response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in selected]}
         await self.emit(ResponseDone(response=response, media_time=q.media_time))

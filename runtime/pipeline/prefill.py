@@ -37,6 +37,11 @@ class ContextPrefiller:
         self.question: str | None = None  # while one is answered, background rounds keep its selection
         self._round = asyncio.Lock()
 
+    @property
+    def sees_video(self) -> bool:
+        """Whether a question selects video segments (the answer then reports which)."""
+        return self.video is not None
+
     async def run(self) -> None:
         while True:
             await self.changes.wait()
