@@ -11,8 +11,8 @@ Backends: `generate_answerer.GenerateAnswerer` and `engine_answerer.EngineAnswer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from runtime.errors import UserError
 from runtime.models.lm.pieces import Piece
+from runtime.models.lm.sampling import StopRule
 
 DecodingStats = dict[str, float | int | list[float]]
 
@@ -87,6 +88,31 @@ def new_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], emitted: 
     if not final:
         text = text.rstrip("\ufffd")
     return text[len(emitted):] if text.startswith(emitted) else ""
+
+
+@dataclass(eq=False)
+class AnswerText:
+    """What an answer has said: its tokens under the stop rule, streamed as text that never carries half a
+    character. Every backend's answer keeps one, so a step's tokens become an `AnswerStep` in one place."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop: StopRule
+    generated: list[int] = field(default_factory=list)  # the answer's token ids (no stop token)
+    emitted: str = ""  # text streamed so far (a prefix of the decoded `generated`)
+    finish_reason: str | None = None  # "stop" | "length" once the stop rule ended the answer
+
+    def take(self, tokens: Iterable[int]) -> AnswerStep:
+        """Take a step's tokens in order until one ends the answer; the step carries the text they add."""
+        before = len(self.generated)
+        self.finish_reason = self.stop.take(tokens, self.generated)
+        done = self.finish_reason is not None
+        delta = new_text(self.tokenizer, self.generated, self.emitted, final=done)
+        self.emitted += delta
+        return AnswerStep(delta, done, self.finish_reason, len(self.generated) - before)
+
+    def room(self) -> int:
+        """How many more tokens the answer may take."""
+        return self.stop.room(len(self.generated))
 
 
 class NoAnswerer:

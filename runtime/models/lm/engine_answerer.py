@@ -12,13 +12,12 @@ the draft depth adapts to measured time and drafts decide which random numbers a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from runtime.config import LMConfig
-from runtime.models.lm.backend import AnswerStep, DecodingStats, LMStream, new_text
+from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, LMStream
 from runtime.models.lm.drafters import Drafter, make_drafter
 from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.pieces import Piece
@@ -55,36 +54,31 @@ class EngineAnswer:
 
     stream: StreamLM
     decoder: SpeculativeDecoder
-    tokenizer: PreTrainedTokenizerBase
-    stop: StopRule
+    text: AnswerText
     prompt_ids: list[int]  # what the answer conditions on: pinned head, transcript window, question framing
     context_tokens: int  # transcript tokens in the window
     context_cut: bool  # True once the window has evicted older transcript
-    generated: list[int] = field(default_factory=list)  # emitted token ids (no stop token)
-    emitted: str = ""
     first: int | None = None  # the token `decoder.start` chose, not yet streamed
     done: bool = False
-    finish_reason: str | None = None
     released: bool = False
     on_release: Callable[[StreamLM], None] | None = None  # a pooled stream goes back to its pool
 
     def step(self) -> AnswerStep:
         """One target forward (the first call only streams the token the prompt's forward chose)."""
         if self.done:
-            return AnswerStep("", True, self.finish_reason, 0)
+            return AnswerStep("", True, self.text.finish_reason, 0)
         if self.first is not None:
             tokens, self.first = [self.first], None
         else:
-            tokens = self.decoder.step(self.stop.room(len(self.generated)))
-        before = len(self.generated)
-        reason = self.stop.take(tokens, self.generated)
-        if reason is not None:
-            self.done, self.finish_reason = True, reason
-        delta = new_text(self.tokenizer, self.generated, self.emitted, final=self.done)
-        self.emitted += delta
-        if self.done:
+            tokens = self.decoder.step(self.text.room())
+        step = self.text.take(tokens)
+        if step.done:
             self.release()
-        return AnswerStep(delta, self.done, self.finish_reason, len(self.generated) - before)
+        return step
+
+    @property
+    def generated(self) -> list[int]:
+        return self.text.generated
 
     def release(self) -> None:
         """End the answer (its target group is dropped); the stream's prefilled source stays."""
@@ -155,7 +149,8 @@ class EngineAnswerer:
         prompt = lm.session.answer_ids()
         first = decoder.start(lm.session.next_logits(), prompt)
         cache = lm.session.cache
-        return EngineAnswer(lm, decoder, self.tokenizer, StopRule(frozenset(self.eos_ids), self.cfg.max_new_tokens),
+        text = AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), self.cfg.max_new_tokens))
+        return EngineAnswer(lm, decoder, text,
                             prompt, max(0, cache.source_len - self.engine.sink), cache.evicted > 0, first=first,
                             on_release=self._pool if pooled else None)
 

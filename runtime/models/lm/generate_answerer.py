@@ -9,7 +9,7 @@ tokens and a cancelled answer stops within one step. Greedy output must stay tok
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -22,7 +22,7 @@ from transformers import (
 
 from runtime.config import LMConfig
 from runtime.errors import UserError
-from runtime.models.lm.backend import AnswerStep, LMStream, new_text
+from runtime.models.lm.backend import AnswerStep, AnswerText, LMStream
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.prompt import CUT_MARK, prompt_text
 from runtime.models.lm.sampling import Sampler, StopRule, eos_ids
@@ -34,33 +34,24 @@ class GenerateAnswer:
     """One answer: everything it needs between steps; its KV is dropped by `release()`."""
 
     model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
+    text: AnswerText
     sampler: Sampler
-    stop: StopRule
     prompt_ids: list[int]
     cache: DynamicCache | None
     next_logits: torch.Tensor | None  # logits for the next token, from the last forward
     generator: torch.Generator | None  # sampling only; seeded per answer
-    generated: list[int] = field(default_factory=list)
-    emitted: str = ""  # text sent so far (a prefix of the decoded generated ids)
     context_tokens: int = 0  # tokens of context kept in the prompt
     context_cut: bool = False  # True when the context was cut from the front to fit
     done: bool = False
-    finish_reason: str | None = None
 
     @torch.inference_mode()
     def step(self) -> AnswerStep:
         """Choose one token, stream its text, and run the forward that prepares the next one."""
         if self.done or self.next_logits is None:
-            return AnswerStep("", True, self.finish_reason, 0)
-        before = len(self.generated)
+            return AnswerStep("", True, self.text.finish_reason, 0)
         token = self.sampler.choose(self.next_logits, self.generator)
-        reason = self.stop.take([token], self.generated)
-        if reason is not None:
-            self.done, self.finish_reason = True, reason
-        delta = new_text(self.tokenizer, self.generated, self.emitted, final=self.done)
-        self.emitted += delta
-        if self.done:
+        step = self.text.take([token])
+        if step.done:
             self.release()
         else:
             out = self.model(
@@ -69,7 +60,11 @@ class GenerateAnswer:
                 use_cache=True,
             )
             self.next_logits = out.logits[0, -1]
-        return AnswerStep(delta, self.done, self.finish_reason, len(self.generated) - before)
+        return step
+
+    @property
+    def generated(self) -> list[int]:
+        return self.text.generated
 
     def release(self) -> None:
         """Drop the KV cache now (a cancelled answer must not hold device memory until collected)."""
@@ -171,9 +166,8 @@ class GenerateAnswerer:
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return GenerateAnswer(
             model=self.model,
-            tokenizer=self.tokenizer,
+            text=AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), self.cfg.max_new_tokens)),
             sampler=self.sampler,
-            stop=StopRule(frozenset(self.eos_ids), self.cfg.max_new_tokens),
             prompt_ids=ids,
             cache=cache,
             next_logits=out.logits[0, -1],
