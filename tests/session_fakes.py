@@ -23,8 +23,9 @@ class WordASR:
 
     name = "words"
 
-    def __init__(self, per_item: int = 5, delay_s: float = 0.0, fail_on: int | None = None) -> None:
-        self.per_item, self.delay_s, self.fail_on = per_item, delay_s, fail_on
+    def __init__(self, per_item: int = 5, delay_s: float = 0.0, fail_on: int | None = None,
+                 fail_close: bool = False) -> None:
+        self.per_item, self.delay_s, self.fail_on, self.fail_close = per_item, delay_s, fail_on, fail_close
         self.streams: list[WordStream] = []
 
     def open_stream(self) -> "WordStream":
@@ -40,6 +41,7 @@ class WordStream:
     words: list[str] = field(default_factory=list)
     item_start: float = 0.0
     closed: bool = False
+    closes: int = 0
     threads: set[str] = field(default_factory=set)
 
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
@@ -65,6 +67,9 @@ class WordStream:
 
     def close(self) -> None:
         self.closed = True
+        self.closes += 1
+        if self.model.fail_close:
+            raise RuntimeError("the ASR state could not be released")
 
 
 class EchoAnswerer:

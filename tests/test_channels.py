@@ -92,3 +92,53 @@ async def test_close_releases_a_blocked_producer():
     channel.close()
     with pytest.raises(ChannelClosed):
         await blocked
+
+
+@pytest.mark.asyncio
+async def test_stats_count_what_went_through_worked_out_by_hand():
+    latest: LatestChannel[int] = LatestChannel(2, "video")
+    assert latest.stats.to_dict() == {"policy": "latest", "capacity": 2, "depth": 0, "max_depth": 0, "put": 0,
+                                      "got": 0, "dropped": 0, "blocked_s": 0.0}
+    assert [latest.put_nowait(i) for i in range(5)] == [0, 0, 1, 1, 1]  # full from the third on: one out each
+    assert latest.drain_nowait() == [3, 4]
+    latest.put_nowait(5)
+    assert await latest.get() == 5
+    assert latest.stats.to_dict() == {"policy": "latest", "capacity": 2, "depth": 0, "max_depth": 2, "put": 6,
+                                      "got": 3, "dropped": 3, "blocked_s": 0.0}
+
+    blocking: BlockingChannel[int] = BlockingChannel(1, "audio")
+    await blocking.put(0)  # room: no wait at all
+    assert blocking.stats.blocked_s == 0.0
+
+    async def consume_after(delay: float) -> None:
+        await asyncio.sleep(delay)
+        await blocking.get()
+
+    for i in (1, 2):  # two waits of about 50 ms each add up
+        reader = asyncio.create_task(consume_after(0.05))
+        await blocking.put(i)
+        await reader
+    assert 0.1 <= blocking.stats.blocked_s < 2.0
+    assert blocking.stats.to_dict()["blocked_s"] == round(blocking.stats.blocked_s, 4)
+    assert (blocking.stats.put, blocking.stats.got, blocking.stats.depth, blocking.stats.max_depth) == (3, 2, 1, 1)
+
+
+def test_refusals_say_which_channel_and_why():
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        BlockingChannel(0)
+    named, nameless = LatestChannel(1, "video"), LatestChannel(1)
+    named.close()
+    nameless.close()
+    with pytest.raises(ChannelClosed, match="^channel video is closed$"):
+        named.put_nowait(1)
+    with pytest.raises(ChannelClosed, match=r"^channel \? is closed$"):
+        nameless.put_nowait(1)
+
+
+@pytest.mark.asyncio
+async def test_a_put_on_a_closed_blocking_channel_names_it():
+    channel: BlockingChannel[int] = BlockingChannel(1, "questions")
+    channel.close()
+    with pytest.raises(ChannelClosed, match="^channel questions is closed$"):
+        await channel.put(1)
+    assert channel.stats.put == 0 and channel.stats.blocked_s == 0.0

@@ -203,6 +203,7 @@ async def test_an_answer_that_fails_to_start_is_failed_and_the_next_question_is_
     first, second = [e.response for e in out if e.type == "response.done"]
     assert first["status"] == "failed" and first["status_details"] == {"reason": "error"}
     assert first["usage"] == {"output_tokens": 0, "decode_steps": 0} and first["timing"]["first_token_s"] is None
+    assert "decoding" not in first and "video" not in first  # no counters from an answer that never started
     assert first["output"][0]["content"][0]["text"] == ""
     assert second["status"] == "completed" and second["output"][0]["content"][0]["text"] == "fine"
     assert answerer.released == 1  # only the answer that started holds state to release

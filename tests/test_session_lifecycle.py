@@ -28,7 +28,7 @@ from runtime.session_state import TransportStats
 
 @pytest.mark.asyncio
 async def test_final_metrics_report_the_numbers_measured(worker):
-    transport = TransportStats(audio_buffered_s=0.25006, audio_dropped_s=0.5, rate_limited={"audio": 2.0})
+    transport = TransportStats(audio_buffered_s=0.25006, audio_dropped_s=0.50049, rate_limited={"audio": 2.0})
     session = await (await open_session(profile_for(), Models(WordASR(), EchoAnswerer()), worker,
                                         transport=transport)).start()
     events = asyncio.create_task(collect(session))
@@ -88,8 +88,9 @@ async def test_finish_and_stop_run_once(worker):
     await session.finish()
     await session.stop()
     out = await events
-    assert [e.type for e in out] == ["session.created", "metrics"] and asr.streams[0].closed
+    assert [e.type for e in out] == ["session.created", "metrics"] and asr.streams[0].closes == 1
     assert out[-1].media_time == 0.0  # no media came
+    assert out[-1].metrics["asr"] == {"pushed_until": 0.0, "heard_until": 0.0, "lag_s": 0.0, "dropped_s": 0.0}
     await asyncio.sleep(0)
     assert asyncio.all_tasks() == {asyncio.current_task()}
 
@@ -244,3 +245,16 @@ async def test_a_failing_vision_tower_is_an_error_event_in_a_session(worker):
     errors = [e for e in await events if e.type == "error"]
     assert [(e.error["code"], e.media_time) for e in errors] == [("video_failed", 0.0)]
     assert session.video.encoded == 0 and session.video.settled == 1
+
+
+@pytest.mark.asyncio
+async def test_an_asr_stream_that_fails_to_close_costs_nothing_else(worker):
+    asr = WordASR(fail_close=True)
+    session = await (await open_session(profile_for(), Models(asr, EchoAnswerer()), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for chunk in audio_chunks(2):
+        await session.push_audio(chunk)
+    await session.finish()  # the close fails on the worker; the session still ends with its final metrics
+    out = await events
+    assert asr.streams[0].closes == 1 and out[-1].type == "metrics" and session.events.closed
+    assert asyncio.all_tasks() == {asyncio.current_task()}

@@ -79,7 +79,8 @@ async def test_question_while_frames_arrive_and_frames_after_it_land(models, wor
     assert snap.tokens == memory.sizes.budget()
     metrics = [e for e in events if e.type == "metrics"][-1].metrics["video"]
     assert metrics["encoded"] == snap.frames_seen and metrics["dropped_full"] == dropped
-    assert metrics["memory_tokens"] == memory.sizes.budget()
+    assert metrics["memory_tokens"] == metrics["memory_budget"] == memory.sizes.budget()
+    assert metrics["segments"] == len(snap.segments) and metrics["notes"] == 0  # notes are off in this profile
     assert session.prefiller.prefilled_tokens > memory.sizes.budget()  # the memory was prefilled as it came
 
 
