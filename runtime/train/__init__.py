@@ -14,6 +14,11 @@ RECIPES: dict[str, tuple[str, str, str]] = {
         "causal_whisper", "LoRA adapters for Whisper's block-causal encoder",
         "Train LoRA adapters (q/k/v/out of encoder self-attention, decoder self- and cross-attention) so Whisper "
         "works with the block-causal encoder mask. DATA holds audio files, each with a same-named .txt transcript."),
+    "distil-whisper": (
+        "distil_whisper", "training pairs for causal-whisper, transcribed by the full-context teacher",
+        "Join source clips into streaming-length examples, cut most at a random encoder frame, and write each "
+        "with what the offline (full-context) Whisper transcribes from exactly that audio: the data "
+        "`runtime train causal-whisper` distils from. DATA: any folder of audio."),
     "synth-speech": (
         "synth_speech", "(audio, text) pairs from offline speech synthesisers",
         "Synthesise English speech with espeak-ng (and flite/festival when installed), augmented, 16 kHz FLAC + "

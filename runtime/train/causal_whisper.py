@@ -24,14 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperForConditionalGeneration
+from transformers import PreTrainedTokenizerBase
 
 from runtime.errors import ConfigError
-from runtime.models.asr.causal_whisper.decoder import prompt_ids
 from runtime.models.asr.causal_whisper.encoder import FRAME_MS, CausalWhisperEncoder, block_frames_for
 from runtime.models.asr.causal_whisper.features import log_mel, mel_frames_for
 from runtime.models.asr.causal_whisper.lora import DEFAULT_RANK, add_lora, load_adapter
-from runtime.models.loading import resolve_checkpoint, torch_dtype
+from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_prompt
 from runtime.train.data import load_examples
 from runtime.train.outputs import out_folder
 from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
@@ -43,7 +42,7 @@ class TrainConfig:
     data: str
     out: str
     rank: int = DEFAULT_RANK
-    chunk_ms: int = 300
+    chunk_ms: int | str = 300  # one size, or several comma-separated (one adapter over all: steps take turns)
     steps: int = 1000
     batch_size: int = 8
     lr: float = 1e-4
@@ -61,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, help="folder of audio files, each with a same-named .txt")
     parser.add_argument("--out", required=True, help="output folder: checkpoint-N/, adapter/, log.jsonl")
     parser.add_argument("--rank", type=int, default=d.rank, help="LoRA rank (16-32; alpha = rank)")
-    parser.add_argument("--chunk-ms", type=int, default=d.chunk_ms, help="encoder block (chunk) size to train for")
+    parser.add_argument("--chunk-ms", default=str(d.chunk_ms),
+                        help="encoder block (chunk) size to train for, or several (100,200,300): steps take turns")
     parser.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (constant)")
@@ -141,7 +141,10 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Transcript ids with Whisper's leading space (its outputs start with one)."""
+    """Transcript ids with Whisper's leading space (its outputs start with one); none for a blank transcript
+    (the teacher heard nothing yet: the target is eos at once)."""
+    if not text.strip():
+        return []
     return tokenizer.encode(" " + text.strip(), add_special_tokens=False)
 
 
@@ -155,6 +158,18 @@ def _save_checkpoint(out: Path, step: int, model: torch.nn.Module, opt: torch.op
     write_checkpoint(out, step, fill)
 
 
+def chunk_sizes(cfg: TrainConfig) -> list[int]:
+    """The block sizes of `--chunk-ms` (`300` or `100,200,300`), each a positive multiple of 20 ms."""
+    try:
+        sizes = [int(part) for part in str(cfg.chunk_ms).split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(ms <= 0 or ms % FRAME_MS for ms in sizes):
+        raise ConfigError(f"--chunk-ms must be positive multiples of {FRAME_MS} (e.g. 300 or 100,200,300), "
+                          f"got {cfg.chunk_ms}")
+    return sizes
+
+
 def check_config(cfg: TrainConfig) -> None:
     """Refuse numbers the run cannot use before the base model is loaded, naming the flag (peft and torch would
     fail later with their own tracebacks, or train nothing useful with a NaN learning rate)."""
@@ -162,8 +177,7 @@ def check_config(cfg: TrainConfig) -> None:
                         "--save-every": cfg.save_every}.items():
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
-    if cfg.chunk_ms <= 0 or cfg.chunk_ms % FRAME_MS:
-        raise ConfigError(f"--chunk-ms must be a positive multiple of {FRAME_MS}, got {cfg.chunk_ms}")
+    chunk_sizes(cfg)
     if not 0.0 < cfg.lr < math.inf:
         raise ConfigError(f"--lr must be a finite number > 0, got {cfg.lr}")
 
@@ -173,7 +187,7 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
     from tqdm import tqdm
 
     check_config(cfg)
-    block_frames = block_frames_for(cfg.chunk_ms)
+    sizes = chunk_sizes(cfg)
     out = Path(cfg.out).expanduser()
     ckpt = latest_checkpoint(out)
     if ckpt is not None and not cfg.resume:
@@ -181,10 +195,8 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
     out_folder(out)
     torch.manual_seed(cfg.seed)
 
-    path = resolve_checkpoint(cfg.base, role="asr")
-    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch_dtype(cfg.dtype)).to(cfg.device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    sot, eos = prompt_ids(tokenizer, cfg.language), int(tokenizer.eos_token_id)
+    model, tokenizer, _ = load_whisper(cfg.base, dtype=cfg.dtype, device=cfg.device)
+    sot, eos = transcript_prompt(tokenizer, model.config, cfg.language), int(tokenizer.eos_token_id)
     room = model.config.max_target_positions - len(sot)
     clips = []
     for ex in load_examples(cfg.data):
@@ -195,7 +207,7 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
 
     model = load_adapter(model, ckpt / "adapter", trainable=True) if ckpt else add_lora(model, cfg.rank)
     model.train()
-    encoder = CausalWhisperEncoder(model, block_frames=block_frames)
+    encoders = [CausalWhisperEncoder(model, block_frames=block_frames_for(ms)) for ms in sizes]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     start = 0
     log_path = out / "log.jsonl"
@@ -213,12 +225,13 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
     with log_path.open("a") as log:
         for step in range(start, cfg.steps):
             picked = [clips[i] for i in batch_indices(step, len(clips), cfg.batch_size, cfg.seed)]
+            encoder = encoders[step % len(encoders)]
             loss, _ = loss_and_logits(model, encoder, make_batch(picked, sot, eos, encoder.n_mels))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             losses.append(loss.item())
-            log.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
+            log.write(json.dumps({"step": step + 1, "loss": losses[-1], "chunk_ms": sizes[step % len(sizes)]}) + "\n")
             log.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")

