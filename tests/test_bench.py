@@ -126,7 +126,7 @@ def test_asr_quality_on_a_folder_splits_scores_by_engine(capsys, tmp_path):
             {"audio": "demo.flac", "text": wrong, "engine": "flite"}]
     (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, out, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--data", str(tmp_path), "--json",
-                             "--threads", "1")
+                             "--threads", "1", "--systems", "fastconformer")
     assert code == 0, err
     result = json.loads(out)
     smallest = str(result["lookaheads_ms"][0])

@@ -82,3 +82,31 @@ def test_chunk_sizes_and_blank_transcripts():
         with pytest.raises(ConfigError, match="--chunk-ms"):
             chunk_sizes(TrainConfig("", "", "", chunk_ms=bad))
     assert encode_text(None, "  ") == []  # the teacher heard nothing yet: eos at once
+
+
+def test_the_batched_ctranslate2_teacher_gives_the_runtimes_own_tokens(sources, tmp_path):
+    pytest.importorskip("ctranslate2")
+    import shutil
+
+    from ctranslate2.converters import TransformersConverter
+    from transformers import WhisperFeatureExtractor
+
+    from runtime.config import ASRConfig
+    from runtime.models.asr.whisper_buffered import WhisperBuffered
+    from runtime.models.asr.whisper_checkpoint import load_whisper
+    from runtime.models.loading import resolve_checkpoint
+    from runtime.train.distil_whisper import fast_teacher
+
+    tiny = resolve_checkpoint("tiny:whisper", role="asr")
+    folder = tmp_path / "ct2"
+    TransformersConverter(str(tiny)).convert(str(folder), force=True)
+    shutil.copy(tiny / "tokenizer.json", folder / "tokenizer.json")
+    model, tokenizer, path = load_whisper(str(folder))
+    teacher = WhisperBuffered(model, tokenizer, WhisperFeatureExtractor.from_pretrained(path),
+                              ASRConfig(backend="whisper-buffered", max_new_tokens=20))
+    fast = fast_teacher(str(folder), teacher)
+    assert fast is not None and fast_teacher(str(tiny), teacher) is None  # only for CTranslate2 folders
+    files = source_files(str(sources))
+    cfg = DistilConfig(base="", data="", out="", max_seconds=5.0)
+    clips = [compose(i, files, cfg, lambda p: soundfile.read(p, dtype="float32")[0])[0] for i in range(4)]
+    assert fast(clips) == [teacher.hypothesis(a) for a in clips]

@@ -22,7 +22,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "asr": ("runtime.bench.asr", "streaming ASR: exactness, per-chunk cost, RTF, cost growth, buffered peer"),
     "llm": ("runtime.bench.llm", "language engine: KV window exactness, TTFT, decode speed, verify cost, KV bytes"),
     "asr-quality": ("runtime.bench.asr_quality", "trained ASR: held-out WER/CER streamed at each look-ahead and "
-                    "offline, the demo sample's WER (needs trained weights)"),
+                    "offline, the demo sample's WER; Whisper systems vs peers on synthetic and human speech: WER, "
+                    "CER, compute, word latency (needs trained weights)"),
     "video": ("runtime.bench.video", "video path: ingest fps, memory tokens and RSS over an hour, answer TTFT"),
     "serve": ("runtime.bench.serve", "server: N live SDK clients at real-time pace: event latency, loop lag, RSS"),
 }
@@ -44,10 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="default: float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--threads", type=_count, default=0, help="torch CPU threads (0: one per core but one)")
-    parser.add_argument("--model", default=None, help="asr-quality: the checkpoint to score (default: "
-                        "builtin:demo-fastconformer)")
+    parser.add_argument("--model", default=None, help="asr-quality: the FastConformer checkpoint to score "
+                        "(default: builtin:demo-fastconformer)")
     parser.add_argument("--data", default=None, help="asr-quality: a `runtime train synth-speech` folder whose "
                         "heldout.jsonl to score (default: the fixed held-out set, generated into the cache once)")
+    parser.add_argument("--systems", default=None, help="asr-quality: which systems, comma-separated, of offline, "
+                        "causal, buffered, faster-whisper, fastconformer (default: all)")
+    parser.add_argument("--whisper", default=None, help="asr-quality: the Whisper of the Whisper systems (default: "
+                        "builtin:whisper-tiny.en)")
+    parser.add_argument("--chunks", default=None, help="asr-quality: causal Whisper chunk sizes in ms (default: "
+                        "100,200,300)")
+    parser.add_argument("--adapter", default=None, help="asr-quality: a LoRA folder merged into the causal Whisper")
+    parser.add_argument("--human", default=None, help="asr-quality: a folder of human speech with manifest.jsonl "
+                        "(default: ../shared/speech/dev beside the repository)")
 
 
 def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
@@ -57,7 +67,8 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
     if args.name not in BENCHES:
         print(f"runtime: error: unknown benchmark {args.name!r} (known: {', '.join(BENCHES)})", file=sys.stderr)
         return 2
-    given = [flag for flag, value in (("--model", args.model), ("--data", args.data)) if value is not None]
+    flags = ("model", "data", "systems", "whisper", "chunks", "adapter", "human")
+    given = [f"--{flag}" for flag in flags if getattr(args, flag, None) is not None]
     if given and args.name != "asr-quality":
         raise UserError(f"{' and '.join(given)}: only asr-quality scores a checkpoint on a data set; {args.name} "
                         "measures the real architectures' shapes with random weights")

@@ -1,4 +1,4 @@
-"""`runtime bench asr-quality`: word and character error rates of a trained FastConformer, streamed as users get it.
+"""`runtime bench asr-quality`: word and character error rates of trained ASR, streamed as users get it.
 
 Unlike the shape-true benchmarks this one needs trained weights (by default the shipped `builtin:demo-fastconformer`,
 else `--model REF`): error rates of random weights mean nothing, so a `tiny:` model is refused. It scores:
@@ -16,6 +16,12 @@ the beam. `word_wait_s` says how long a word shown while streaming waited to be 
 percentile and longest, in seconds of audio). `by_engine` splits the held-out scores at the smallest look-ahead
 and offline by synthesiser (the manifest's `engine`): the set mixes held-out espeak-ng variants with flite's
 held-out voice, and the two fail very differently, so one mean hides where the error is.
+
+Beside it, `systems` (issue 22, `asr_systems.py`) scores Whisper tiny.en offline (the ceiling), our causal
+tiny.en at each `--chunks` size, the buffered LocalAgreement-2 peer, faster-whisper (the speed peer) and this
+FastConformer on the held-out set and on human speech (`--human DIR`, default `../shared/speech/dev`): WER, CER,
+compute per audio second and word latency per (system, set), and the issue's `targets` from those rows.
+`--systems` picks a subset (without `fastconformer` the report above is skipped).
 
 Texts are compared after `runtime.train.text_norm.normalize` (numbers spelled out, punctuation dropped), the
 form the model was trained to write. Targets (issue 7): held-out WER <= 15 % and CER <= 5 % at the smallest
@@ -136,18 +142,39 @@ def offline_text(asr: FastConformerASR, logprobs: np.ndarray) -> str:
 
 
 def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, Any]:
-    from runtime.io.sample import demo_script, demo_speech
-    from runtime.models.asr.fastconformer.asr import FastConformerASR, find_checkpoint, load_any
-    from runtime.models.asr.fastconformer.decoding import LM_FILE
-    from runtime.models.loading import cache_dir, configure_threads, load_progress, torch_dtype
-    from runtime.train.text_norm import cer, normalize, wer
+    from runtime.bench.asr_systems import QUICK_UTTERANCES as SYSTEMS_QUICK
+    from runtime.bench.asr_systems import EvalSet, build, human_set, selection
+    from runtime.models.loading import configure_threads
 
     ref = getattr(args, "model", None) or DEFAULT_MODEL
     if ref.startswith("tiny:"):
         raise ConfigError(f"{ref} has random weights: its error rates mean nothing; score a trained checkpoint")
+    kinds, chunks = selection(args)
     threads = configure_threads(args.threads)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     folder, rows = heldout_set(getattr(args, "data", None), status)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"bench": "asr-quality", "quick": bool(args.quick)}
+    if "fastconformer" in kinds:
+        result.update(fastconformer_part(args, ref, folder, rows, dtype, status))
+    result["data"] = str(folder)
+    keep = rows[:SYSTEMS_QUICK] if args.quick else rows
+    synthetic = EvalSet("synthetic", [_read(folder / row["audio"]) for row in keep], [row["text"] for row in keep])
+    result.update(build(args, [synthetic, human_set(args, _read)], kinds, chunks, fc_ref=ref, device=args.device,
+                        dtype=dtype, status=status))
+    return {**result, "units": "percent, after text_norm.normalize", "machine": machine(args.device, dtype, threads),
+            "wall_s": round(time.perf_counter() - started, 1)}
+
+
+def fastconformer_part(args: argparse.Namespace, ref: str, folder: Path, rows: list[dict[str, Any]], dtype: str,
+                       status: Callable[[str], None]) -> dict[str, Any]:
+    """The FastConformer's own report (issue 7): greedy and beam, streamed at each look-ahead and offline."""
+    from runtime.io.sample import demo_script, demo_speech
+    from runtime.models.asr.fastconformer.asr import FastConformerASR, find_checkpoint, load_any
+    from runtime.models.asr.fastconformer.decoding import LM_FILE
+    from runtime.models.loading import cache_dir, load_progress, torch_dtype
+    from runtime.train.text_norm import cer, normalize, wer
+
     if args.quick:
         rows = rows[:QUICK_UTTERANCES]
     audios = [_read(folder / row["audio"]) for row in rows]
@@ -160,7 +187,6 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
         model, tokenizer = load_any(checkpoint)
         model.to_runtime(args.device, torch_dtype(dtype))
     lookaheads = sorted(model.cfg.lookahead_ms(c) for c in model.cfg.att_context_sizes)
-    started = time.perf_counter()
     status(f"offline, full context: {len(rows)} utterances ...")
     logprobs = [offline_logprobs(model, a, FULL_CONTEXT) for a in audios]
     speech, script = demo_speech(), demo_script()
@@ -204,13 +230,8 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
         )
         results[decoder] = part
     results["demo_script"] = normalize(script)
-    return {
-        "bench": "asr-quality", "quick": bool(args.quick), "model": ref, "utterances": len(rows),
-        "heldout_hours": round(sum(len(a) for a in audios) / SAMPLE_RATE / 3600, 3), "data": str(folder),
-        "lookaheads_ms": lookaheads, "chunk_ms": CHUNK_MS, **results,
-        "units": "percent, after text_norm.normalize", "machine": machine(args.device, dtype, threads),
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
+    return {"model": ref, "utterances": len(rows), "heldout_hours": round(sum(len(a) for a in audios) / SAMPLE_RATE
+            / 3600, 3), "lookaheads_ms": lookaheads, "chunk_ms": CHUNK_MS, **results}
 
 
 def by_engine(rows: list[dict[str, Any]], refs: list[str], hyps: list[str], wer: Callable,

@@ -46,10 +46,19 @@ def add_lora(model: WhisperForConditionalGeneration, rank: int = DEFAULT_RANK) -
         return get_peft_model(model, lora_config(rank))
 
 
+def adapter_path(ref: str | Path) -> Path:
+    """A folder, or `builtin:NAME` for an adapter shipped in the package (runtime/models/builtin/NAME)."""
+    if str(ref).startswith("builtin:"):
+        from runtime.models.loading import BUILTIN_DIR
+
+        return BUILTIN_DIR / str(ref).removeprefix("builtin:")
+    return Path(ref).expanduser()
+
+
 def load_adapter(model: WhisperForConditionalGeneration, path: str | Path, *, trainable: bool = False) -> PeftModel:
     """Wrap `model` with the adapter saved in `path` (peft `save_pretrained` layout, as `runtime train` writes).
     For inference, `.merge_and_unload()` folds it into the weights."""
-    path = Path(path).expanduser()
+    path = adapter_path(path)
     if not (path / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{path} has no adapter_config.json")
     trained_for = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")

@@ -1,0 +1,273 @@
+"""The `systems` table of `runtime bench asr-quality` (issue 22): one row per (system, set), every system scored
+on the same clips with the same text normalisation and the same clock, and the issue's targets computed from
+the rows of the same run.
+
+Systems (`--systems`, default all): `whisper-offline` (tiny.en greedy over the whole clip, padded to 30 s: the
+ceiling), `causal-whisper-<ms>ms` (the block-causal stream at each `--chunks` size, `--adapter` merged),
+`whisper-buffered-1s` (LocalAgreement-2 re-decoding every 1 s), `faster-whisper-int8` (CTranslate2 int8 on the
+same tiny.en folder, offline, one greedy pass, 2 threads: the speed peer; a row with a `reason` when the package
+is missing) and `fastconformer` (the shipped model under the demo profile's ASR settings). Sets: `synthetic`
+(the held-out set; `--quick` keeps its first QUICK_UTTERANCES) and `human` (`--human DIR`, default
+`../shared/speech/dev` beside the repository: people reading, for development only); a missing set gives rows
+with a `reason`.
+
+Each row: `wer`/`cer` (percent, pooled over the clips, after `text_norm.normalize`), `compute_s_per_audio_s`
+(wall seconds inside the system's calls / audio seconds; torch on `--threads` threads, faster-whisper on 2;
+each system first warmed up on one second of audio, untimed) and, for the streaming systems, `word_latency_s`
+(`word_latency.py` says exactly what it measures; offline systems: null with a reason). Targets compare WER on
+the human set and compute pooled over every clip of both sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from runtime.bench.timing import at_most
+from runtime.chunks import SAMPLE_RATE
+from runtime.config import ASRConfig
+from runtime.errors import ConfigError
+from runtime.train.text_norm import cer, wer
+
+if TYPE_CHECKING:
+    from runtime.models.asr.base import StreamingASR
+
+WHISPER = "builtin:whisper-tiny.en"
+KINDS = ("offline", "causal", "buffered", "faster-whisper", "fastconformer")
+CHUNKS = (100, 200, 300)
+OFFLINE, BUFFERED = "whisper-offline", "whisper-buffered-1s"
+FASTER, FASTCONFORMER = "faster-whisper-int8", "fastconformer"
+QUICK_UTTERANCES = 12
+FW_THREADS = 2
+OFFLINE_TOKENS = 224  # openai-whisper's sample length: half the decoder's 448 positions
+
+
+def causal_id(ms: int) -> str:
+    return f"causal-whisper-{ms}ms"
+
+
+@dataclass
+class EvalSet:
+    name: str
+    audios: list[np.ndarray]
+    refs: list[str]
+    reason: str = ""  # why the set is absent
+
+
+def selection(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """(system kinds, causal chunk sizes) from `--systems`/`--chunks`; a Whisper with random weights is refused."""
+    kinds = [k.strip() for k in (getattr(args, "systems", None) or ",".join(KINDS)).split(",") if k.strip()]
+    if unknown := [k for k in kinds if k not in KINDS]:
+        raise ConfigError(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})")
+    try:
+        chunks = [int(c) for c in (getattr(args, "chunks", None) or ",".join(map(str, CHUNKS))).split(",")]
+    except ValueError:
+        raise ConfigError(f"--chunks: expected sizes in ms like 100,200,300, got {args.chunks!r}") from None
+    if any(c <= 0 or c % 20 for c in chunks):
+        raise ConfigError(f"--chunks: each must be a positive multiple of 20 ms, got {chunks}")
+    from runtime.models.loading import cache_dir, resolve_checkpoint
+
+    ref = getattr(args, "whisper", None) or WHISPER  # every run loads it: the offline transcripts time the words
+    if ref.startswith("tiny:") or resolve_checkpoint(ref, role="asr").resolve().is_relative_to(
+            (cache_dir() / "tiny").resolve()):
+        raise ConfigError(f"--whisper {ref} has random weights: its error rates mean nothing; score a trained "
+                          "checkpoint")
+    return kinds, chunks
+
+
+def human_set(args: argparse.Namespace, read: Callable[[Path], np.ndarray]) -> EvalSet:
+    """`--human DIR`, else `../shared/speech/dev` beside the repository: manifest.jsonl of {id, path, text}."""
+    repo = Path(__file__).resolve().parents[2]
+    folder = Path(getattr(args, "human", None) or repo.parent / "shared/speech/dev").expanduser()
+    manifest = folder / "manifest.jsonl"
+    if not manifest.is_file():
+        return EvalSet("human", [], [], f"{manifest} not found (pass --human DIR with a manifest.jsonl)")
+    rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    if not rows:
+        return EvalSet("human", [], [], f"{manifest} lists no clips")
+    return EvalSet("human", [read(folder / r["path"]) for r in rows], [r["text"] for r in rows])
+
+
+def _row(s: EvalSet, hyps: list[str], compute: float) -> dict[str, Any]:
+    audio_s = sum(len(a) for a in s.audios) / SAMPLE_RATE
+    return {"utterances": len(s.audios), "audio_s": round(audio_s, 2), "wer": round(100 * wer(s.refs, hyps), 2),
+            "cer": round(100 * cer(s.refs, hyps), 2), "compute_s": round(compute, 3),
+            "compute_s_per_audio_s": round(compute / audio_s, 4)}
+
+
+def timed_map(fn: Callable[[np.ndarray], Any], audios: list[np.ndarray]) -> tuple[list[Any], float]:
+    """(fn(audio) for each audio, seconds spent inside fn)."""
+    outs, compute = [], 0.0
+    for audio in audios:
+        began = time.perf_counter()
+        outs.append(fn(audio))
+        compute += time.perf_counter() - began
+    return outs, compute
+
+
+def offline_row(s: EvalSet, hyps: list[str], compute: float) -> dict[str, Any]:
+    return {**_row(s, hyps, compute), "word_latency_s": None,
+            "word_latency_reason": "offline: the transcript exists only once the whole clip is heard"}
+
+
+def streaming_row(s: EvalSet, asr: StreamingASR, ends: list[list[tuple[str, float]]], *, whole_words: bool = False
+                  ) -> dict[str, Any]:
+    from runtime.bench.word_latency import latencies, summary, timed_stream, transcript, word_times
+
+    hyps, compute = [], 0.0
+    lat: dict[str, list[float]] = {"shown": [], "final": [], "shown_media": [], "final_media": []}
+    for audio, clip_ends in zip(s.audios, ends, strict=True):
+        timed, spent = timed_stream(asr, audio)
+        compute += spent
+        hyps.append(transcript(timed))
+        for key, values in latencies(clip_ends, word_times(timed, whole_words=whole_words)).items():
+            lat[key] += values
+    return {**_row(s, hyps, compute), "word_latency_s": summary(lat)}
+
+
+def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunks: list[int], *, fc_ref: str,
+          device: str, dtype: str, status: Callable[[str], None]) -> dict[str, Any]:
+    """{"systems": {system: {set: row}}, "system_settings", "sets", "targets"}."""
+    from runtime.bench.word_latency import Aligner, timed_stream
+    from runtime.config import load_profile
+    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+    from runtime.models.asr.registry import load_asr
+    from runtime.models.asr.whisper_buffered import WhisperBuffered
+    from runtime.models.asr.whisper_checkpoint import whisper_path
+    from runtime.models.asr.whisper_ct2 import is_ct2_whisper_dir
+    from runtime.models.loading import resolve_checkpoint
+
+    present = [s for s in sets if not s.reason]
+    warm = present[0].audios[0][:SAMPLE_RATE] if present else np.zeros(SAMPLE_RATE, np.float32)
+    ref = getattr(args, "whisper", None) or WHISPER
+    table: dict[str, dict[str, Any]] = {}
+    settings: dict[str, str] = {}
+
+    def each(system: str, row: Callable[[EvalSet], dict[str, Any]]) -> None:
+        table[system] = {}
+        for s in sets:
+            if not s.reason:
+                status(f"{system} on {s.name}: {len(s.audios)} clips ...")
+            table[system][s.name] = {"utterances": 0, "reason": s.reason} if s.reason else row(s)
+
+    def streamed(system: str, asr: StreamingASR, *, whole_words: bool = False) -> None:
+        timed_stream(asr, warm)
+        each(system, lambda s: streaming_row(s, asr, ends[s.name], whole_words=whole_words))
+
+    buffered = load_asr(ASRConfig(backend="whisper-buffered", model=ref, step_s=1.0), device=device, dtype=dtype,
+                        progress=status)
+    offline = WhisperBuffered(buffered.model, buffered.tokenizer, buffered.feature_extractor,
+                              replace(buffered.cfg, max_new_tokens=OFFLINE_TOKENS), name=ref)
+    offline.hypothesis(warm)
+    status(f"offline {ref} on {', '.join(s.name for s in present) or 'no set'} ...")
+    reference = {s.name: timed_map(offline.hypothesis, s.audios) for s in present}
+    settings[OFFLINE] = f"{ref}, greedy over the whole clip (padded to 30 s, cut there), <= {OFFLINE_TOKENS} tokens"
+    if "offline" in kinds:
+        each(OFFLINE, lambda s: offline_row(s, [offline.text(i) for i in reference[s.name][0]],
+                                            reference[s.name][1]))
+    ends: dict[str, list[list[tuple[str, float]]]] = {}
+    if {"causal", "buffered", "fastconformer"} & set(kinds):
+        status("word end times: aligning the offline transcripts ...")
+        aligner = Aligner(offline, whisper_path(ref))
+        ends = {s.name: [aligner.word_ends(a, ids) for a, ids in zip(s.audios, reference[s.name][0], strict=True)]
+                for s in present}
+    if "causal" in kinds:
+        cfg = ASRConfig(backend="causal-whisper", model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None)
+                        or "")
+        first = load_asr(cfg, device=device, dtype=dtype, progress=status)
+        for ms in chunks:
+            asr = first if ms == chunks[0] else CausalWhisperASR(first.model, first.tokenizer,
+                                                                 replace(cfg, chunk_ms=ms), name=first.name)
+            settings[causal_id(ms)] = (f"{ref}, block-causal, {ms} ms chunks, look-back {cfg.lookback_tokens} tokens, "
+                                       f"adapter {cfg.adapter or 'none'}")
+            streamed(causal_id(ms), asr)
+    if "buffered" in kinds:
+        settings[BUFFERED] = (f"{ref}, LocalAgreement-2, re-decoded every {buffered.cfg.step_s:g} s, items of "
+                              f"{buffered.cfg.segment_s:g} s")
+        streamed(BUFFERED, buffered)
+    if "faster-whisper" in kinds:
+        path = resolve_checkpoint(ref, role="asr")
+        fw, why = faster_whisper(path if is_ct2_whisper_dir(path) else None,
+                                 f"{ref} is not a CTranslate2 folder: faster-whisper cannot load it")
+        settings[FASTER] = f"faster-whisper on {path}: int8, cpu_threads={FW_THREADS}, beam 1, offline"
+        if fw is None:
+            table[FASTER] = {s.name: {"utterances": 0, "reason": s.reason or why} for s in sets}
+        else:
+            fw(warm)
+            each(FASTER, lambda s: offline_row(s, *timed_map(fw, s.audios)))
+    if "fastconformer" in kinds:
+        cfg = replace(load_profile("demo").asr, model=fc_ref)
+        settings[FASTCONFORMER] = f"{fc_ref}, look-ahead {cfg.lookahead_ms} ms, {cfg.decoder} decoder (demo profile)"
+        streamed(FASTCONFORMER, load_asr(cfg, device=device, dtype=dtype, progress=status),
+                 whole_words=cfg.decoder == "beam")
+    return {"systems": table, "system_settings": settings, "targets": targets(table, chunks),
+            "sets": {s.name: {"reason": s.reason} if s.reason else
+                     {"utterances": len(s.audios), "audio_s": round(sum(map(len, s.audios)) / SAMPLE_RATE, 2)}
+                     for s in sets}}
+
+
+def targets(table: dict[str, dict[str, Any]], chunks: list[int]) -> dict[str, Any]:
+    """The issue's targets, each `at_most` with the figures it was computed from (missing ones are not met)."""
+    def get(system: str, key: str) -> float | None:
+        return table.get(system, {}).get("human", {}).get(key)
+
+    def pooled(system: str) -> float | None:
+        rows = [r for r in table.get(system, {}).values() if r.get("compute_s") is not None]
+        audio = sum(r["audio_s"] for r in rows)
+        return round(sum(r["compute_s"] for r in rows) / audio, 4) if audio else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        if a is None or b is None:
+            return None
+        return round(a / b, 3) if b > 0 else (1.0 if a == 0 else None)
+
+    out: dict[str, Any] = {}
+    offline = get(OFFLINE, "wer")
+    for ms, bound in ((300, 1.25), (100, 1.5)):  # as WER <= bound x offline WER: defined when offline is 0 %
+        wer_ = get(causal_id(ms), "wer")
+        limit = None if offline is None else round(bound * offline, 2)
+        out[f"causal_{ms}ms_human_wer_within_{bound:g}x_offline"] = {
+            "value": wer_, "target": None if limit is None else f"<= {limit:g}",
+            "met": wer_ is not None and limit is not None and wer_ <= limit, "offline_wer": offline,
+            "ratio": ratio(wer_, offline)}
+    buffered_wer, buffered_cost, fw_cost = get(BUFFERED, "wer"), pooled(BUFFERED), pooled(FASTER)
+    for ms in chunks:
+        system = causal_id(ms)
+        wer_, cost = get(system, "wer"), pooled(system)
+        gap = None if wer_ is None or buffered_wer is None else round(wer_ - buffered_wer, 2)
+        words = table.get(system, {}).get("human", {}).get("word_latency_s") or {}
+        latency = (words.get("shown") or {}).get("median")
+        out[f"causal_{ms}ms_human_wer_minus_buffered_points"] = {**at_most(gap, 0.0), "causal_wer": wer_,
+                                                                  "buffered_wer": buffered_wer}
+        out[f"causal_{ms}ms_compute_over_buffered"] = {**at_most(ratio(cost, buffered_cost), 0.2),
+                                                       "causal": cost, "buffered": buffered_cost}
+        out[f"causal_{ms}ms_human_median_word_latency_s"] = {**at_most(latency, round((ms + 300) / 1000, 3)),
+                                                              "words_timed": words.get("words_timed", 0)}
+        out[f"causal_{ms}ms_compute_over_faster_whisper"] = {**at_most(ratio(cost, fw_cost), 3.0), "causal": cost,
+                                                             "faster_whisper": fw_cost}
+    return out
+
+
+def faster_whisper(ct2: Path | None, reason: str) -> tuple[Callable[[np.ndarray], str] | None, str]:
+    """faster-whisper's offline greedy transcriber for the CTranslate2 folder `ct2`, or (None, why not)."""
+    try:
+        from faster_whisper import WhisperModel
+    except ImportError:
+        return None, "faster_whisper is not installed (pip install faster-whisper)"
+    if ct2 is None:
+        return None, reason
+    model = WhisperModel(str(ct2), device="cpu", compute_type="int8", cpu_threads=FW_THREADS)
+
+    def transcribe(audio: np.ndarray) -> str:  # one greedy pass: no temperature fallback, no timestamps, no VAD
+        segments, _ = model.transcribe(audio, beam_size=1, temperature=0.0, without_timestamps=True,
+                                       condition_on_previous_text=False)
+        return "".join(seg.text for seg in segments)
+
+    return transcribe, ""
