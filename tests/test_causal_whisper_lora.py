@@ -180,3 +180,20 @@ def test_an_adapter_for_another_base_is_refused_in_one_line(tmp_path: Path, chan
     with pytest.raises(ValueError, match="trained for another base model"):
         load_adapter(other, tmp_path / "adapter")
     assert isinstance(load_adapter(base_model(), tmp_path / "adapter"), torch.nn.Module)  # its own base loads
+
+
+def test_length_buckets_keep_epochs_whole_and_batches_alike() -> None:
+    from runtime.train.causal_whisper import batch_indices
+
+    lengths = [(i * 7919) % 1000 for i in range(160)]
+    for seed in (0, 1):
+        epoch = [i for step in range(20) for i in batch_indices(step, 160, 8, seed, lengths)]
+        assert sorted(epoch) == list(range(160))  # every clip once an epoch
+        assert epoch == [i for step in range(20) for i in batch_indices(step, 160, 8, seed, lengths)]  # pure
+        spread = sum(max(lengths[i] for i in epoch[k : k + 8]) - min(lengths[i] for i in epoch[k : k + 8])
+                     for k in range(0, 160, 8))
+        plain = [i for step in range(20) for i in batch_indices(step, 160, 8, seed)]
+        assert sorted(plain) == list(range(160))
+        random_spread = sum(max(lengths[i] for i in plain[k : k + 8]) - min(lengths[i] for i in plain[k : k + 8])
+                            for k in range(0, 160, 8))
+        assert spread * 4 < random_spread  # padding within a batch is a fraction of a random batch's

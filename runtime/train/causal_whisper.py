@@ -15,6 +15,7 @@ run. The final adapter goes to `--out/adapter/` (peft layout), loadable with `--
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -34,6 +35,8 @@ from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_promp
 from runtime.train.data import load_examples
 from runtime.train.outputs import out_folder
 from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
+
+BUCKET_POOL = 16  # batches whose clips are sorted by length together (see batch_indices)
 
 
 @dataclass(frozen=True)
@@ -130,14 +133,37 @@ def loss_and_logits(model: torch.nn.Module, encoder: CausalWhisperEncoder,
     return loss, logits
 
 
-def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
-    """Clips of `step`: consecutive slices of per-epoch permutations seeded by (seed, epoch)."""
+def batch_indices(step: int, n: int, batch_size: int, seed: int, lengths: list[int] | None = None) -> list[int]:
+    """Clips of `step`: consecutive slices of per-epoch permutations seeded by (seed, epoch).
+
+    With `lengths`, each epoch's permutation is cut into pools of BUCKET_POOL batches, each pool sorted by
+    length before it is sliced, and the epoch's batches shuffled: a batch holds clips of similar length, so
+    little of its compute goes to the silence that pads the shorter ones, and every clip is still seen once
+    an epoch. The last partial batch of an epoch takes its rest from the next epoch, as without lengths."""
+    if lengths is None:
+        out = []
+        for k in range(step * batch_size, (step + 1) * batch_size):
+            epoch, pos = divmod(k, n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+            out.append(int(order[pos]))
+        return out
     out = []
     for k in range(step * batch_size, (step + 1) * batch_size):
         epoch, pos = divmod(k, n)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        out.append(int(order[pos]))
+        out.append(_bucketed_epoch(n, batch_size, seed, epoch, tuple(lengths))[pos])
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _bucketed_epoch(n: int, batch_size: int, seed: int, epoch: int, lengths: tuple[int, ...]) -> list[int]:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(n, generator=gen).tolist()
+    pool = batch_size * BUCKET_POOL
+    batches = []
+    for start in range(0, n, pool):
+        ranked = sorted(order[start : start + pool], key=lambda i: lengths[i])
+        batches += [ranked[j : j + batch_size] for j in range(0, len(ranked), batch_size)]
+    return [i for b in torch.randperm(len(batches), generator=gen).tolist() for i in batches[b]]
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -193,7 +219,6 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{out} already holds {ckpt.name}: pass --resume to continue it, or a new --out")
     out_folder(out)
-    torch.manual_seed(cfg.seed)
 
     model, tokenizer, _ = load_whisper(cfg.base, dtype=cfg.dtype, device=cfg.device)
     sot, eos = transcript_prompt(tokenizer, model.config, cfg.language), int(tokenizer.eos_token_id)
@@ -205,6 +230,8 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
             raise ConfigError(f"transcript of {ex.path} has {len(ids)} tokens; the decoder holds {room - 1}")
         clips.append((ex.audio, ids))
 
+    lengths = [len(audio) for audio, _ in clips]
+    torch.manual_seed(cfg.seed)  # after loading: building a tiny: base on first use draws from the global RNG
     model = load_adapter(model, ckpt / "adapter", trainable=True) if ckpt else add_lora(model, cfg.rank)
     model.train()
     encoders = [CausalWhisperEncoder(model, block_frames=block_frames_for(ms)) for ms in sizes]
@@ -224,7 +251,7 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
                disable=None)
     with log_path.open("a") as log:
         for step in range(start, cfg.steps):
-            picked = [clips[i] for i in batch_indices(step, len(clips), cfg.batch_size, cfg.seed)]
+            picked = [clips[i] for i in batch_indices(step, len(clips), cfg.batch_size, cfg.seed, lengths)]
             encoder = encoders[step % len(encoders)]
             loss, _ = loss_and_logits(model, encoder, make_batch(picked, sot, eos, encoder.n_mels))
             opt.zero_grad(set_to_none=True)
