@@ -40,6 +40,7 @@ class ASRConfig:
     lookback_tokens: int = 2
     reset_s: float = 30.0
     adapter: str = ""
+    loop_repeats: int = 3  # a phrase said this many times running is a decoding loop and ends the block (0: off)
     # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
     lookahead_ms: int = 1040
     # fastconformer CTC decoding: greedy (each frame's argmax) | beam (prefix beam search scored with a word

@@ -14,15 +14,9 @@ from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.models.asr import TranscriptUpdate
-from runtime.models.asr.causal_whisper.asr import (
-    CausalWhisperASR,
-    CausalWhisperStream,
-    ItemDecoder,
-    Token,
-    keep_count,
-    plan_reset,
-)
+from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, CausalWhisperStream, plan_reset
 from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder, context_ids
+from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token, keep_count, loops
 
 
 def load(**kw) -> CausalWhisperASR:
@@ -37,8 +31,9 @@ def asr40() -> CausalWhisperASR:
 
 @pytest.fixture(scope="module")
 def asr300() -> CausalWhisperASR:
-    """Blocks of 15 encoder frames; the 3 s time limit triggers the resets."""
-    return load(chunk_ms=300, reset_s=3.0, max_new_tokens=60)
+    """Blocks of 15 encoder frames; the 3 s time limit triggers the resets. The random model loops at once, so
+    the loop rule is off here (asr40 keeps it on) for transcripts long enough to cross resets."""
+    return load(chunk_ms=300, reset_s=3.0, max_new_tokens=60, loop_repeats=0)
 
 
 def make_audio(seconds: float, seed: int = 0) -> np.ndarray:
@@ -212,6 +207,43 @@ def test_item_decoder_cuts_rolls_back_and_stabilises() -> None:
     assert scorer.ids == [5, 1, 3, 4]  # the cache holds exactly the context and the new tokens
     item.step(torch.zeros(1, 1), final=True)
     assert [t.id for t in item.tokens] == [1, 3, 4] and item.stable == 3
+
+
+def test_loops_are_phrases_said_three_times_running() -> None:
+    assert loops([5, 6, 5, 6, 5], 6)  # "3. 3. 3." : a 2-token phrase the third time
+    assert not loops([5, 6, 5, 6], 5) and not loops([9, 6, 5, 6], 5)
+    assert loops([7, 7, 7], 7) and not loops([7, 7], 7)  # one token: the fourth time ("very very very" stays)
+    assert loops([9, 1, 2, 3, 1, 2, 3, 1, 2], 3) and not loops([9, 1, 2, 3, 1, 2, 3, 1, 2], 4)
+    six = [1, 2, 3, 4, 5, 6]
+    assert loops([*six, *six, *six[:5]], 6) and not loops([9, *six, 8, *six[:5]], 6)
+    seven = [1, 2, 3, 4, 5, 6, 7]
+    assert not loops([*seven, *seven, *seven[:6]], 7)  # longer phrases are not looked for
+    assert not loops([], 3)
+    assert not loops([7, 7, 7, 7, 7], 7, repeats=0) and loops([5, 6, 5], 6, repeats=2)
+
+
+def test_a_loop_ends_what_the_block_says() -> None:
+    # The model would say 1 2 1 2 1 2 ... forever: the rule stops before the third "1 2", the block ends there,
+    # and the final step ends too (eos never comes).
+    scorer = ScriptedScorer(lambda frames, prev: {5: {1: 0.9}, 1: {2: 0.9}, 2: {1: 0.9}}[prev])
+    item = ItemDecoder(scorer, [5], eos_id=0, lookback=2, max_tokens=40, block_tokens=10, frame0=0, loop_repeats=3)
+    item.step(torch.zeros(2, 1))
+    assert [t.id for t in item.tokens] == [1, 2, 1, 2, 1]
+    item.step(torch.zeros(2, 1), final=True)
+    assert [t.id for t in item.tokens] == [1, 2, 1, 2, 1] and item.stable == 5
+
+
+def test_suppressed_tokens_are_never_said() -> None:
+    # The model's first choice after 5 is 3 (a suppressed "[BLANK_AUDIO]"-like token), then 1; after 1, eos.
+    scorer = ScriptedScorer(lambda frames, prev: {5: {3: 0.6, 1: 0.3}, 1: {0: 0.9}}[prev])
+    item = ItemDecoder(scorer, [5], eos_id=0, lookback=2, max_tokens=10, block_tokens=5, frame0=0, suppress=[3])
+    item.step(torch.zeros(2, 1), final=True)
+    assert [t.id for t in item.tokens] == [1]
+    assert math.isclose(item.tokens[0].prob, 0.3, rel_tol=1e-6)  # its own probability, not renormalised
+    free = ItemDecoder(ScriptedScorer(lambda frames, prev: {5: {3: 0.6, 1: 0.3}, 3: {0: 0.9}}[prev]), [5], eos_id=0,
+                       lookback=2, max_tokens=10, block_tokens=5, frame0=0)
+    free.step(torch.zeros(2, 1), final=True)
+    assert [t.id for t in free.tokens] == [3]
 
 
 def test_reset_plan() -> None:

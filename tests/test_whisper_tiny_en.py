@@ -90,7 +90,8 @@ def test_offline_greedy_tokens_equal_ctranslate2(ct2_folder, buffered) -> None:
     for name, audio, _ in clips:
         features = buffered.feature_extractor(audio, sampling_rate=SAMPLE_RATE, return_tensors="np").input_features
         theirs = engine.generate(ctranslate2.StorageView.from_array(features), [buffered.prompt_ids], beam_size=1,
-                                 max_length=448, suppress_blank=False, suppress_tokens=[])[0].sequences_ids[0]
+                                 max_length=448, suppress_blank=False,
+                                 suppress_tokens=buffered.suppress)[0].sequences_ids[0]
         ours = buffered.hypothesis(audio)
         assert ours == theirs, name
         texts[name] = buffered.text(ours)

@@ -146,7 +146,7 @@ def fast_teacher(base: str, teacher: WhisperBuffered) -> Callable[[list[np.ndarr
                                    .input_features for a in batch])
         results = engine.generate(ctranslate2.StorageView.from_array(features.astype(np.float32)),
                                   [teacher.prompt_ids] * len(batch), beam_size=1, max_length=limit,
-                                  suppress_blank=False, suppress_tokens=[])
+                                  suppress_blank=False, suppress_tokens=teacher.suppress)
         return [r.sequences_ids[0][: teacher.max_tokens] for r in results]
 
     return transcribe

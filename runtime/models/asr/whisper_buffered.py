@@ -32,7 +32,7 @@ from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_prompt
+from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
 from runtime.models.loading import load_progress
 
 MAX_BUFFER_S = 30.0  # Whisper's encoder sees exactly 30 s
@@ -69,6 +69,7 @@ class WhisperBuffered:
         self.cfg = cfg
         self.name = name
         self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
+        self.suppress = suppressed_ids(model)
         self.eos_id = tokenizer.eos_token_id
         # Prompt + hypothesis must fit the decoder's learned positions.
         self.max_tokens = min(cfg.max_new_tokens, model.config.max_target_positions - len(self.prompt_ids))
@@ -99,7 +100,10 @@ class WhisperBuffered:
         hidden = self.model.model.decoder(
             input_ids=ids, encoder_hidden_states=states, past_key_values=cache, use_cache=cache is not None
         ).last_hidden_state
-        return self.model.proj_out(hidden[:, -1])[0]
+        logits = self.model.proj_out(hidden[:, -1])[0]
+        if self.suppress:
+            logits[self.suppress] = float("-inf")
+        return logits
 
     @torch.inference_mode()
     def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:

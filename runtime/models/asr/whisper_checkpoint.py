@@ -42,6 +42,14 @@ def load_whisper(ref: str, *, dtype: str = "float32", device: str = "cpu", progr
     return model.to(torch.device(device)).eval(), tokenizer, path
 
 
+def suppressed_ids(model: WhisperForConditionalGeneration) -> list[int]:
+    """The tokens Whisper is decoded without (its generation config's `suppress_tokens`: symbols and the
+    non-speech annotations such as "[BLANK_AUDIO]" or "(music)"), as openai-whisper and faster-whisper decode
+    it by default; none when the checkpoint lists none (the tiny test models)."""
+    ids = getattr(model.generation_config, "suppress_tokens", None) or []
+    return sorted({int(i) for i in ids if 0 <= int(i) < model.config.vocab_size})
+
+
 def is_multilingual(config: PretrainedConfig) -> bool:
     return int(config.vocab_size) >= MULTILINGUAL_VOCAB
 

@@ -6,7 +6,8 @@ Audio goes into a block-causal `AudioEncoderStream`; after each block of encoder
 1. re-check the unstable tail (the last `lookback_tokens` tokens not yet stable): a token stays if its
    probability under the new encoder context did not fall (against its last evaluation), or it is still
    the argmax; at the first that fails, it and everything after it are cut (self-attention KV rolled back);
-2. greedily decode on until eos, `block_tokens` new tokens, or the item's token budget.
+2. greedily decode on until eos, a loop, `block_tokens` new tokens, or the item's token budget
+   (`emission.py` holds the rule).
 
 Tokens older than the look-back window are stable: emitted once as `delta`, never retracted. Deltas are the
 difference between decodes of the whole stable prefix (byte-level BPE safe; a trailing incomplete UTF-8
@@ -45,14 +46,10 @@ from runtime.config import ASRConfig
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.models.asr.causal_whisper.decoder import (
-    IncrementalDecoder,
-    RecomputeDecoder,
-    Scorer,
-    context_ids,
-)
+from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder, Scorer, context_ids
+from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token
 from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_end, block_frames_for
-from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_prompt
+from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
 from runtime.models.loading import load_progress
 
 FRAME_SAMPLES = SAMPLE_RATE // 50  # one 20 ms encoder frame
@@ -65,72 +62,6 @@ def emission_sample(frame_end: int) -> int:
     """Samples after which the block ending at encoder frame `frame_end` is emitted (its last 10 ms hop
     plus the conv's 10 ms look-ahead; see `AudioEncoderStream`)."""
     return FRAME_SAMPLES * frame_end + FRAME_SAMPLES // 2
-
-
-def keep_count(ids: Sequence[int], old_probs: Sequence[float], logprobs: torch.Tensor) -> int:
-    """The look-back rule: how many of the re-checked tokens `ids` stay. Token i stays if its probability
-    under the new context (`logprobs[i]`, log-probs over the vocabulary) did not fall below `old_probs[i]`,
-    or it is still the argmax; the first that fails is cut together with everything after it."""
-    for i, tok in enumerate(ids):
-        p = math.exp(float(logprobs[i, tok]))
-        if not (p >= old_probs[i] or int(logprobs[i].argmax()) == tok):
-            return i
-    return len(ids)
-
-
-@dataclass
-class Token:
-    id: int
-    prob: float  # its probability when last evaluated
-    frame: int  # absolute encoder frame count (stream time / 20 ms) heard when it was decoded
-
-
-class ItemDecoder:
-    """The emission rule over one encoder segment (one transcript item)."""
-
-    def __init__(self, scorer: Scorer, context: list[int], *, eos_id: int, lookback: int, max_tokens: int,
-                 block_tokens: int, frame0: int) -> None:
-        self.scorer, self.context, self.eos_id = scorer, context, eos_id
-        self.lookback, self.max_tokens, self.block_tokens = lookback, max_tokens, block_tokens
-        self.frame0 = frame0  # absolute frame of the segment's start
-        self.tokens: list[Token] = []
-        self.stable = 0  # tokens[:stable] are stable
-
-    def step(self, frames: torch.Tensor, *, final: bool = False) -> None:
-        """Take a block of new encoder frames [n, d], re-check the tail, decode on."""
-        s = self.scorer
-        s.add_frames(frames)
-        if s.n_frames == 0:
-            return
-        tail = self.tokens[self.stable :]
-        ids = self.context + [t.id for t in self.tokens]
-        anchor = len(self.context) + self.stable - 1  # the last context/stable position: predicts tail[0]
-        start = min(s.length, anchor)
-        s.truncate(start)
-        logp = s.feed(ids[start : anchor + 1 + len(tail)], last=1 + len(tail))
-        keep = keep_count([t.id for t in tail], [t.prob for t in tail], logp)
-        for i in range(keep):
-            tail[i].prob = math.exp(float(logp[i, tail[i].id]))
-        if keep < len(tail):
-            del self.tokens[self.stable + keep :]
-            s.truncate(anchor + 1 + keep)
-        nxt = logp[keep]
-        budget = self.max_tokens - len(self.tokens)
-        if not final:
-            budget = min(budget, self.block_tokens)
-        while budget > 0:
-            tok = int(nxt.argmax())
-            if tok == self.eos_id:
-                break
-            self.tokens.append(Token(tok, math.exp(float(nxt[tok])), self.frame0 + s.n_frames))
-            budget -= 1
-            if budget:
-                nxt = s.feed([tok])[0]
-        self.stable = len(self.tokens) if final else max(self.stable, len(self.tokens) - self.lookback)
-
-    @property
-    def full(self) -> bool:
-        return len(self.tokens) >= self.max_tokens
 
 
 @dataclass(frozen=True)
@@ -165,8 +96,9 @@ class CausalWhisperASR:
     def __init__(self, model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, cfg: ASRConfig,
                  *, name: str = "causal-whisper") -> None:
         self.block_frames = block_frames_for(cfg.chunk_ms)
-        if cfg.lookback_tokens < 0:
-            raise ConfigError(f"asr.lookback_tokens must be >= 0, got {cfg.lookback_tokens}")
+        if cfg.lookback_tokens < 0 or cfg.loop_repeats < 0:
+            raise ConfigError(f"asr.lookback_tokens and asr.loop_repeats must be >= 0, got {cfg.lookback_tokens} "
+                              f"and {cfg.loop_repeats}")
         self.model, self.tokenizer, self.cfg, self.name = model, tokenizer, cfg, name
         self.encoder = CausalWhisperEncoder(model, block_frames=self.block_frames)
         b = self.block_frames
@@ -177,6 +109,7 @@ class CausalWhisperASR:
             raise ConfigError(f"asr.reset_s must be in (0, 30] and hold two chunks of {cfg.chunk_ms} ms, "
                               f"got {cfg.reset_s:g}")
         self.sot = transcript_prompt(tokenizer, model.config, cfg.language)
+        self.suppress = suppressed_ids(model)
         if not self.sot:
             raise ConfigError(f"asr.model {name!r}: its tokenizer has no <|startoftranscript|>; is it Whisper?")
         self.eos_id = int(tokenizer.eos_token_id)
@@ -217,7 +150,8 @@ class CausalWhisperASR:
         context = context_ids(self.tokenizer, self.sot, previous) + forced
         return ItemDecoder(scorer, context, eos_id=self.eos_id, lookback=self.cfg.lookback_tokens,
                            max_tokens=self.max_tokens, block_tokens=self.block_tokens,
-                           frame0=carry.restart_frame if carry else 0)
+                           frame0=carry.restart_frame if carry else 0, loop_repeats=self.cfg.loop_repeats,
+                           suppress=self.suppress)
 
     def reset_due(self, item: ItemDecoder, frames: int) -> bool:
         """After a non-final step with `frames` frames in the segment: is it time to reset?"""

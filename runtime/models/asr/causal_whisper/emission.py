@@ -1,0 +1,111 @@
+"""The emission rule of causal streaming Whisper (CarelessWhisper): what one block of new encoder frames adds
+to an item's transcript. `asr.py` runs it over a stream (and over the offline reference, identically).
+
+Per block: re-check the unstable tail (a token stays if its probability under the new encoder context did not
+fall, or it is still the argmax; at the first that fails it and everything after it are cut), then decode on
+greedily until eos, a loop (`loops`), `block_tokens` new tokens or the item's budget. Tokens older than the
+look-back window are stable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime.models.asr.causal_whisper.decoder import Scorer
+
+
+def keep_count(ids: Sequence[int], old_probs: Sequence[float], logprobs: torch.Tensor) -> int:
+    """The look-back rule: how many of the re-checked tokens `ids` stay. Token i stays if its probability
+    under the new context (`logprobs[i]`, log-probs over the vocabulary) did not fall below `old_probs[i]`,
+    or it is still the argmax; the first that fails is cut together with everything after it."""
+    for i, tok in enumerate(ids):
+        p = math.exp(float(logprobs[i, tok]))
+        if not (p >= old_probs[i] or int(logprobs[i].argmax()) == tok):
+            return i
+    return len(ids)
+
+
+def loops(ids: Sequence[int], tok: int, repeats: int = 3) -> bool:
+    """Would `tok` make the transcript's end a loop: one token said `repeats` + 1 times in a row, or a 2-6 token
+    phrase `repeats` times (`asr.loop_repeats`; 0 never)? Whisper reading past the audio it has falls into such
+    loops ("3. 3. 3. 3. ..."), and greedy decoding never leaves them; people almost never say a phrase three
+    times running. The rule treats a looping token as the end of what can be said for now (like eos): the next
+    block may go on with anything else."""
+    if repeats < 1:
+        return False
+    seq = [*ids[-(6 * repeats) :], tok]
+    for n in range(1, 7):
+        times = repeats + (n == 1)
+        if len(seq) >= n * times and all(seq[-n * k - n : len(seq) - n * k] == seq[-n:] for k in range(1, times)):
+            return True
+    return False
+
+
+@dataclass
+class Token:
+    id: int
+    prob: float  # its probability when last evaluated
+    frame: int  # absolute encoder frame count (stream time / 20 ms) heard when it was decoded
+
+
+class ItemDecoder:
+    """The emission rule over one encoder segment (one transcript item)."""
+
+    def __init__(self, scorer: Scorer, context: list[int], *, eos_id: int, lookback: int, max_tokens: int,
+                 block_tokens: int, frame0: int, loop_repeats: int = 0, suppress: Sequence[int] = ()) -> None:
+        self.scorer, self.context, self.eos_id = scorer, context, eos_id
+        self.lookback, self.max_tokens, self.block_tokens = lookback, max_tokens, block_tokens
+        self.frame0 = frame0  # absolute frame of the segment's start
+        self.loop_repeats = loop_repeats
+        self.suppress = torch.tensor(sorted(set(suppress)), dtype=torch.long)  # never chosen (Whisper's non-speech)
+        self.tokens: list[Token] = []
+        self.stable = 0  # tokens[:stable] are stable
+
+    def step(self, frames: torch.Tensor, *, final: bool = False) -> None:
+        """Take a block of new encoder frames [n, d], re-check the tail, decode on."""
+        s = self.scorer
+        s.add_frames(frames)
+        if s.n_frames == 0:
+            return
+        tail = self.tokens[self.stable :]
+        ids = self.context + [t.id for t in self.tokens]
+        anchor = len(self.context) + self.stable - 1  # the last context/stable position: predicts tail[0]
+        start = min(s.length, anchor)
+        s.truncate(start)
+        logp = self._allowed(s.feed(ids[start : anchor + 1 + len(tail)], last=1 + len(tail)))
+        keep = keep_count([t.id for t in tail], [t.prob for t in tail], logp)
+        for i in range(keep):
+            tail[i].prob = math.exp(float(logp[i, tail[i].id]))
+        if keep < len(tail):
+            del self.tokens[self.stable + keep :]
+            s.truncate(anchor + 1 + keep)
+        nxt = logp[keep]
+        budget = self.max_tokens - len(self.tokens)
+        if not final:
+            budget = min(budget, self.block_tokens)
+        while budget > 0:
+            tok = int(nxt.argmax())
+            if tok == self.eos_id or loops([t.id for t in self.tokens], tok, self.loop_repeats):
+                break
+            self.tokens.append(Token(tok, math.exp(float(nxt[tok])), self.frame0 + s.n_frames))
+            budget -= 1
+            if budget:
+                nxt = self._allowed(s.feed([tok]))[0]
+        self.stable = len(self.tokens) if final else max(self.stable, len(self.tokens) - self.lookback)
+
+    def _allowed(self, logp: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities with the suppressed tokens at -inf: neither chosen nor the argmax a kept token
+        is checked against (the probabilities of the others are left as they are)."""
+        if not len(self.suppress):
+            return logp
+        logp = logp.clone()
+        logp[:, self.suppress.to(logp.device)] = float("-inf")
+        return logp
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) >= self.max_tokens
