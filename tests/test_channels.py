@@ -142,3 +142,25 @@ async def test_a_put_on_a_closed_blocking_channel_names_it():
     with pytest.raises(ChannelClosed, match="^channel questions is closed$"):
         await channel.put(1)
     assert channel.stats.put == 0 and channel.stats.blocked_s == 0.0
+
+
+@pytest.mark.asyncio
+async def test_a_drain_counts_what_it_took_and_empties_the_channel():
+    # The video processor drains every batch, so its channel's metrics are what `drain_nowait` leaves behind.
+    channel: LatestChannel[int] = LatestChannel(4, "video")
+    for i in range(3):
+        channel.put_nowait(i)
+    assert await channel.get() == 0
+    assert channel.drain_nowait() == [1, 2]
+    assert (channel.stats.got, channel.stats.depth, len(channel)) == (3, 0, 0)  # one get + two drained
+    assert channel.drain_nowait() == [] and (channel.stats.got, channel.stats.depth) == (3, 0)
+    assert channel.stats.to_dict() == {"policy": "latest", "capacity": 4, "depth": 0, "max_depth": 3, "put": 3,
+                                       "got": 3, "dropped": 0, "blocked_s": 0.0}
+    blocking: BlockingChannel[int] = BlockingChannel(2, "audio")
+    await blocking.put(0)
+    await blocking.put(1)
+    waiting = asyncio.create_task(blocking.put(2))  # full: waits
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and blocking.drain_nowait() == [0, 1] and blocking.stats.depth == 0
+    await asyncio.wait_for(waiting, 1)  # a drain makes room at once
+    assert (blocking.stats.put, blocking.stats.got, blocking.stats.depth) == (3, 2, 1)

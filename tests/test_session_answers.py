@@ -2,10 +2,24 @@
 each way it can end, its usage and timing, and that a failed or cancelled answer costs nothing else."""
 
 import asyncio
+import time
 
+import numpy as np
 import pytest
-from session_fakes import EchoAnswer, EchoAnswerer, WordASR, audio_chunks, collect, profile_for
+import torch
+from session_fakes import (
+    EchoAnswer,
+    EchoAnswerer,
+    StreamingEchoAnswerer,
+    StreamState,
+    WordASR,
+    audio_chunks,
+    collect,
+    profile_for,
+)
 
+from runtime.chunks import VideoFrame
+from runtime.config import with_overrides
 from runtime.loaded_models import Models
 from runtime.models.lm import AnswerStep
 from runtime.session_builder import open_session
@@ -80,6 +94,102 @@ async def test_a_completed_answer_ties_its_events_together_and_reports_usage_and
 
 
 
+
+
+class TimedAnswerer(EchoAnswerer):
+    """Echo, noting the wall time at which its answer was started and at which its last step ended."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__(step_s)
+        self.started = self.last_step = 0.0
+
+    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> EchoAnswer:
+        self.started = time.perf_counter()
+        answer = super().start(context, question)
+        step = answer.step
+
+        def timed_step():
+            out = step()
+            self.last_step = time.perf_counter()
+            return out
+
+        answer.step = timed_step
+        return answer
+
+
+@pytest.mark.asyncio
+async def test_total_time_runs_from_the_question_to_the_answers_end_and_the_context_is_a_line_per_item(worker):
+    answerer = TimedAnswerer(step_s=0.03)
+    session = await (await open_session(profile_for(), Models(WordASR(per_item=2), answerer), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for chunk in audio_chunks(3):
+        await session.push_audio(chunk)
+    asked = time.perf_counter()
+    await session.ask("q", media_time=0.25, wait=True)  # returns once response.done is out
+    answered = time.perf_counter()
+    await session.finish()
+    timing = next(e for e in await events if e.type == "response.done").response["timing"]
+    # Item 0 (w0 w1) completed at 0.2 s; item 1 (w2) is open. One line per item, stamped with its start.
+    assert answerer.contexts == ["[00:00.0] w0 w1\n[00:00.2] w2"]
+    # The answer spelled "q->w2" in 5 steps of 30 ms, all between the question and its response.done.
+    assert answerer.last_step - answerer.started >= 5 * 0.03
+    assert answerer.last_step - answerer.started - 1e-4 <= timing["total_s"] <= answered - asked + 1e-4
+    assert 0 < timing["first_token_s"] <= timing["total_s"]
+
+
+class ColourEncoder:
+    """A vision model a test can predict: every token of a frame is its top-left pixel's RGB, in the first three
+    of 8 channels (the tiny profile's 4x4 grid: 16 tokens)."""
+
+    dim, dtype = 8, torch.float32
+
+    def encode(self, images) -> torch.Tensor:
+        out = torch.zeros(len(images), 16, self.dim)
+        for i, image in enumerate(images):
+            out[i, :, :3] = torch.tensor(image[0, 0].astype(np.float32))
+        return out
+
+
+class VideoStreamState(StreamState):
+    """The echo stream, taking the memory suffix a seeing model is handed after the transcript."""
+
+    def set_context(self, text: str, suffix=None) -> None:
+        super().set_context(text)
+
+
+class GreenAnswerer(StreamingEchoAnswerer):
+    """Embeds every question as "green" (channel 1), so it selects the segments whose frames are greenest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedded: list[str] = []
+
+    def open_stream(self) -> VideoStreamState:
+        return VideoStreamState()
+
+    def embed_text(self, text: str) -> torch.Tensor:
+        self.embedded.append(text)
+        return torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+
+@pytest.mark.asyncio
+async def test_a_question_selects_the_video_segments_its_embedding_points_at(worker):
+    # 4 s segments at 1 fps: 0-3 yellow (cosine with green 0.71), 4-7 green (1.0), 8-11 red (0, still open).
+    # The tiny profile selects retrieved_frames = 2 segments: the green and the yellow one, in time order.
+    profile = with_overrides(profile_for(), video={"notes": False})
+    answerer = GreenAnswerer()
+    session = await (await open_session(profile, Models(WordASR(), answerer, ColourEncoder()), worker)).start()
+    events = asyncio.create_task(collect(session))
+    for t in range(12):
+        colour = (1, 1, 0) if t < 4 else (0, 1, 0) if t < 8 else (1, 0, 0)
+        assert session.push_video(VideoFrame(np.full((4, 4, 3), colour, np.uint8), float(t)))
+        await session.video_settled()  # one frame at a time: none dropped
+    await session.ask("what is green?", media_time=12.0, wait=True)
+    await session.finish()
+    done = next(e for e in await events if e.type == "response.done").response
+    assert session.video_memory.snapshot().frames_seen == 12
+    assert answerer.embedded and set(answerer.embedded) == {"what is green?"}  # a background round may embed again
+    assert done["video"] == {"selected_segments": [[0.0, 3.0], [4.0, 7.0]]}
 
 
 @pytest.mark.asyncio

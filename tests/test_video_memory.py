@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from runtime.memory.star import abstract_init, abstract_update, pool_grid, weighted_kmeans
+from runtime.memory.star import abstract_init, abstract_update, kmeans_pp, pool_grid, weighted_kmeans
 from runtime.memory.video import MemorySizes, MemorySnapshot, VideoMemory
 
 DIM = 16
@@ -56,6 +56,44 @@ def test_pool_and_abstract_update_math():
     assert a.shape == (25, DIM)
     expect = 0.8 * a + 0.2 * torch.softmax(a @ f.T / DIM**0.5, dim=-1) @ f
     torch.testing.assert_close(abstract_update(a, f[None], 0.2), expect)
+
+
+def test_kmeans_pp_never_picks_a_point_twice_even_among_duplicates():
+    # Exact duplicates (a still scene) are at distance 0 from a chosen copy, so they carry no D^2 mass: once all the
+    # mass is gone the pick falls back to any point not yet taken, never to a taken one.
+    a, b = [1.0, 2.0], [3.0, -1.0]
+    points = torch.tensor([a, a, a, b])
+    for seed in range(10):
+        every = kmeans_pp(points, torch.ones(4), 4, torch.Generator().manual_seed(seed))
+        assert sorted(every.tolist()) == [0, 1, 2, 3]  # k = n: each point once
+        two = kmeans_pp(points, torch.ones(4), 2, torch.Generator().manual_seed(seed))
+        assert len(set(two.tolist())) == 2 and sorted(points[two].tolist()) == [a, b]  # the distinct point is a seed
+        # A point of zero weight has no mass either; when only it and copies of a seed are left, it is taken
+        # before a copy (a copy seeds a cluster that is certain to stay empty), however near it lies (0.5 away).
+        near = torch.tensor([a, a, a, [1.5, 2.0]])
+        light = kmeans_pp(near, torch.tensor([1.0, 1.0, 1.0, 0.0]), 2, torch.Generator().manual_seed(seed))
+        assert light[0] != 3 and light[1] == 3
+
+
+def test_weighted_kmeans_on_duplicates_leaves_an_empty_last_cluster_on_its_seed():
+    # Two values twice each into 3 clusters: the third seed is a copy of an earlier one, and every point ties
+    # between the two copies and goes to the lower cluster, so the last cluster is always empty (a one-hot sized by
+    # the largest cluster used rather than by k would crash here).
+    a, b = [1.0, 2.0], [3.0, -1.0]
+    points = torch.tensor([a, a, b, b])
+    for seed in range(5):
+        result = weighted_kmeans(points, torch.ones(4), 3, generator=torch.Generator().manual_seed(seed))
+        init = result.init.tolist()
+        assert len(set(init)) == 3 and sorted({tuple(points[i].tolist()) for i in init}) == [tuple(a), tuple(b)]
+        assert torch.bincount(result.assign, minlength=3)[2] == 0
+        assert result.assign.tolist() in ([0, 0, 1, 1], [1, 1, 0, 0])
+        assert result.centroids[:2].tolist() == [points[init[0]].tolist(), points[init[1]].tolist()]
+        assert torch.equal(result.centroids[2], points[init[2]])  # empty: its seed, not a zero mean
+
+    # A cluster of total weight 1 (two half-weighted points) sits at their weighted mean, not at its seed.
+    pts = torch.tensor([[0.0], [1.0], [100.0], [103.0]])
+    result = weighted_kmeans(pts, torch.full((4,), 0.5), 2, generator=torch.Generator().manual_seed(0))
+    assert sorted(result.centroids.flatten().tolist()) == [0.5, 101.5]
 
 
 # -- video.py -----------------------------------------------------------------------------------------------
@@ -352,3 +390,101 @@ def test_selection_takes_the_configured_number_of_segments_by_default():
     q = torch.randn(DIM, generator=torch.Generator().manual_seed(9))
     assert len(snap.segments) == 6 and len(snap.select(q)) == 2 and len(snap.select(q, 4)) == 4
     assert {s.id for s in snap.select(q)} <= {s.id for s in snap.select(q, 4)}  # the best two are among the best four
+
+
+def test_a_segment_mean_is_the_mean_of_all_its_frames():
+    memory = VideoMemory(MemorySizes(segment_s=10.0), DIM)
+    x = frames(7, gen=torch.Generator().manual_seed(6))
+    memory.write(x[:3], [0.0, 1.0, 2.0])
+    torch.testing.assert_close(memory.snapshot().segments[0].mean, x[:3].mean((0, 1)))
+    memory.write(x[3:6], [3.0, 4.0, 5.0])  # the open segment grows over writes
+    torch.testing.assert_close(memory.snapshot().segments[0].mean, x[:6].mean((0, 1)))
+    memory.write(x[6:], [10.0])  # closes it and opens the next
+    closed, opened = memory.snapshot().segments
+    assert (closed.frames, opened.frames) == (6, 1)
+    torch.testing.assert_close(closed.mean, x[:6].mean((0, 1)))
+    torch.testing.assert_close(opened.mean, x[6].mean(0))
+
+
+def _merge_alike(na: int, nb: int, ea: torch.Tensor | None, eb: torch.Tensor | None):
+    """Segments X, A (na frames), B (nb frames), C, then D: five > max_segments 4, and A and B look alike, so
+    they merge. Returns the merged segment with A's and B's frames and times."""
+    memory = VideoMemory(MemorySizes(segment_s=2.0, max_segments=4), DIM)
+    gen = torch.Generator().manual_seed(10 * na + nb)
+    base = torch.randn(DIM, generator=gen)
+    xa, xb = (base + 0.01 * torch.randn(n, 64, DIM, generator=gen) for n in (na, nb))
+    ta, tb = [2.0 + 0.5 * i for i in range(na)], [4.0 + 0.5 * i for i in range(nb)]
+    memory.write(torch.cat([frames(2, gen=gen, scale=3.0), xa, xb]), [0.0, 1.0, *ta, *tb])
+    memory.write(frames(2, gen=gen, scale=3.0), [6.0, 7.0])
+    x_seg, a_seg, b_seg, c_seg = memory.snapshot().segments
+    assert (a_seg.frames, b_seg.frames, b_seg.closed, c_seg.closed) == (na, nb, True, False)
+    memory.set_note(a_seg.id, "a", ea)
+    memory.set_note(b_seg.id, "b", eb)
+    memory.write(frames(1, gen=gen, scale=3.0), [8.0])
+    segments = memory.snapshot().segments
+    assert len(segments) == 4 and segments[0].id == x_seg.id and segments[2].id == c_seg.id
+    return segments[1], (xa, ta), (xb, tb)
+
+
+def _nearest_own_mean(x: torch.Tensor) -> int:
+    means = x.mean(1)
+    return int(((means - means.mean(0)) ** 2).sum(1).argmin())
+
+
+def test_a_merged_segment_weighs_its_halves_by_frames_and_keeps_the_bigger_halfs_keyframe():
+    gen = torch.Generator().manual_seed(11)
+    ea, eb = torch.randn(DIM, generator=gen), torch.randn(DIM, generator=gen)
+    for na, nb in [(3, 2), (2, 3), (2, 2)]:
+        merged, (xa, ta), (xb, tb) = _merge_alike(na, nb, ea, eb)
+        assert (merged.start, merged.end, merged.frames, merged.note) == (2.0, tb[-1], na + nb, "a; b")
+        torch.testing.assert_close(merged.mean, torch.cat([xa, xb]).mean((0, 1)))  # every frame counts once
+        torch.testing.assert_close(merged.note_embedding, (na * ea + nb * eb) / (na + nb))
+        x, t = (xa, ta) if na >= nb else (xb, tb)  # the bigger half; the earlier one on a tie
+        k = _nearest_own_mean(x)
+        assert merged.keyframe_time == t[k] and torch.equal(merged.keyframe, x[k])
+    merged, _, _ = _merge_alike(2, 3, None, eb)  # one half without a note embedding: the other's, unscaled
+    torch.testing.assert_close(merged.note_embedding, eb)
+    merged, _, _ = _merge_alike(3, 2, None, None)
+    assert merged.note_embedding is None and merged.note == "a; b"
+
+
+def test_a_temporal_slot_spans_the_frames_it_stands_for():
+    # 2x2 grid pooled to 2x2 (identity): two far-apart scenes A and B, so the clusters are plain to see.
+    sizes = MemorySizes(grid=2, temporal_grid=2, temporal_slots=2, abstract_tokens=2, retrieved_frames=1)
+    memory = VideoMemory(sizes, DIM)
+    gen = torch.Generator().manual_seed(12)
+    a_dir, b_dir = torch.zeros(4, DIM), torch.zeros(4, DIM)
+    a_dir[:, 0], b_dir[:, 1] = 10.0, 10.0
+
+    def scene(direction: torch.Tensor, n: int) -> torch.Tensor:
+        return direction + torch.randn(n, 4, DIM, generator=gen)
+
+    def spans() -> list[tuple[float, float, int]]:
+        snap = memory.snapshot()
+        temporal = by_kind(snap)["temporal"]
+        return [(b.start, b.end, w) for b, w in zip(temporal, snap.temporal_weights, strict=True)]
+
+    memory.write(torch.cat([scene(a_dir, 5), scene(b_dir, 5)]), [float(t) for t in range(10)])
+    assert spans() == [(0.0, 4.0, 5), (5.0, 8.0, 4)]  # frame 9 is the spatial frame
+    memory.write(torch.cat([scene(a_dir, 2), scene(b_dir, 1)]), [10.0, 11.0, 12.0])
+    # Frames 9 (B), 10 and 11 (A) join the slots: A now stands for 0-4, 10, 11 and B for 5-9.
+    assert spans() == [(0.0, 11.0, 7), (5.0, 9.0, 5)]
+
+
+def test_a_still_scene_slot_keeps_its_key_and_still_spans_every_frame():
+    # Identical frames re-cluster onto the same centroid, so a slot takes over its old block (and key): its span
+    # must still move on. The empty slot sits on its seed: one of the points k-means was given.
+    sizes = MemorySizes(temporal_slots=2, buffer_frames=20)
+    memory = VideoMemory(sizes, DIM)
+    still = torch.ones(1, 64, DIM)
+    before: list[tuple[float, float]] = []
+    for t in range(20):
+        memory.write(still, [float(t)])
+        snap = memory.snapshot()
+        temporal = by_kind(snap)["temporal"]
+        slots = sorted(zip(snap.temporal_weights, [(b.start, b.end) for b in temporal], strict=True))
+        if t >= 3:  # frames 0 .. t-1 consolidated, all into one slot
+            (empty_w, empty_span), (full_w, full_span) = slots
+            assert (empty_w, full_w, full_span) == (0, t, (0.0, t - 1.0))
+            assert empty_span in [*before, (t - 1.0, t - 1.0)]
+        before = [span for _, span in slots]

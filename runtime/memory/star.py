@@ -59,8 +59,10 @@ def kmeans_pp(points: Tensor, weights: Tensor, k: int, generator: torch.Generato
     for _ in range(k):
         p = w * d2 if chosen else w.clone()
         p[taken] = 0.0
-        if not float(p.sum()) > 0.0:  # all remaining mass is on duplicates (or zero weight): any unused point
-            p = (~taken).double()
+        if not float(p.sum()) > 0.0:  # no mass left (duplicates, zero weights): a point unlike every chosen one,
+            p = (~taken & (d2 > 0.0)).double()  # even of zero weight (a duplicate seeds a cluster sure to stay empty)
+            if not float(p.sum()) > 0.0:  # only duplicates of chosen points are left: any unused one
+                p = (~taken).double()
         i = int(torch.multinomial(p, 1, generator=generator))
         chosen.append(i)
         taken[i] = True
