@@ -109,4 +109,25 @@ def test_the_batched_ctranslate2_teacher_gives_the_runtimes_own_tokens(sources, 
     files = source_files(str(sources))
     cfg = DistilConfig(base="", data="", out="", max_seconds=5.0)
     clips = [compose(i, files, cfg, lambda p: soundfile.read(p, dtype="float32")[0])[0] for i in range(4)]
-    assert fast(clips) == [teacher.hypothesis(a) for a in clips]
+    # Token for token, except where two float32 engines may break a near tie of the random model differently:
+    # there both tokens must be the top two of our own distribution, within 1e-3 of each other.
+    import torch
+
+    for audio, theirs in zip(clips, fast(clips), strict=True):
+        ours = teacher.hypothesis(audio)
+        k = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+        if k is None:
+            assert ours == theirs
+            continue
+        with torch.inference_mode():
+            logits = teacher._next_logits(torch.tensor([teacher.prompt_ids + ours[:k]]), teacher.encode(audio), None)
+        top = logits.log_softmax(-1).topk(2)
+        assert {ours[k], theirs[k]} == set(top.indices.tolist()) and float(top.values[0] - top.values[1]) < 1e-3
+
+
+def test_a_cut_transcript_loses_the_sentence_end_the_teacher_adds():
+    from runtime.train.distil_whisper import at_the_cut
+
+    assert at_the_cut("A red ball rose from the left to the right.") == "A red ball rose from the left to the right"
+    assert at_the_cut("Ever tried. Ever failed. ") == "Ever tried. Ever failed"  # only the end
+    assert at_the_cut("Is it?!") == "Is it" and at_the_cut(".") == "" and at_the_cut("3.5") == "3.5"

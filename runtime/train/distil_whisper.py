@@ -10,9 +10,11 @@ The examples are built for streaming:
 
 - longer than a synthetic clip: 1-4 source clips joined with short pauses (up to `--max-seconds`), so the
   causal encoder sees utterances as long as people speak them;
-- most of them cut at a random 20 ms encoder-frame boundary (the moment a block is emitted live), and the
-  teacher transcribes the prefix: the adapters learn what can be said from the audio heard so far, and to end
-  (eos) at its edge instead of guessing on, which is where an unadapted Whisper loops; the rest are whole.
+- most of them cut at a random 20 ms encoder-frame boundary (the moment a block is emitted live), at least
+  `--min-prefix-s` in (shorter prefixes are mostly silence, where the teacher hallucinates "Thank you."), and
+  the teacher transcribes the prefix, less the sentence end it adds there (`at_the_cut`): the adapters learn
+  what can be said from the audio heard so far, and to end (eos) at its edge instead of guessing on, which is
+  where an unadapted Whisper loops; the rest are whole.
 
 Output (`--out DIR`): `NNN/NNNNNN.flac` + `.txt` (the teacher's transcript), the layout `runtime train
 causal-whisper --data DIR` reads, and `distil.jsonl` (sources, cut, duration, text per example). Example i is a
@@ -55,7 +57,7 @@ class DistilConfig:
     examples: int = 3000
     max_seconds: float = 16.0
     whole_share: float = 0.3
-    min_prefix_s: float = 0.4
+    min_prefix_s: float = 1.0
     seed: int = 0
     threads: int = 0
     language: str = "en"
@@ -82,6 +84,14 @@ def run(args: argparse.Namespace) -> int:
     summary = distil(DistilConfig(**{f.name: getattr(args, f.name) for f in fields(DistilConfig)}))
     print(json.dumps(summary))
     return 0
+
+
+def at_the_cut(text: str) -> str:
+    """The teacher's transcript of a cut prefix, less the sentence end it adds: Whisper ends every transcript
+    with a period, but a cut is not the end of a sentence. Kept, it teaches the causal model that a period and
+    eos follow wherever the audio stops, and live, where the audio always stops, it ends the item after its
+    first sentence and never resumes."""
+    return text.rstrip().rstrip(".?!,;:").rstrip()
 
 
 def source_files(folder: str) -> list[Path]:
@@ -197,6 +207,8 @@ def distil(cfg: DistilConfig) -> dict[str, object]:
             made = [compose(i, sources, cfg, read) for i in batch]
             for i, (audio, info), ids in zip(batch, made, transcribe([a for a, _ in made]), strict=True):
                 text = teacher.text(ids).strip()
+                if info["cut_s"] is not None:
+                    text = at_the_cut(text)
                 rel = f"{i // 1000:03d}/{i:06d}.flac"
                 (out / rel).parent.mkdir(exist_ok=True)
                 soundfile.write(out / rel, audio, SAMPLE_RATE, subtype="PCM_16")
