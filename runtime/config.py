@@ -63,6 +63,9 @@ class LMConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    # engine: fp32 | bf16 | int8 | int4 (weight-only, CPU kernels) | auto (the profile's dtype); see
+    # models/lm/weight_formats.py. int4 takes a GGUF file's own 4-bit blocks as they are.
+    weights: str = "auto"
     max_context_tokens: int = 2048  # generate: the transcript is cut from the front to fit
     system_prompt: str = (
         "You are a live assistant. Answer the question about what was said, using the transcript."

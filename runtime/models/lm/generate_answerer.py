@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -23,9 +22,11 @@ from transformers import (
 from runtime.config import LMConfig
 from runtime.errors import UserError
 from runtime.models.lm.backend import AnswerStep, AnswerText, LMStream
+from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.prompt import CUT_MARK, prompt_text
 from runtime.models.lm.sampling import Sampler, StopRule, eos_ids
+from runtime.models.lm.tokenizer import load_tokenizer
 from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
 
 
@@ -110,8 +111,11 @@ class GenerateAnswerer:
     ) -> GenerateAnswerer:
         with load_progress(progress, "lm", cfg.model, device, dtype):
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
+            tokenizer, _ = load_tokenizer(path)
+            file = gguf_file(path)  # transformers reads GGUF itself, dequantised
+            where = {"gguf_file": file.name} if file is not None else {}
+            model = AutoModelForCausalLM.from_pretrained(file.parent if file else path, dtype=torch_dtype(dtype),
+                                                         **where).to(device).eval()
         return cls(model, tokenizer, cfg, name=cfg.model, seed=seed)
 
     # -- prompt ---------------------------------------------------------------------------------------

@@ -7,10 +7,14 @@ head_dim] with capacity = sink + window + reserve + target, and never reallocate
 
     slots [0, sink)                 sinks: the first source tokens, kept forever (the system-prompt framing)
     slots [sink, sink + window)     the recent source window, contiguous and in order
-    during an answer:
-    slots [F, F + reserve)          source tokens that arrive while an answer runs (F = source length at the
-                                    question); no eviction meanwhile, so the answer's view stays intact
-    slots [F + reserve, ... )       the target group: prompt tail, committed answer, then tentative tree nodes
+    during an answer (F = source length at the question):
+    slots [F, F + target)           the target group: prompt tail, committed answer, then tentative tree nodes
+    slots [F + target, ... )        source tokens that arrive while an answer runs (at most `reserve`); no
+                                    eviction meanwhile, so the answer's view stays intact
+
+The target group sits right after the source it answers from, so a decode step attends over one contiguous
+prefix of live slots, [0, F + answer so far): its attention costs what the live context costs, never the
+empty reserve (on CPU, SDPA's time grows with the slots it is given, masked or not).
 
 Keys are stored BEFORE RoPE (`k`); `pos` holds each slot's position and attention uses keys rotated by it.
 The rotated keys are kept too (`kr`, one more K-sized buffer: +50 % KV memory), with the position each slot
@@ -32,8 +36,8 @@ A ring saves the copy but needs wrapping per-slot positions and still a copy whe
 in order.
 
 Source revisions during an answer (update mode below F) cannot overwrite slots the answer sees: those slots
-become "stale" (visible to the answer, hidden from the source) and the revised tokens are written after F
-with positions continuing from the revision point; `end_target()` compacts them back and evicts overflow.
+become "stale" (visible to the answer, hidden from the source) and the revised tokens are written after the
+target group with positions continuing from the revision point; `end_target()` compacts them back and evicts overflow.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ class SinkKVCache:
             self.rot_pos = torch.zeros(self.capacity, dtype=torch.long, device=device)
             self._slots = torch.arange(self.capacity, device=device)
         self.a = 0  # source segment A: slots [0, a), position = slot
-        self.b = 0  # source segment B (answers only): slots [F, F + b), positions a, a + 1, ...
+        self.b = 0  # source segment B (answers only): slots [F + target, F + target + b), positions a, a + 1, ...
         self.frozen: int | None = None  # F: source length when the current answer began; None = no answer
         self.t0 = 0  # first target slot
         self.tc = 0  # committed target tokens
@@ -86,6 +90,12 @@ class SinkKVCache:
     def source_len(self) -> int:
         """Live source tokens (sinks + window + those added during the current answer)."""
         return self.a + self.b
+
+    @property
+    def b0(self) -> int:
+        """First slot of source segment B (answers only): right after the target group's capacity."""
+        assert self.frozen is not None
+        return self.frozen + self.target_capacity
 
     @property
     def answering(self) -> bool:
@@ -104,7 +114,7 @@ class SinkKVCache:
         the free reserve during an answer (0 = wait for `end_target`)."""
         if self.frozen is None:
             return self.window
-        return self.t0 - (self.frozen + self.b)
+        return self.reserve - self.b
 
     @torch.inference_mode()
     def _move(self, src: int, dst: int, n: int, *, keep_pos: bool) -> None:
@@ -142,7 +152,7 @@ class SinkKVCache:
             slot, p0 = self.a, self.a
             self.a += n
         else:
-            slot, p0 = self.frozen + self.b, self.a + self.b
+            slot, p0 = self.b0 + self.b, self.a + self.b
             self.b += n
         q_pos = torch.arange(p0, p0 + n, device=self.pos.device)
         self.pos[slot : slot + n] = q_pos
@@ -150,7 +160,7 @@ class SinkKVCache:
         j = self._slots[:hi]
         live = j < self.a
         if self.frozen is not None:
-            live |= (j >= self.frozen) & (j < self.frozen + self.b)
+            live |= (j >= self.b0) & (j < self.b0 + self.b)
         k_pos = self.pos[:hi]
         mask = live[None, :] & (k_pos[None, :] <= q_pos[:, None])
         return Attend(slot, q_pos, k_pos, mask)
@@ -172,11 +182,11 @@ class SinkKVCache:
 
     @torch.inference_mode()
     def begin_target(self) -> None:
-        """Freeze the source as the answer sees it and open the target group after the reserve."""
+        """Freeze the source as the answer sees it and open the target group right after it."""
         if self.frozen is not None:
             raise RuntimeError("a target group is already open")
         self.frozen, self.b = self.a, 0
-        self.t0 = self.frozen + self.reserve
+        self.t0 = self.frozen
         self.tc, self.parents = 0, []
 
     def _target_attend(self, n: int, depth: Sequence[int], ancestors: Tensor) -> Attend:
@@ -189,7 +199,7 @@ class SinkKVCache:
         self.pos[slot : slot + n] = q_pos
         hi = slot + n
         j = self._slots[:hi]
-        seen = (j < self.frozen) | ((j >= self.t0) & (j < slot))
+        seen = j < slot  # the answer's source [0, F) and the committed target [F, slot): one prefix
         mask = seen[None, :].repeat(n, 1)
         mask[:, slot:hi] = ancestors
         return Attend(slot, q_pos, self.pos[:hi], mask)
@@ -249,7 +259,7 @@ class SinkKVCache:
         (over any stale tail) and evict the oldest ones if the window overflowed meanwhile."""
         if self.frozen is None:
             return
-        self._move(self.frozen, self.a, self.b, keep_pos=True)  # their positions already continue from a
+        self._move(self.b0, self.a, self.b, keep_pos=True)  # their positions already continue from a
         self.pos[self.a : self.a + self.b] = self._slots[self.a : self.a + self.b]
         self.a, self.b = self.a + self.b, 0
         self.frozen, self.tc, self.parents = None, 0, []

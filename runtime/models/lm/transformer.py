@@ -25,12 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.errors import CheckpointNotFound
+from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file
+from runtime.models.lm.weight_formats import BlockSource, format_dtype, quantize_linears
 from runtime.models.lm.weights import ModelArgs, load_state, read_config
 
 CacheBuffers = tuple[Tensor, Tensor, Tensor, Tensor]  # K, V, rotated K [layers, 1, kv_heads, slots, d]; positions
-KV = tuple[Tensor, Tensor, Tensor]  # one layer's K, V, rotated K [1, kv_heads, slots, head_dim]
+KV = tuple[Tensor, Tensor, Tensor]  # one layer's K, V, rotated K [kv_heads, slots, head_dim]
 Rope = tuple[Tensor, Tensor]  # cos, sin [n, head_dim]
 Rotate = tuple[slice | Tensor, Tensor, Tensor] | None  # slots to (re)rotate from K, their cos/sin [m, d]
+Mask = Tensor | int  # which cache slots the new tokens see: a boolean mask [n, S], or S for all of [0, S)
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -41,6 +44,8 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
     kind = s.get("rope_type")
     if kind == "linear":
         inv = inv / s["factor"]
+    elif kind == "factors":  # Llama 3.1 as a GGUF file stores it: one divisor per frequency
+        inv = inv / torch.tensor(s["factors"], dtype=torch.float32)
     elif kind == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old = s["original_max_position_embeddings"]
@@ -54,9 +59,12 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
     return inv
 
 
-def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    """`layer(x)` without nn.Module's call machinery (hooks are never used here; it costs ~5 us a call)."""
-    return F.linear(x, layer.weight, layer.bias)
+def linear(x: Tensor, layer: nn.Module) -> Tensor:
+    """`layer(x)` without nn.Module's call machinery (hooks are never used here; it costs ~5 us a call). A
+    float `nn.Linear` goes straight to `F.linear`; an int8 or int4 one (`weight_formats`) to its kernel."""
+    if type(layer) is nn.Linear:
+        return F.linear(x, layer.weight, layer.bias)
+    return layer.forward(x)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -65,7 +73,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [1, heads, n, d] with cos/sin [n, d], or x [1, n, heads, d] with cos/sin [n, 1, d]."""
+    """x [..., n, d] with cos/sin [n, d], or x [n, heads, d] with cos/sin [n, 1, d]."""
     return x * cos + rotate_half(x) * sin
 
 
@@ -73,7 +81,12 @@ def rotate_keys(ck: Tensor, kr: Tensor, rotate: Rotate) -> None:
     """(Re)make one layer's rotated keys `kr` from its un-rotated keys `ck` at the slots `rotate` names."""
     if rotate is not None:
         where, cos, sin = rotate
-        kr[:, :, where] = apply_rope(ck[:, :, where], cos, sin)
+        kr[:, where] = apply_rope(ck[:, where], cos, sin)
+
+
+def layer_views(cache: CacheBuffers) -> list[KV]:
+    """Each layer's K, V and rotated K as [kv_heads, slots, head_dim] views (six ops, not six per layer)."""
+    return list(zip(cache[0][:, 0].unbind(0), cache[1][:, 0].unbind(0), cache[2][:, 0].unbind(0), strict=True))
 
 
 class RMSNorm(nn.Module):
@@ -83,12 +96,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:  # the same computation, fused
+        """transformers' RMSNorm as torch's fused kernel. Its weight stays float32 (`from_state`): a bf16 input is
+        normalised in float32 as transformers does, and rounded once, after the weight instead of before it
+        (a last-bit difference), in three ops instead of eight (61 norms a decode step)."""
+        if x.dtype == self.weight.dtype:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -102,39 +115,42 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: Tensor, rope_q: Rope, mask: Tensor, cache: KV | None, slot: int | Tensor,
+    def forward(self, x: Tensor, rope_q: Rope, mask: Mask, cache: KV | None, slot: int | Tensor,
                 rotate: Rotate) -> Tensor:
-        """New tokens' queries attend over the cache's slots [0, S) after writing their own K/V at `slot`
+        """`x` [n, hidden]: the new tokens' queries attend over the cache's slots [0, S) (under `mask` [n, S], or
+        all of them when `mask` is the int S) after writing their own K/V at `slot`
         (an int: slots [slot, slot + n); a tensor of n slot indices: written with `index_copy_`, no host value
         needed, as a CUDA graph requires).
 
+        A layer's cache is K, V and rotated K as [kv_heads, slots, head_dim] views of the session's buffers.
         New queries and keys are rotated together at the query positions (`rope_q`: cos/sin [n, 1, d]); K/V go
         to the cache un-rotated and the rotated keys to the rotated-key buffer. `rotate` (None: nothing else)
         names other slots to (re)rotate from K at their positions; every other slot's rotated key is reused.
         Without a cache the new tokens attend to themselves only (the reference forward). Query heads sharing a
         K/V head are folded into the query length (one SDPA over [kv_heads, group * n] queries), with `mask`
         already repeated per group."""
-        n, h = x.shape[1], self.n_heads
-        qkv = linear(x, self.qkv_proj).view(1, n, h + 2 * self.n_kv, self.head_dim)
-        qk = apply_rope(qkv[:, :, : h + self.n_kv], *rope_q).transpose(1, 2)
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, :, h + self.n_kv :].transpose(1, 2)
+        n, h, kv = x.shape[0], self.n_heads, self.n_kv
+        qkv = linear(x, self.qkv_proj).view(n, h + 2 * kv, self.head_dim)
+        qk = apply_rope(qkv[:, : h + kv], *rope_q).transpose(0, 1)  # [heads + kv_heads, n, d]
+        q, k, v = qk[:h], qk[h:], qkv[:, h + kv :].transpose(0, 1)
         if cache is not None:
             ck, cv, kr = cache
             if isinstance(slot, Tensor):
-                ck.index_copy_(2, slot, qkv[:, :, h : h + self.n_kv].transpose(1, 2))
-                cv.index_copy_(2, slot, v)
-                kr.index_copy_(2, slot, k)
+                ck.index_copy_(1, slot, qkv[:, h : h + kv].transpose(0, 1))
+                cv.index_copy_(1, slot, v)
+                kr.index_copy_(1, slot, k)
             else:
-                ck[:, :, slot : slot + n] = qkv[:, :, h : h + self.n_kv].transpose(1, 2)
-                cv[:, :, slot : slot + n] = v
-                kr[:, :, slot : slot + n] = k
+                ck.narrow(1, slot, n).copy_(qkv[:, h : h + kv].transpose(0, 1))
+                cv.narrow(1, slot, n).copy_(v)
+                kr.narrow(1, slot, n).copy_(k)
             rotate_keys(ck, kr, rotate)
-            size = mask.shape[-1]
-            k, v = kr[:, :, :size], cv[:, :, :size]
-        q = q.reshape(1, self.n_kv, -1, self.head_dim)  # [1, kv_heads, group * n, d]: a view when n == 1
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        out = out.reshape(1, self.n_heads, n, self.head_dim).transpose(1, 2)
-        return linear(out.reshape(1, n, self.q_size), self.o_proj)
+            size = mask if isinstance(mask, int) else mask.shape[-1]
+            k, v = kr.narrow(1, 0, size), cv.narrow(1, 0, size)
+        q = q.reshape(kv, -1, self.head_dim)  # [kv_heads, group * n, d]: a view when n == 1
+        # 4-D: with 3-D inputs torch's CPU SDPA takes its slow math path (68 us a decode step's layer, not 30)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None],
+                                             attn_mask=None if isinstance(mask, int) else mask, scale=self.scale)
+        return linear(out.reshape(h, n, self.head_dim).transpose(0, 1).reshape(n, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -158,7 +174,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope_q: Rope, mask: Tensor, cache: KV | None, slot: int | Tensor,
+    def forward(self, x: Tensor, rope_q: Rope, mask: Mask, cache: KV | None, slot: int | Tensor,
                 rotate: Rotate) -> Tensor:
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope_q, mask, cache, slot, rotate)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
@@ -199,6 +215,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self._rope_table: Rope | None = None  # cos/sin for positions [0, len), grown on demand
+        self.weights = "auto"  # the format its projections were built in (weight_formats.WEIGHT_FORMATS)
 
     @property
     def device(self) -> torch.device:
@@ -263,7 +280,7 @@ class Transformer(nn.Module):
         tokens = tokens.reshape(-1)
         n = tokens.shape[0]
         cos, sin = self.rope(q_pos)
-        rope_q = cos[:, None], sin[:, None]  # [n, 1, d]: queries and keys are rotated as [1, n, heads, d]
+        rope_q = cos[:, None], sin[:, None]  # [n, 1, d]: queries and keys are rotated as [n, heads, d]
         rotate: Rotate = None
         if cache is None:
             if mask is None:
@@ -272,16 +289,19 @@ class Transformer(nn.Module):
             raise ValueError("a cached forward needs k_pos and mask")
         else:
             rotate = self._rotation(cache[3], q_pos, k_pos, slot)
+        attend: Mask = mask
+        if cache is not None and n == 1 and bool(mask.all()):  # a decode step that sees every slot: no mask
+            attend = mask.shape[-1]
         group = self.args.num_heads // self.args.num_kv_heads
-        if group > 1 and n > 1:
-            mask = mask.repeat(group, 1)  # query rows are [group, n] per K/V head (see Attention.forward)
-        x = (self.model.embed_tokens(tokens) if embeds is None else embeds.to(self.dtype).reshape(n, -1))[None]
-        for i, layer in enumerate(self.model.layers):
-            layer_cache = None if cache is None else (cache[0][i], cache[1][i], cache[2][i])
-            x = layer.forward(x, rope_q, mask, layer_cache, slot, rotate)
+        if isinstance(attend, Tensor) and group > 1 and n > 1:
+            attend = attend.repeat(group, 1)  # query rows are [group, n] per K/V head (see Attention.forward)
+        x = self.model.embed_tokens(tokens) if embeds is None else embeds.to(self.dtype).reshape(n, -1)
+        per_layer = [None] * len(self.model.layers) if cache is None else layer_views(cache)
+        for layer, layer_cache in zip(self.model.layers, per_layer, strict=True):
+            x = layer.forward(x, rope_q, attend, layer_cache, slot, rotate)
         if last_only:
-            x = x[:, -1:]
-        return linear(self.model.norm.forward(x), self.lm_head)[0].float()
+            x = x[-1:]
+        return linear(self.model.norm.forward(x), self.lm_head).float()
 
     @torch.inference_mode()
     def forward_fixed(self, tokens: Tensor, rope_q: Rope, mask: Tensor, cache: CacheBuffers, slot: Tensor) -> Tensor:
@@ -289,29 +309,44 @@ class Transformer(nn.Module):
         a CUDA graph can record (cuda_graph.py): `tokens` [1], `rope_q` its cos/sin [1, 1, d], `mask` [1, S]
         over all S cache slots, `slot` [1] where its K/V go. Keys the caller has not rotated at their
         positions must not be under the mask (`rerotate` first). Logits [1, vocab] float32."""
-        x = self.model.embed_tokens(tokens)[None]
-        for i, layer in enumerate(self.model.layers):
-            x = layer.forward(x, rope_q, mask, (cache[0][i], cache[1][i], cache[2][i]), slot, None)
-        return linear(self.model.norm.forward(x), self.lm_head)[0].float()
+        x = self.model.embed_tokens(tokens)
+        for layer, layer_cache in zip(self.model.layers, layer_views(cache), strict=True):
+            x = layer.forward(x, rope_q, mask, layer_cache, slot, None)
+        return linear(self.model.norm.forward(x), self.lm_head).float()
 
     @torch.inference_mode()
     def rerotate(self, cache: CacheBuffers, q_pos: Tensor, k_pos: Tensor, slot: int) -> None:
         """What `forward` does first outside the layers: re-rotate the keys whose position changed, in every
         layer (`_rotation` decides which, and records the new positions in the cache's `rot_pos`)."""
         rotate = self._rotation(cache[3], q_pos, k_pos, slot)
-        for ck, kr in zip(cache[0], cache[2], strict=True):
+        for ck, _, kr in layer_views(cache):
             rotate_keys(ck, kr, rotate)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> Transformer:
-        """Build from `config.json` and the safetensors weights, without random init (meta device); q/k/v and
-        gate/up are fused here, once (`fuse_projections`)."""
+                        dtype: torch.dtype = torch.float32, weights: str = "auto") -> Transformer:
+        """Build from `config.json` and the safetensors weights, or from a GGUF file (`gguf_checkpoint`), in the
+        weight format `weights` (`weight_formats`: auto keeps `dtype`)."""
         path = Path(path)
+        if (file := gguf_file(path)) is not None:
+            ckpt = GGUFCheckpoint(file)
+            return cls.from_state(ckpt.args, ckpt.state_dict(), where=str(file), device=device, dtype=dtype,
+                                  weights=weights, blocks=ckpt.q4_blocks)
         args = read_config(path)
+        state = load_state(path, device=device, dtype=format_dtype(weights, dtype))
+        return cls.from_state(args, state, where=str(path), device=device, dtype=dtype, weights=weights)
+
+    @classmethod
+    def from_state(cls, args: ModelArgs, state: dict[str, Tensor], *, where: str, device: str | torch.device,
+                   dtype: torch.dtype, weights: str = "auto", blocks: BlockSource | None = None) -> Transformer:
+        """Build from a checkpoint's state dict (transformers' names), without random init (meta device); q/k/v
+        and gate/up are fused here, once (`fuse_projections`); int8/int4 projections are made last, from the
+        float weights or, for int4, from the checkpoint's own 4-bit blocks (`blocks`)."""
+        dtype = format_dtype(weights, dtype)
         with torch.device("meta"):
             model = cls(args)
-        state = load_state(path, device=device, dtype=dtype)
+        state = {k: v.to(device=device, dtype=torch.float32 if k.endswith("norm.weight") else dtype)
+                 if v.is_floating_point() else v.to(device) for k, v in state.items()}  # norms: see RMSNorm
         if args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
             if "model.embed_tokens.weight" in state:
@@ -321,9 +356,12 @@ class Transformer(nn.Module):
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             what = f"lacks {missing[:3]}" if missing else f"has unexpected {unexpected[:3]}"
-            raise CheckpointNotFound(f"lm checkpoint {path} {what} (a {args.model_type} checkpoint was expected)")
+            raise CheckpointNotFound(f"lm checkpoint {where} {what} (a {args.model_type} checkpoint was expected)")
         model.load_state_dict(state, strict=True, assign=True)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args).to(device)
+        if weights in ("int8", "int4"):
+            quantize_linears(model, weights, blocks=blocks, fused=FUSED)
+        model.weights = weights
         return model.eval().requires_grad_(False)

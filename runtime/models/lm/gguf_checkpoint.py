@@ -1,0 +1,214 @@
+"""Reading a GGUF file (llama.cpp's format) of the Llama family or Qwen2 into the engine's names.
+
+The file is read with the `gguf` package (kept by the llama.cpp project): its metadata becomes a `ModelArgs`,
+its tensors a state dict under transformers' checkpoint names, dequantised to float by `gguf.quants`. Two
+facts of llama.cpp's converter are undone here: tensors are renamed (`blk.N.attn_q` ...), and for the `llama`
+architecture the rows of the query and key projections are permuted (interleaved RoPE pairs); a Qwen2 file is
+not permuted. A file without `output.weight` ties the head to the token embeddings.
+
+4-bit blocks are also handed out raw (`q4_blocks`), so the int4 weight format can take the file's own integers
+and scales instead of quantising the dequantised floats a second time.
+
+The tokenizer and chat template come from the file's metadata through transformers' GGUF tokenizer converter;
+the converted tokenizer is saved once in the runtime cache, keyed by the file's hash (converting takes seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtime.errors import CheckpointNotFound, ConfigError
+from runtime.models.lm.weights import ModelArgs
+
+ARCHITECTURES = ("llama", "qwen2")
+# Tensor types `gguf.quants.dequantize` reads exactly; others (the IQ*, TQ*, FP4 families) are refused.
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                "Q6_K")
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+Meta = str | int | float | bool | list[Any] | None  # a metadata value as `gguf` reads it
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one `.gguf` in a folder without a `config.json`."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise CheckpointNotFound(f"lm checkpoint {path} holds {len(found)} GGUF files; name one: "
+                                     f"--set lm.model={found[0]}")
+        return found[0] if found else None
+    return None
+
+
+def hf_name(name: str) -> str | None:
+    """transformers' name for a GGUF tensor name; None for tensors the engine computes itself."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    m = _BLOCK.match(name)
+    if m is None or m.group(2) not in _LAYER:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a `llama` q/k projection (rows [heads * d], pairs interleaved back
+    into transformers' half-split RoPE layout). Works on any tensor whose first dimension is those rows."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """A 4-bit tensor's own blocks: w[n, k] = q[n, k] * scale[n, k // group] + low[n, k // group]."""
+
+    q: torch.Tensor  # int32 [n, k] in 0..15
+    scale: torch.Tensor  # float32 [n, k // group]
+    low: torch.Tensor  # float32 [n, k // group]
+    group: int = 32
+
+
+class GGUFCheckpoint:
+    """One GGUF file: its architecture, `ModelArgs`, weights and tokenizer metadata."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader  # lazy: only GGUF users pay for the import
+
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except (ValueError, OSError) as err:
+            raise CheckpointNotFound(f"lm checkpoint {self.path} is not a readable GGUF file ({err})") from None
+        self.arch = str(self.field("general.architecture"))
+        if self.arch not in ARCHITECTURES:
+            raise ConfigError(f"lm checkpoint {self.path}: GGUF architecture {self.arch!r} is not supported by the "
+                              f"engine (supported: {', '.join(ARCHITECTURES)})")
+        bad = sorted({t.tensor_type.name for t in self.reader.tensors} - set(TENSOR_TYPES))
+        if bad:
+            raise ConfigError(f"lm checkpoint {self.path}: GGUF tensor types {', '.join(bad)} are not supported "
+                              f"(supported: {', '.join(TENSOR_TYPES)})")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def field(self, key: str, default: Meta = None) -> Meta:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def _arch(self, key: str, default: Meta = None) -> Meta:
+        return self.field(f"{self.arch}.{key}", default)
+
+    @cached_property
+    def args(self) -> ModelArgs:
+        heads = int(self._arch("attention.head_count"))
+        hidden = int(self._arch("embedding_length"))
+        vocab = self._arch("vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
+        scaling: dict[str, Any] = {}
+        kind = self._arch("rope.scaling.type", "none")
+        if kind == "linear":
+            scaling = {"rope_type": "linear", "factor": float(self._arch("rope.scaling.factor"))}
+        elif "rope_freqs.weight" in self.tensors:  # Llama 3.1's frequency factors, stored as a tensor
+            factors = self.tensor("rope_freqs.weight")
+            scaling = {"rope_type": "factors", "factors": [float(f) for f in factors]}
+        elif kind not in ("none", None):
+            raise ConfigError(f"lm checkpoint {self.path}: GGUF rope scaling {kind!r} is not supported by the "
+                              "engine (supported: none, linear, llama3 frequency factors)")
+        qwen = self.arch == "qwen2"
+        return ModelArgs(
+            model_type="qwen2" if qwen else "llama",
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            num_layers=int(self._arch("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self._arch("attention.head_count_kv", heads)),
+            head_dim=int(self._arch("attention.key_length", hidden // heads)),
+            intermediate_size=int(self._arch("feed_forward_length")),
+            rms_norm_eps=float(self._arch("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self._arch("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            qkv_bias="blk.0.attn_q.bias" in self.tensors,
+            o_bias="blk.0.attn_output.bias" in self.tensors,
+            mlp_bias="blk.0.ffn_up.bias" in self.tensors,
+            tie_word_embeddings="output.weight" not in self.tensors,
+            max_position_embeddings=int(self._arch("context_length", 2048)),
+        )
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A tensor dequantised to float32, in the row-major shape transformers uses ([out, in] for weights)."""
+        from gguf import quants
+
+        t = self.tensors[name]
+        out = quants.dequantize(t.data, t.tensor_type)  # float32 tensors come back as views of the mapped file
+        return np.array(out, dtype=np.float32, copy=not out.flags.writeable)
+
+    def _rows_heads(self, hf: str) -> int | None:
+        """Heads whose row permutation to undo for this weight, or None (only `llama` q/k are permuted)."""
+        if self.arch != "llama":
+            return None
+        if hf.endswith("self_attn.q_proj.weight") or hf.endswith("self_attn.q_proj.bias"):
+            return self.args.num_heads
+        if hf.endswith("self_attn.k_proj.weight") or hf.endswith("self_attn.k_proj.bias"):
+            return self.args.num_kv_heads
+        return None
+
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Every weight under transformers' names, dequantised, un-permuted and cast to `dtype`."""
+        state: dict[str, torch.Tensor] = {}
+        for name in self.tensors:
+            hf = hf_name(name)
+            if hf is None:
+                continue
+            w = torch.from_numpy(self.tensor(name))
+            if (heads := self._rows_heads(hf)) is not None:
+                w = unpermute(w, heads)
+            state[hf] = w.to(dtype)
+        return state
+
+    def q4_blocks(self, hf: str) -> Q4Blocks | None:
+        """The 4-bit blocks of the weight transformers calls `hf`, when the file stores it as Q4_0 or Q4_1 (a
+        32-value block: float16 scale [and minimum], then 16 bytes whose low nibbles are values 0..15 and high
+        nibbles values 16..31); None for any other storage."""
+        name = next((n for n in self.tensors if hf_name(n) == hf), None)
+        if name is None or self.tensors[name].tensor_type.name not in ("Q4_0", "Q4_1"):
+            return None
+        t = self.tensors[name]
+        raw = np.asarray(t.data, dtype=np.uint8)
+        rows = raw.shape[0]
+        lead = 4 if t.tensor_type.name == "Q4_1" else 2
+        blocks = raw.reshape(rows, -1, lead + 16)
+        scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        # Q4_1 stores the block's minimum; Q4_0 has w = (q - 8) * d
+        low = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if lead == 4 else -8.0 * scale
+        nib = blocks[..., lead:]
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(rows, -1).astype(np.int32)
+        out = [torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(low)]
+        if (heads := self._rows_heads(hf)) is not None:
+            out = [unpermute(x, heads) for x in out]
+        return Q4Blocks(*out)
+
+    def sha16(self) -> str:
+        digest = hashlib.sha256()
+        with self.path.open("rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+        return digest.hexdigest()[:16]
+
+    @property
+    def eos_ids(self) -> list[int]:
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        return [] if eos is None else [int(eos)]

@@ -1,0 +1,57 @@
+"""A language model's tokenizer, chat template and end-of-turn ids, from a checkpoint folder or a GGUF file.
+
+A transformers checkpoint keeps them in `tokenizer.json` / `tokenizer_config.json` (a VLM's template may sit in
+`chat_template.json`) and `generation_config.json`. A GGUF file keeps them in its metadata; transformers'
+GGUF converter turns that into a fast tokenizer in a few seconds, so the result is saved once in the runtime
+cache under the file's name, size and modification time and read back from there afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file
+from runtime.models.loading import cache_dir
+
+
+def _gguf_tokenizer(file: Path) -> PreTrainedTokenizerBase:
+    stat = file.stat()
+    cached = cache_dir() / "gguf-tokenizers" / f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    template = GGUFCheckpoint(file).field("tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = str(template)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=cached.parent))
+    try:
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)
+        except OSError:  # another process saved it first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def load_tokenizer(path: Path) -> tuple[PreTrainedTokenizerBase, list[int] | None]:
+    """(tokenizer with its chat template, the checkpoint's end-of-turn ids or None for the tokenizer's own)."""
+    if (file := gguf_file(path)) is not None:
+        return _gguf_tokenizer(file), GGUFCheckpoint(file).eos_ids or None
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    template = path / "chat_template.json"  # VLM checkpoints keep the template beside the processor
+    if not getattr(tokenizer, "chat_template", None) and template.is_file():
+        tokenizer.chat_template = json.loads(template.read_text()).get("chat_template")
+    eos = None
+    if (path / "generation_config.json").is_file():
+        found = GenerationConfig.from_pretrained(path).eos_token_id
+        eos = None if found is None else [found] if isinstance(found, int) else list(found)
+    return tokenizer, eos

@@ -1,0 +1,158 @@
+"""Weight formats of the engine's linear layers (`lm.weights`): fp32, bf16, int8 and int4.
+
+Decoding one token reads every weight once, so on a CPU its speed is set by the bytes a weight takes and the
+kernel that reads them. fp32 and bf16 are the model's dtype (oneDNN matmuls; bf16 halves the bytes on
+AVX-512 BF16). int8 and int4 are weight-only: activations are bfloat16 (the kernels' fast path), and torch's
+CPU kernels multiply by the quantised weights directly:
+
+- int8: `aten._weight_int8pack_mm`, one symmetric scale per output row (quantised from the float weights);
+- int4: `aten._weight_int4pack_mm_for_cpu`, one scale and zero per 32 inputs of a row. Its dequantisation is
+  w = (q - 8) * scale + zero with q in 0..15, which is exactly a GGUF Q4_1 block (w = q * d + m, so scale = d
+  and zero = m + 8 d) and a Q4_0 one (m = -8 d): a GGUF file's 4-bit blocks are taken as they are, and any
+  other weight (the Q8_0 embeddings a tied head reads, a safetensors checkpoint) is quantised by its block's
+  minimum and maximum, as Q4_1 does.
+
+Only the projections and the head change; embeddings, norms and the KV cache stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from runtime.errors import ConfigError
+from runtime.models.lm.gguf_checkpoint import Q4Blocks
+
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
+GROUP = 32
+BlockSource = Callable[[str], Q4Blocks | None]  # a weight's own 4-bit blocks by checkpoint name, if it has them
+
+
+def format_dtype(weights: str, dtype: torch.dtype) -> torch.dtype:
+    """The model's dtype under weight format `weights` (auto keeps the run's `dtype`). int8 and int4 compute in
+    bfloat16 around their weight-only matmuls: torch's CPU kernels take bf16 activations on their fast path
+    (the head of SmolLM2-135M in int4: 0.8 ms with bf16 activations, 41 ms with float32 ones)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ConfigError(f"lm.weights {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "fp32":
+        return torch.float32
+    if weights == "bf16":
+        return torch.bfloat16
+    return torch.bfloat16 if weights in ("int8", "int4") else dtype
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)  # int8 [out, in]
+        self.register_buffer("scales", scales)  # [out], the activations' dtype
+        self.bias = bias
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def quantize(cls, w: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Int8Linear:
+        w = w.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales.to(dtype), bias)
+
+    def dequantized(self) -> Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, packed: Tensor, scales_and_zeros: Tensor, bias: Tensor | None, in_features: int,
+                 group: int = GROUP) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed)  # uint8 [out, in / 2], the CPU kernel's layout
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [in / group, out, 2]
+        self.bias = bias
+        self.group, self.in_features, self.out_features = group, in_features, packed.shape[0]
+
+    @classmethod
+    def from_blocks(cls, b: Q4Blocks, bias: Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.q.to(torch.int32).contiguous(), 1)
+        sz = torch.stack([b.scale, b.low + 8 * b.scale], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        return cls(packed, sz, bias, b.q.shape[1], b.group)
+
+    @classmethod
+    def quantize(cls, w: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        return cls.from_blocks(q4_blocks_of(w), bias, dtype)
+
+    def dequantized(self) -> Tensor:
+        """The float weight [out, in] the kernel computes with (for tests and quality reports)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return self.forward(eye).float().T
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, self.group,
+                                                       self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def q4_blocks_of(w: Tensor, group: int = GROUP) -> Q4Blocks:
+    """Quantise a float weight [out, in] by blocks of `group` inputs, Q4_1-style (minimum and step per block)."""
+    out, k = w.shape
+    if k % group:
+        raise ConfigError(f"int4 weights need input sizes divisible by {group}; this layer has {k}")
+    blocks = w.float().reshape(out, k // group, group)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((blocks - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return Q4Blocks(q.reshape(out, k), scale, low, group)
+
+
+def fused_blocks(parts: list[Q4Blocks | None]) -> Q4Blocks | None:
+    """The blocks of a fused projection (parts stacked along the output rows), when every part has them."""
+    if not parts or any(p is None for p in parts):
+        return None
+    ok = [p for p in parts if p is not None]
+    return Q4Blocks(torch.cat([p.q for p in ok]), torch.cat([p.scale for p in ok]),
+                    torch.cat([p.low for p in ok]), ok[0].group)
+
+
+def quantize_linears(model: nn.Module, fmt: str, *, blocks: BlockSource | None = None,
+                     fused: dict[str, tuple[str, ...]] | None = None) -> int:
+    """Replace every `nn.Linear` of `model` by its int8 or int4 form, in place; returns how many.
+
+    `blocks` gives a weight's own 4-bit blocks by its checkpoint name (`model.layers.0.self_attn.q_proj.weight`);
+    `fused` maps our fused module suffixes to the checkpoint modules they were built from."""
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"quantize_linears takes int8 or int4, not {fmt!r}")
+    if next(model.parameters()).device.type != "cpu":
+        raise ConfigError(f"lm.weights = {fmt} runs on CPU kernels; on a GPU use fp32 or bf16")
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        lin: nn.Linear = getattr(parent, attr)
+        w, bias = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+        dtype = w.dtype if w.dtype != torch.float64 else torch.float32
+        new: nn.Module
+        if fmt == "int8":
+            new = Int8Linear.quantize(w, bias, dtype)
+        else:
+            own = _own_blocks(name, blocks, fused or {})
+            new = Int4Linear.from_blocks(own, bias, dtype) if own is not None else Int4Linear.quantize(w, bias, dtype)
+        setattr(parent, attr, new)
+    return len(names)
+
+
+def _own_blocks(name: str, blocks: BlockSource | None, fused: dict[str, tuple[str, ...]]) -> Q4Blocks | None:
+    if blocks is None:
+        return None
+    for suffix, parts in fused.items():
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            return fused_blocks([blocks(f"{stem}{part}.weight") for part in parts])
+    return blocks(f"{name}.weight")

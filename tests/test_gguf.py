@@ -1,0 +1,171 @@
+"""GGUF loading: a tiny file the test writes with the `gguf` package (as llama.cpp's converter lays it out) read by
+our loader and, independently, by transformers' GGUF loader; the weight formats built from it; and the errors.
+The real SmolLM2 file is checked against transformers in test_smollm2.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from runtime.errors import CheckpointNotFound, ConfigError
+from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file
+from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.weight_formats import Int4Linear, Int8Linear, q4_blocks_of
+
+NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to a `llama` q/k projection's rows."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model: torch.nn.Module, path: Path, arch: str, qtype: GGMLQuantizationType,
+               tie: bool = True) -> None:
+    cfg = model.config
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_eos_token_id(2)
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if name == "lm_head.weight" and tie:
+            continue
+        if name.startswith("model.layers."):
+            _, _, i, *rest = name.split(".")
+            module, kind = ".".join(rest[:-1]), rest[-1]
+            if arch == "llama" and module == "self_attn.q_proj":
+                a = llama_cpp_permute(a, cfg.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                a = llama_cpp_permute(a, cfg.num_key_value_heads)
+            gname = f"blk.{i}.{NAMES[module]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if a.ndim == 2 and a.shape[1] % 32 == 0:
+            w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tiny(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False)).eval()
+
+
+@pytest.fixture(params=[("llama", "Q4_1"), ("llama", "Q8_0"), ("qwen2", "Q4_0")], ids=lambda p: "-".join(p))
+def written(request, tmp_path: Path) -> tuple[Path, str]:
+    arch, qtype = request.param
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(tiny(arch), path, arch, GGMLQuantizationType[qtype])
+    return path, qtype
+
+
+def test_logits_equal_transformers_gguf_loader(written) -> None:
+    path, _ = written
+    ours = Transformer.from_pretrained(path)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([1, 5, 9, 33, 70, 2, 14, 95, 3])
+    with torch.inference_mode():
+        want = ref(ids[None]).logits[0]
+    got = ours(ids, torch.arange(len(ids)))
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+    assert ours.args.tie_word_embeddings and ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_int4_takes_the_files_own_blocks(written) -> None:
+    """Every 4-bit projection computes with exactly the file's dequantised weights (the kernel's q * scale + zero
+    is a Q4_0/Q4_1 block): its dequantised weight equals the float one to bf16 rounding of scale and zero."""
+    path, qtype = written
+    ckpt = GGUFCheckpoint(path)
+    fp = Transformer.from_pretrained(path)
+    q4 = Transformer.from_pretrained(path, weights="int4")
+    lin = q4.model.layers[1].self_attn.qkv_proj
+    assert isinstance(lin, Int4Linear)
+    want = fp.model.layers[1].self_attn.qkv_proj.weight
+    err = (lin.dequantized() - want).abs().max()
+    if qtype == "Q8_0":  # no 4-bit blocks in the file: quantised by block minimum and maximum
+        assert ckpt.q4_blocks("model.layers.1.self_attn.q_proj.weight") is None
+        assert err <= (want.abs().max() / 15 + 1e-6)
+    else:
+        blocks = ckpt.q4_blocks("model.layers.1.self_attn.q_proj.weight")
+        assert blocks is not None
+        assert err <= 2 ** -7 * want.abs().max()  # bf16 scales and zeros: one rounding each
+
+
+def test_weight_formats_stay_close_to_fp32(written) -> None:
+    path, _ = written
+    ids = torch.tensor([1, 5, 9, 33, 70, 2, 14, 95, 3])
+    ref = Transformer.from_pretrained(path)(ids, torch.arange(len(ids)))
+    for fmt, dtype in (("bf16", torch.bfloat16), ("int8", torch.bfloat16), ("int4", torch.bfloat16)):
+        model = Transformer.from_pretrained(path, weights=fmt)
+        assert model.dtype == dtype and model.weights == fmt
+        got = model(ids, torch.arange(len(ids)))
+        rel = float((got - ref).norm() / ref.norm())
+        assert rel < 0.15, (fmt, rel)
+    assert isinstance(Transformer.from_pretrained(path, weights="int8").lm_head, Int8Linear)
+
+
+def test_quantisers_round_trip() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(64, 96)
+    b = q4_blocks_of(w)
+    back = (b.q.float() * b.scale.repeat_interleave(32, 1) + b.low.repeat_interleave(32, 1))
+    assert (back - w).abs().max() <= b.scale.max() / 2 + 1e-6
+    i8 = Int8Linear.quantize(w, None, torch.float32)
+    assert (i8.dequantized() - w).abs().max() <= w.abs().max() / 127
+    with pytest.raises(ConfigError, match="divisible by 32"):
+        q4_blocks_of(torch.randn(8, 40))
+
+
+def test_unsupported_architecture_and_types_are_one_line_errors(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=r"architecture 'gpt2' is not supported .*supported: llama, qwen2"):
+        GGUFCheckpoint(path)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointNotFound, match="not a readable GGUF file"):
+        GGUFCheckpoint(tmp_path / "junk.gguf")
+    good = tmp_path / "good" / "tiny.gguf"
+    good.parent.mkdir()
+    write_gguf(tiny("llama"), good, "llama", GGMLQuantizationType.Q8_0)
+    with pytest.raises(ConfigError, match="lm.weights 'int3' is not one of auto, fp32, bf16, int8, int4"):
+        Transformer.from_pretrained(good, weights="int3")
+
+
+def test_gguf_file_is_found_in_a_folder(tmp_path: Path) -> None:
+    assert gguf_file(tmp_path) is None
+    (tmp_path / "a.gguf").write_bytes(b"")
+    assert gguf_file(tmp_path) == tmp_path / "a.gguf"
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(CheckpointNotFound, match="holds 2 GGUF files"):
+        gguf_file(tmp_path)
