@@ -11,6 +11,7 @@ from runtime.config import LMConfig
 from runtime.errors import ConfigError
 from runtime.models.lm.drafters import (
     AutoDrafter,
+    TrigramDrafter,
     DraftModelDrafter,
     NgramDrafter,
     TokenRecyclingDrafter,
@@ -166,6 +167,29 @@ def test_auto_prefers_an_ngram_match_else_recycling():
     assert d.propose([1, 4, 6, 7, 2], 4, 3).tokens == [6, 7, 2]  # n-gram copy
     tree = d.propose([1, 2, 3], 4, 1)
     assert tree.tokens == [19, 18, 17, 16, 15, 14, 13, 12]  # recycling candidates after 4
+
+
+def test_auto_on_a_cpu_falls_back_to_trigram_chains():
+    d = AutoDrafter(20, wide_trees=False)
+    assert d.propose([1, 4, 6, 7, 2], 4, 3).tokens == [6, 7, 2]  # n-gram copy first
+    d.observe([5, 9], [-1, 0], torch.stack([torch.arange(20.0), torch.arange(20.0).flip(0)]))
+    draft = d.propose([8, 2], 5, 4)  # no n-gram match: (2, 5) from the observed tree (its root followed 2)
+    assert draft.tokens[:1] == [19] and draft.parents[0] == -1
+
+
+def test_trigram_follows_context_and_target_predictions():
+    d = TrigramDrafter(k=2, width=2)
+    ctx = [1, 2, 3, 4, 1, 2, 3, 5]
+    assert d.propose(ctx, 1, 3).tokens == []  # (5, 1) never seen
+    d2 = TrigramDrafter(k=2, width=2)
+    d2.propose([7, 1, 2, 3, 4, 7, 1], 2, 0)  # ingest: (7,1)->2, (1,2)->3, (2,3)->4, (3,4)->7, (4,7)->1
+    chain = d2.propose([7, 1, 2, 3, 4, 7, 1], 2, 3)  # pending 2 after (1): (1,2)->3, (2,3)->4, (3,4)->7
+    assert chain.tokens == [3, 4, 7] and chain.parents == [-1, 0, 1]
+    # the scored tree (root = the pending 2, after context token 1) adapts the table with the target's top-k
+    d2.observe([2, 3], [-1, 0], torch.stack([torch.arange(12.0).flip(0), torch.arange(12.0)]))
+    assert d2.table[(1, 2)] == [0, 1] and d2.table[(2, 3)] == [11, 10]
+    sib = d2.propose([1, 2], 3, 2)  # width 2: the runner-up is a sibling at the first level
+    assert sib.tokens == [11, 10] and sib.parents == [-1, -1]
 
 
 def test_make_drafter_follows_the_config():

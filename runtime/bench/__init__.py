@@ -26,7 +26,12 @@ BENCHES: dict[str, tuple[str, str]] = {
                     "CER, compute, word latency (needs trained weights)"),
     "video": ("runtime.bench.video", "video path: ingest fps, memory tokens and RSS over an hour, answer TTFT"),
     "serve": ("runtime.bench.serve", "server: N live SDK clients at real-time pace: event latency, loop lag, RSS"),
+    "answers": ("runtime.bench.answers", "answer accuracy on the committed question set, from the scripted text "
+                "and from espeak-ng speech through the ASR, per prompt variant (needs trained weights)"),
 }
+# the flags that pick a checkpoint or data set, per benchmark that takes them
+CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human"),
+                    "llm": ("model",), "answers": ("model", "data", "prompts", "profile")}
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
 
 
@@ -46,9 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--threads", type=_count, default=0, help="torch CPU threads (0: one per core but one)")
     parser.add_argument("--model", default=None, help="asr-quality: the FastConformer checkpoint to score "
-                        "(default: builtin:demo-fastconformer)")
+                        "(default: builtin:demo-fastconformer); llm: a real language model (builtin:smollm2-135m-"
+                        "instruct, a GGUF file, a checkpoint folder) measured per weight format against "
+                        "transformers and llama.cpp, with the speculative-decoding table")
     parser.add_argument("--data", default=None, help="asr-quality: a `runtime train synth-speech` folder whose "
-                        "heldout.jsonl to score (default: the fixed held-out set, generated into the cache once)")
+                        "heldout.jsonl to score (default: the fixed held-out set, generated into the cache once); "
+                        "answers: a question set in the format of tests/data/answer_set.json")
     parser.add_argument("--systems", default=None, help="asr-quality: which systems, comma-separated, of offline, "
                         "causal, buffered, faster-whisper, fastconformer (default: all)")
     parser.add_argument("--whisper", default=None, help="asr-quality: the Whisper of the Whisper systems (default: "
@@ -56,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", default=None, help="asr-quality: causal Whisper chunk sizes in ms (default: "
                         "100,200,300)")
     parser.add_argument("--adapter", default=None, help="asr-quality: a LoRA folder merged into the causal Whisper")
+    parser.add_argument("--prompts", default=None, help="answers: prompt variants, comma-separated, of "
+                        "plain, short, quote (default: all)")
+    parser.add_argument("--profile", default=None, help="answers: the profile whose language model and ASR answer "
+                        "(default: demo)")
     parser.add_argument("--human", default=None, help="asr-quality: a folder of human speech with manifest.jsonl "
                         "(default: ../shared/speech/dev beside the repository)")
 
@@ -67,13 +79,18 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
     if args.name not in BENCHES:
         print(f"runtime: error: unknown benchmark {args.name!r} (known: {', '.join(BENCHES)})", file=sys.stderr)
         return 2
-    flags = ("model", "data", "systems", "whisper", "chunks", "adapter", "human")
-    given = [f"--{flag}" for flag in flags if getattr(args, flag, None) is not None]
-    if given and args.name != "asr-quality":
-        raise UserError(f"{' and '.join(given)}: only asr-quality scores a checkpoint on a data set; {args.name} "
-                        "measures the real architectures' shapes with random weights")
+    flags = sorted({flag for names in CHECKPOINT_FLAGS.values() for flag in names})
+    given = [flag for flag in flags if getattr(args, flag, None) is not None]
+    wrong = [f"--{flag}" for flag in given if flag not in CHECKPOINT_FLAGS.get(args.name, ())]
+    if wrong:
+        takers = ", ".join(f"{name} ({', '.join('--' + f for f in fl)})" for name, fl in CHECKPOINT_FLAGS.items())
+        raise UserError(f"{' and '.join(wrong)}: {args.name} does not take it; the benchmarks that score a checkpoint "
+                        f"or data set: {takers}")
     require_device(args.device)  # a missing GPU is one line here, not torch's assertion mid-benchmark
-    module = importlib.import_module(BENCHES[args.name][0])
+    name = BENCHES[args.name][0]
+    if args.name == "llm" and args.model is not None:
+        name = "runtime.bench.llm_model"  # a real model, not the shapes
+    module = importlib.import_module(name)
     result: dict[str, Any] = module.run(args, status)
     print(json.dumps(result, indent=None if args.json else 2, sort_keys=False))
     return 0

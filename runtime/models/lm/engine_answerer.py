@@ -119,7 +119,8 @@ class EngineAnswerer:
         """A stream's state; the pipeline keeps it for the stream's life. Runs on the worker (allocates KV)."""
         draft_session = self.draft_engine.open_session() if self.draft_engine is not None else None
         drafter = None if self.cfg.drafter == "draft-model" else make_drafter(
-            self.cfg, vocab_size=self.engine.model.args.vocab_size)
+            self.cfg, vocab_size=self.engine.model.args.vocab_size,
+            wide_trees=self.engine.model.device.type != "cpu")
         return StreamLM(self.engine.open_session(), drafter, draft_session)
 
     def _pool(self, stream: StreamLM) -> None:

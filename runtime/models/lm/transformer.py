@@ -84,6 +84,23 @@ def rotate_keys(ck: Tensor, kr: Tensor, rotate: Rotate) -> None:
         kr[:, where] = apply_rope(ck[:, where], cos, sin)
 
 
+EXACT_ROWS = 128  # forwards of at most this many tokens use `attention`; the engine's trees are at most this big
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """softmax(q k^T * scale) v per K/V head: q [kv, rows, d], k/v [kv, S, d], mask [rows, S] or None (all).
+
+    Written out rather than torch's SDPA so that a query's result does not depend on how many other queries
+    and masked keys share the call: SDPA's CPU flash kernel blocks the keys by the call's shape, so verifying
+    k draft tokens in one forward rounded differently from k one-token steps (in bf16, by up to 0.6 in the
+    logits, enough to flip greedy near-ties). Here scores are per-element dot products, masked keys add exact
+    zeros, and speculative decoding's chain verification is bitwise equal to plain decoding (tested)."""
+    scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.bmm(torch.softmax(scores, -1).to(v.dtype), v)
+
+
 def layer_views(cache: CacheBuffers) -> list[KV]:
     """Each layer's K, V and rotated K as [kv_heads, slots, head_dim] views (six ops, not six per layer)."""
     return list(zip(cache[0][:, 0].unbind(0), cache[1][:, 0].unbind(0), cache[2][:, 0].unbind(0), strict=True))
@@ -147,9 +164,11 @@ class Attention(nn.Module):
             size = mask if isinstance(mask, int) else mask.shape[-1]
             k, v = kr.narrow(1, 0, size), cv.narrow(1, 0, size)
         q = q.reshape(kv, -1, self.head_dim)  # [kv_heads, group * n, d]: a view when n == 1
-        # 4-D: with 3-D inputs torch's CPU SDPA takes its slow math path (68 us a decode step's layer, not 30)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None],
-                                             attn_mask=None if isinstance(mask, int) else mask, scale=self.scale)
+        bare = None if isinstance(mask, int) else mask
+        if n <= EXACT_ROWS:  # decode steps and verification trees: results independent of the call's shape
+            out = attention(q, k, v, bare, self.scale)
+        else:  # long prefill chunks: torch's fused kernel (no answer is compared token by token against them)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bare, scale=self.scale)[0]
         return linear(out.reshape(h, n, self.head_dim).transpose(0, 1).reshape(n, self.q_size), self.o_proj)
 
 

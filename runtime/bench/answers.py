@@ -1,0 +1,161 @@
+"""`runtime bench answers [--quick] --json`: are the answers right? The committed question set
+(`tests/data/answer_set.json`: scripted meetings, instructions and stories with numbers, names and times) run
+through the runtime's answering path, and scored by expected keywords.
+
+The path is the pipeline's: each transcript line becomes a completed transcript item at its media time, the
+transcript memory renders the context, and the answerer's stream is prefilled as each line lands (what the
+pipeline's prefill jobs do); the question is asked after `after_line` lines. Two inputs:
+- `text`: the scripted lines themselves;
+- `speech`: the lines spoken by espeak-ng and transcribed by the profile's streaming ASR, so ASR errors count.
+
+Prompt variants (`--prompts`, default all of `VARIANTS`) report accuracy each: the system prompt and answer
+length a small model needs are measured here, not guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.config import LMConfig, load_profile
+from runtime.memory.transcript import TranscriptMemory
+from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.lm.engine_answerer import EngineAnswerer
+
+Status = Callable[[str], None]
+DEFAULT_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "answer_set.json"
+LINE_S = 4.0  # media seconds per scripted line
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {"system_prompt": "You are a live assistant. Answer the question about what was said, using the "
+                               "transcript.", "max_new_tokens": 48},
+    "short": {"system_prompt": "You answer questions about a live transcript. Answer in one short sentence, using "
+                               "only facts from the transcript.", "max_new_tokens": 32},
+    "quote": {"system_prompt": "You answer questions about a live transcript. Reply with one short sentence that "
+                               "repeats the exact words, names and numbers from the transcript. If the transcript "
+                               "does not say, reply that it was not mentioned.", "max_new_tokens": 32},
+}
+_NUMBERS = {"zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
+            "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15,
+            "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19, "twenty": 20, "thirty": 30,
+            "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
+
+
+def normalise(text: str) -> str:
+    """Lower case, number words as digits ("forty five" -> "45"), thousands separators dropped."""
+    words = re.sub(r"(?<=\d),(?=\d{3})", "", text.lower()).replace("-", " ").split()
+    out: list[str] = []
+    for w in words:
+        bare = w.strip(".,!?;:'\"()")
+        value = _NUMBERS.get(bare)
+        if value is not None and out and out[-1].isdigit() and int(out[-1]) % 10 == 0 and 0 < value < 10 \
+                and int(out[-1]) >= 20:
+            out[-1] = str(int(out[-1]) + value)
+        elif value is not None:
+            out.append(str(value))
+        else:
+            out.append(w)
+    return " ".join(out)
+
+
+def is_right(answer: str, expect: list[list[str]]) -> bool:
+    text = normalise(answer)
+    return all(any(re.search(rf"(?<![\w]){re.escape(normalise(s))}(?![\w])", text) for s in group)
+               for group in expect)
+
+
+def load_set(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text())["items"]
+
+
+def transcript_context(lines: list[str]) -> str:
+    """The context the pipeline's transcript memory renders for these lines, each a completed item."""
+    memory = TranscriptMemory()
+    for i, line in enumerate(lines):
+        memory.apply(TranscriptUpdate(item_id=f"item_{i}", delta="", transcript=line, unstable="", start=i * LINE_S,
+                                      end=(i + 1) * LINE_S, completed=True))
+    return memory.context()
+
+
+def ask_all(answerer: EngineAnswerer, items: list[dict[str, Any]], lines_of: Callable[[dict[str, Any]], list[str]],
+            ) -> list[dict[str, Any]]:
+    results = []
+    for item in items:
+        lines = lines_of(item)
+        for q in item["questions"]:
+            stream = answerer.open_stream()
+            for k in range(1, q["after_line"] + 1):  # each line lands and is prefilled, as the pipeline does
+                stream.set_context(transcript_context(lines[:k]))
+                while stream.prefill_step():
+                    pass
+            start = time.perf_counter()
+            state = answerer.start(transcript_context(lines[: q["after_line"]]), q["q"], stream=stream)
+            while not state.step().done:
+                pass
+            answer = answerer.tokenizer.decode(state.generated, skip_special_tokens=True).strip()
+            results.append({"id": item["id"], "kind": item["kind"], "question": q["q"], "answer": answer,
+                            "right": is_right(answer, q["expect"]), "seconds": round(time.perf_counter() - start, 3)})
+    return results
+
+
+def spoken_lines(items: list[dict[str, Any]], profile_name: str, status: Status) -> dict[str, list[str]]:
+    """Each item's lines said by espeak-ng (one American English voice) and transcribed by the profile's
+    streaming ASR, line by line."""
+    from runtime.bench.asr_quality import stream_transcript
+    from runtime.models.asr.registry import load_asr
+    from runtime.train.synthesizers import SAMPLE_RATE, Voice, resample, synthesize
+
+    profile = load_profile(profile_name)
+    asr = load_asr(profile.asr, device="cpu", dtype=profile.dtype, progress=status)
+    voice = Voice("espeak", "en-us")
+    rng = np.random.default_rng(0)
+    heard: dict[str, list[str]] = {}
+    for item in items:
+        status(f"speech: {item['id']} through espeak-ng and {profile.asr.backend}")
+        out = []
+        for line in item["lines"]:
+            audio, rate, _ = synthesize(voice, line, rng)
+            out.append(stream_transcript(asr, resample(audio, rate, SAMPLE_RATE)) or "")
+        heard[item["id"]] = out
+    return heard
+
+
+def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
+    path = Path(args.data) if args.data else DEFAULT_SET
+    items = load_set(path)
+    profile = load_profile(args.profile or "demo")
+    base: LMConfig = replace(profile.lm, backend="engine")
+    if args.model:
+        base = replace(base, model=args.model)
+    variants = list(VARIANTS) if not args.prompts else args.prompts.split(",")
+    if args.quick:
+        items = items[:3]
+        variants = variants[-1:]
+    out: dict[str, Any] = {"bench": "answers", "set": str(path), "model": base.model, "weights": base.weights,
+                           "questions": sum(len(i["questions"]) for i in items), "variants": {}}
+    heard = spoken_lines(items, args.profile or "demo", status) if not args.quick else None
+    for name in variants:
+        cfg = replace(base, **VARIANTS[name])
+        status(f"answers: prompt variant {name!r}")
+        answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
+        row: dict[str, Any] = {"system_prompt": cfg.system_prompt, "max_new_tokens": cfg.max_new_tokens}
+        text = ask_all(answerer, items, lambda item: item["lines"])
+        row["text_accuracy"] = round(sum(r["right"] for r in text) / len(text), 3)
+        row["text"] = text
+        if heard is not None:
+            speech = ask_all(answerer, items, lambda item: heard[item["id"]])
+            row["speech_accuracy"] = round(sum(r["right"] for r in speech) / len(speech), 3)
+            row["speech"] = speech
+        out["variants"][name] = row
+    if heard is not None:
+        out["asr_transcripts"] = heard
+    best = max(out["variants"], key=lambda v: out["variants"][v]["text_accuracy"])
+    out["best_variant"] = best
+    return out

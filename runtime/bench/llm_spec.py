@@ -1,0 +1,74 @@
+"""The speculative-decoding table of `runtime bench llm --model REF`, in Spec-Bench's conventions: per task and
+drafter, the mean tokens per target forward (accepted drafts + the target's own token), the wall-clock speedup
+over plain greedy decoding of the same prompts in the same run, and whether every output is token-identical to
+plain greedy (it must be: the drafters are lossless).
+
+Tasks: answering from a transcript (this runtime's own use: answers quote the transcript), summarising a
+transcript, and open chat (no transcript). Self-speculation by layer skipping (SWIFT) is not built: its row
+says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from runtime.config import LMConfig
+from runtime.models.lm.engine_answerer import EngineAnswerer
+
+DRAFTER_ROWS = ("none", "ngram", "recycling", "trigram", "auto")
+MEETING = ("[00:03] Ana: Welcome back. Our first customer in Oslo signed the contract on Monday.\n"
+           "[00:11] Ben: The contract is worth 120,000 dollars over two years, paid every quarter.\n"
+           "[00:19] Ana: Kofi will lead the rollout, starting with the warehouse team on March 4th.\n"
+           "[00:27] Ben: We still need a second engineer; the job ad goes out on Friday.\n")
+RECIPE = ("[00:01] Chef: Today we bake a simple loaf. Mix 500 grams of flour with 10 grams of salt.\n"
+          "[00:08] Chef: Add 7 grams of dry yeast and 350 millilitres of warm water, then knead for ten minutes.\n"
+          "[00:16] Chef: Let the dough rise for one hour, shape it, and bake at 220 degrees for 35 minutes.\n")
+TASKS: dict[str, list[tuple[str, str]]] = {
+    "transcript_qa": [(MEETING, "Who will lead the rollout, and when does it start?"),
+                      (MEETING, "How much is the contract worth?"),
+                      (RECIPE, "How long does the dough rise, and how hot is the oven?")],
+    "summarise": [(MEETING, "Summarise the transcript in three sentences."),
+                  (RECIPE, "Summarise the recipe as a numbered list of steps.")],
+    "open_chat": [("", "Write a short poem about the sea."),
+                  ("", "Explain in a few sentences why the sky is blue.")],
+}
+
+
+def _run(answerer: EngineAnswerer, prompts: list[tuple[str, str]]) -> tuple[list[list[int]], float, int, int]:
+    outputs, seconds, steps, emitted = [], 0.0, 0, 0
+    for context, question in prompts:
+        state = answerer.start(context, question, stream=answerer.open_stream())
+        t = time.perf_counter()
+        while not state.step().done:
+            pass
+        seconds += time.perf_counter() - t
+        stats = state.decoder.stats
+        steps, emitted = steps + stats.steps, emitted + stats.emitted
+        outputs.append(list(state.generated))
+    return outputs, seconds, steps, emitted
+
+
+def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], None]) -> dict[str, Any]:
+    n = 48 if quick else 128
+    table: dict[str, Any] = {}
+    answerers = {d: EngineAnswerer.load(LMConfig(backend="engine", model=ref, weights=weights, drafter=d,
+                                                 max_new_tokens=n), device="cpu", dtype="float32")
+                 for d in DRAFTER_ROWS}
+    for task, prompts in TASKS.items():
+        rows: dict[str, Any] = {}
+        plain, base_s, _, _ = (None, 0.0, 0, 0)
+        for drafter in DRAFTER_ROWS:
+            status(f"speculative: {task} with drafter {drafter}")
+            outs, seconds, steps, emitted = _run(answerers[drafter], prompts)
+            if drafter == "none":
+                plain, base_s = outs, seconds
+            rows[drafter] = {"tokens_per_step": round(emitted / max(1, steps), 3), "tokens": emitted,
+                             "seconds": round(seconds, 3), "speedup": round(base_s / seconds, 3),
+                             "identical": outs == plain}
+        rows["swift"] = {"skipped": "self-speculation by layer skipping is not built"}
+        table[task] = rows
+    table["weights"] = weights
+    table["max_new_tokens"] = n
+    return table

