@@ -11,10 +11,10 @@ from runtime.config import LMConfig
 from runtime.errors import ConfigError
 from runtime.models.lm.drafters import (
     AutoDrafter,
-    TrigramDrafter,
     DraftModelDrafter,
     NgramDrafter,
     TokenRecyclingDrafter,
+    TrigramDrafter,
     make_drafter,
     static_tree,
 )

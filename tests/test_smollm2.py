@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from runtime.bench.answers import ask_all, is_right, load_set, DEFAULT_SET
+from runtime.bench.answers import DEFAULT_SET, ask_all, is_right, load_set
 from runtime.config import LMConfig, load_profile
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm.engine_answerer import EngineAnswerer
