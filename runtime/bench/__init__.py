@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
     if args.name not in BENCHES:
         print(f"runtime: error: unknown benchmark {args.name!r} (known: {', '.join(BENCHES)})", file=sys.stderr)
         return 2
-    flags = sorted({flag for names in CHECKPOINT_FLAGS.values() for flag in names})
+    flags = list(dict.fromkeys(flag for names in CHECKPOINT_FLAGS.values() for flag in names))
     given = [flag for flag in flags if getattr(args, flag, None) is not None]
     wrong = [f"--{flag}" for flag in given if flag not in CHECKPOINT_FLAGS.get(args.name, ())]
     if wrong:
