@@ -95,10 +95,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     k draft tokens in one forward rounded differently from k one-token steps (in bf16, by up to 0.6 in the
     logits, enough to flip greedy near-ties). Here scores are per-element dot products, masked keys add exact
     zeros, and speculative decoding's chain verification is bitwise equal to plain decoding (tested)."""
-    scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale)
+    # k @ q^T, not q @ k^T: `k` is a window of the cache (batch stride = the cache's capacity), which bmm reads
+    # in place as its first operand but copies whole when transposed (132 us vs 23 for 1,000 keys in bf16)
+    scores = torch.bmm(k, q.transpose(1, 2)).transpose(1, 2)
     if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    return torch.bmm(torch.softmax(scores, -1).to(v.dtype), v)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float().mul_(scale), -1)
+    return torch.bmm(probs.to(v.dtype), v)
 
 
 def layer_views(cache: CacheBuffers) -> list[KV]:
