@@ -267,3 +267,9 @@ def test_incremental_tokens_equal_a_full_tokenisation(engine: LMEngine) -> None:
         if step % 10 == 0 or step == 399:
             assert tokens.ids == engine.encode(text)
     assert tokens.ids == engine.encode(text) and tokens.full_encodes < 40
+
+
+def test_int4_refuses_layers_its_kernel_cannot_pack() -> None:
+    with pytest.raises(ConfigError, match="divisible by 16 .* use lm.weights = int8 or bf16"):
+        LMEngine.load(LMConfig(weights="int4"), device="cpu", dtype="float32")  # the tiny model's odd sizes
+

@@ -94,3 +94,31 @@ def test_demo_profile_answers_right_from_a_streamed_transcript(path) -> None:
     assert len(right) >= 3, results  # measured: 4 of 5 (runtime bench answers); a broken loader or prompt: 0
     assert is_right("Maria sends it on Friday.", [["maria"], ["friday"]])
     assert not is_right("Bob sends it.", [["maria"]])
+
+
+def test_verified_drafts_get_exactly_the_logits_of_plain_decoding(path) -> None:
+    """int4 (bf16 activations): every node of a scored draft tree gets bitwise the logits a one-token decode
+    step computes at its place, for a chain and for a sibling that skips a branch. Torch's SDPA over one masked
+    call differed here by up to 0.6; this equality is what keeps greedy speculative decoding token-identical."""
+    engine = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="int4", drafter="none"),
+                                 device="cpu", dtype="float32").engine
+    text, question = "[00:01.0] The meeting is on Monday at nine in room 4B.", "When is the meeting?"
+
+    def session():
+        s = engine.open_session()
+        s.set_context(text)
+        s.begin_answer(question)
+        return s
+
+    def plain(tokens: list[int]) -> list[torch.Tensor]:
+        s, rows = session(), []
+        for t in tokens:
+            rows.append(s.score([t], [-1])[0].clone())
+            s.commit([0])
+        return rows
+
+    chain = [504, 3158, 314, 335, 5610, 418, 7074]
+    want = plain(chain)
+    got = session().score([*chain, 1345], [-1, 0, 1, 2, 3, 4, 5, 0])  # last: a sibling of node 1
+    assert [torch.equal(got[i], want[i]) for i in range(len(chain))] == [True] * len(chain)
+    assert torch.equal(got[-1], plain([504, 1345])[1])

@@ -290,10 +290,10 @@ class EngineSession:
         return x
 
     def _forward(self, ids: Sequence[int], attend: Attend, *, last_only: bool,
-                 embeds: torch.Tensor | None = None) -> torch.Tensor:
+                 embeds: torch.Tensor | None = None, by_token: bool = False) -> torch.Tensor:
         tokens = torch.tensor([max(t, 0) for t in ids], dtype=torch.long, device=self.cache.k.device)
         return self.engine.model(tokens, attend.q_pos, attend.k_pos, attend.mask, cache=self.cache.buffers,
-                                 slot=attend.slot, last_only=last_only, embeds=embeds)
+                                 slot=attend.slot, last_only=last_only, embeds=embeds, by_token=by_token)
 
     # -- target group (the open answer) -------------------------------------------------------------------
 
@@ -337,7 +337,9 @@ class EngineSession:
             raise ValueError("tokens and parents differ in length")
         attend = self.cache.score_tree(parents)
         graph = self._decode_graph() if len(tokens) == 1 and tokens[0] >= 0 else None
-        logits = graph.run(tokens[0], attend) if graph else self._forward(tokens, attend, last_only=False)
+        # by token: each node's logits are exactly what a plain decode step there computes (lossless greedy)
+        logits = graph.run(tokens[0], attend) if graph else self._forward(tokens, attend, last_only=False,
+                                                                         by_token=True)
         self._tree = (list(tokens), logits)
         return logits
 

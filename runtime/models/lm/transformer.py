@@ -18,6 +18,7 @@ SwiGLU MLP), so in float32 our logits equal the reference model's to ~1e-6.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +34,6 @@ CacheBuffers = tuple[Tensor, Tensor, Tensor, Tensor]  # K, V, rotated K [layers,
 KV = tuple[Tensor, Tensor, Tensor]  # one layer's K, V, rotated K [kv_heads, slots, head_dim]
 Rope = tuple[Tensor, Tensor]  # cos, sin [n, head_dim]
 Rotate = tuple[slice | Tensor, Tensor, Tensor] | None  # slots to (re)rotate from K, their cos/sin [m, d]
-Mask = Tensor | int  # which cache slots the new tokens see: a boolean mask [n, S], or S for all of [0, S)
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -84,24 +84,45 @@ def rotate_keys(ck: Tensor, kr: Tensor, rotate: Rotate) -> None:
         kr[:, where] = apply_rope(ck[:, where], cos, sin)
 
 
-EXACT_ROWS = 128  # forwards of at most this many tokens use `attention`; the engine's trees are at most this big
+@dataclass(frozen=True)
+class TokenKeys:
+    """Per new token, the cache slots it sees: an int L when that is the prefix [0, L), else their indices;
+    `size`: the window [0, size) they all lie in."""
+
+    seen: list[int | Tensor]
+    size: int
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """softmax(q k^T * scale) v per K/V head: q [kv, rows, d], k/v [kv, S, d], mask [rows, S] or None (all).
+# Which cache slots the new tokens see: a boolean mask [n, S]; S for all of [0, S); or per token (`token_keys`)
+Mask = Tensor | int | TokenKeys
 
-    Written out rather than torch's SDPA so that a query's result does not depend on how many other queries
-    and masked keys share the call: SDPA's CPU flash kernel blocks the keys by the call's shape, so verifying
-    k draft tokens in one forward rounded differently from k one-token steps (in bf16, by up to 0.6 in the
-    logits, enough to flip greedy near-ties). Here scores are per-element dot products, masked keys add exact
-    zeros, and speculative decoding's chain verification is bitwise equal to plain decoding (tested)."""
-    # k @ q^T, not q @ k^T: `k` is a window of the cache (batch stride = the cache's capacity), which bmm reads
-    # in place as its first operand but copies whole when transposed (132 us vs 23 for 1,000 keys in bf16)
-    scores = torch.bmm(k, q.transpose(1, 2)).transpose(1, 2)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores.float().mul_(scale), -1)
-    return torch.bmm(probs.to(v.dtype), v)
+
+def token_keys(mask: Tensor) -> TokenKeys:
+    """`TokenKeys` of a mask [n, S]: one host synchronisation for the whole forward, used by every layer."""
+    lengths = mask.sum(-1)
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    prefix = (mask == (slots[None, :] < lengths[:, None])).all(-1)
+    seen = [int(length) if is_prefix else row.nonzero().squeeze(1)
+            for length, is_prefix, row in zip(lengths.tolist(), prefix.tolist(), mask, strict=True)]
+    return TokenKeys(seen, mask.shape[-1])
+
+
+def attention_by_token(q: Tensor, k: Tensor, v: Tensor, keys: TokenKeys, scale: float) -> Tensor:
+    """Each new token's attention computed as if it were a one-token decode step: its query rows over exactly
+    the keys it sees, in slot order, in one SDPA call of the same shape a plain decode step makes there.
+
+    Why: torch's CPU SDPA kernel rounds differently with the call's shape (other queries, masked keys), so one
+    masked forward over k draft tokens differed from k one-token steps (in bf16 by up to 0.6 in the logits,
+    enough to flip greedy near-ties). Token by token, verifying a draft chain is bitwise equal to decoding
+    it (tested), and speculative decoding stays token-identical. q [kv, group * n, d] (token i's rows are
+    i, i + n, ...), k/v [kv, S, d]."""
+    n = len(keys.seen)
+    out = torch.empty_like(q)
+    for i, seen in enumerate(keys.seen):
+        ks, vs = (k.narrow(1, 0, seen), v.narrow(1, 0, seen)) if isinstance(seen, int) else (
+            k.index_select(1, seen), v.index_select(1, seen))
+        out[:, i::n] = F.scaled_dot_product_attention(q[None, :, i::n], ks[None], vs[None], scale=scale)[0]
+    return out
 
 
 def layer_views(cache: CacheBuffers) -> list[KV]:
@@ -164,14 +185,14 @@ class Attention(nn.Module):
                 cv.narrow(1, slot, n).copy_(v)
                 kr.narrow(1, slot, n).copy_(k)
             rotate_keys(ck, kr, rotate)
-            size = mask if isinstance(mask, int) else mask.shape[-1]
+            size = mask if isinstance(mask, int) else mask.size if isinstance(mask, TokenKeys) else mask.shape[-1]
             k, v = kr.narrow(1, 0, size), cv.narrow(1, 0, size)
         q = q.reshape(kv, -1, self.head_dim)  # [kv_heads, group * n, d]: a view when n == 1
-        bare = None if isinstance(mask, int) else mask
-        if n <= EXACT_ROWS:  # decode steps and verification trees: results independent of the call's shape
-            out = attention(q, k, v, bare, self.scale)
-        else:  # long prefill chunks: torch's fused kernel (no answer is compared token by token against them)
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bare, scale=self.scale)[0]
+        if isinstance(mask, TokenKeys):  # verification: each token as its own decode step would see it
+            out = attention_by_token(q, k, v, mask, self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=self.scale,
+                                                 attn_mask=None if isinstance(mask, int) else mask)[0]
         return linear(out.reshape(h, n, self.head_dim).transpose(0, 1).reshape(n, self.q_size), self.o_proj)
 
 
@@ -289,6 +310,7 @@ class Transformer(nn.Module):
         slot: int = 0,
         last_only: bool = False,
         embeds: Tensor | None = None,
+        by_token: bool = False,
     ) -> Tensor:
         """Logits (float32) [n, vocab] for `tokens` [n] (or [1, n]), or [1, vocab] with `last_only`.
 
@@ -298,7 +320,9 @@ class Transformer(nn.Module):
         keys sit at positions `k_pos` under `mask` [n, len(k_pos)] (True = attend). Without a cache this is the
         plain forward over `tokens` at positions `q_pos` (keys at `q_pos` too), causal unless `mask` is given:
         the reference the engine is tested against. `embeds` [n, hidden], when given, are the input embeddings
-        instead of the token ids' (a VLM's visual tokens); `tokens` then only sets n and the device."""
+        instead of the token ids' (a VLM's visual tokens); `tokens` then only sets n and the device. `by_token`
+        (cached forwards): each token attends as its own one-token step would (`attention_by_token`), so a
+        verified draft gets exactly the logits plain decoding would."""
         tokens = tokens.reshape(-1)
         n = tokens.shape[0]
         cos, sin = self.rope(q_pos)
@@ -314,6 +338,8 @@ class Transformer(nn.Module):
         attend: Mask = mask
         if cache is not None and n == 1 and bool(mask.all()):  # a decode step that sees every slot: no mask
             attend = mask.shape[-1]
+        elif cache is not None and by_token:
+            attend = token_keys(mask)
         group = self.args.num_heads // self.args.num_kv_heads
         if isinstance(attend, Tensor) and group > 1 and n > 1:
             attend = attend.repeat(group, 1)  # query rows are [group, n] per K/V head (see Attention.forward)

@@ -79,6 +79,9 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_blocks(cls, b: Q4Blocks, bias: Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        if b.q.shape[0] % 16:
+            raise ConfigError(f"int4 weights need output sizes divisible by 16 (torch's CPU kernel); a layer of "
+                              f"this model has {b.q.shape[0]}: use lm.weights = int8 or bf16")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.q.to(torch.int32).contiguous(), 1)
         sz = torch.stack([b.scale, b.low + 8 * b.scale], dim=-1).transpose(0, 1).contiguous().to(dtype)
         return cls(packed, sz, bias, b.q.shape[1], b.group)
