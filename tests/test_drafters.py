@@ -9,13 +9,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError
+from runtime.models.lm.drafter_choice import AutoDrafter, greedy_accepted, make_drafter
 from runtime.models.lm.drafters import (
-    AutoDrafter,
     DraftModelDrafter,
     NgramDrafter,
     TokenRecyclingDrafter,
     TrigramDrafter,
-    make_drafter,
     static_tree,
 )
 from runtime.models.lm.reference_target import RecomputeTarget
@@ -205,3 +204,25 @@ def test_make_drafter_follows_the_config():
         make_drafter(LMConfig(drafter="draft-model"), vocab_size=10)
     with pytest.raises(ConfigError):
         make_drafter(LMConfig(drafter="eagle"), vocab_size=10)
+
+
+def test_greedy_acceptance_of_a_scored_tree():
+    logits = torch.zeros(4, 10)
+    logits[0, 5] = logits[1, 6] = logits[2, 1] = 1  # after the root 5; after node 1 (5) 6; after node 2 (6) 1
+    assert greedy_accepted([9, 5, 6, 7], [-1, 0, 1, 1], logits) == 2  # 5 then 6 accepted; 7 is not the argmax
+    assert greedy_accepted([9, 4], [-1, 0], logits) == 0
+
+
+def test_auto_learns_which_candidate_the_target_accepts():
+    """A candidate whose drafts the target keeps rejecting loses its turn to one whose drafts are accepted."""
+    d = AutoDrafter(20, wide_trees=False)
+    ctx = [3, 4, 5, 6, 3, 4]
+    for _ in range(30):
+        draft = d.propose(ctx, 5, 3)  # the copy proposes 6, 3, 4 (5 followed 3, 4 before)
+        assert draft.tokens
+        tokens, parents = [5, *draft.tokens], [-1, *[p + 1 for p in draft.parents]]
+        logits = torch.zeros(len(tokens), 20)
+        logits[:, 11] = 1  # the target wants 11 after everything: every copy is rejected at once
+        d.observe(tokens, parents, logits)
+    # the tri-gram table learned "11 after (4, 5)" from those trees, its drafts are accepted, and it goes first
+    assert d.rate["trigram"] > 0.5 > d.rate["ngram"]

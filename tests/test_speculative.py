@@ -12,8 +12,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from runtime.models.lm.drafter_choice import AutoDrafter
 from runtime.models.lm.drafters import (
-    AutoDrafter,
     Draft,
     DraftModelDrafter,
     NgramDrafter,

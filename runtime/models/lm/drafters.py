@@ -21,8 +21,6 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from runtime.config import LMConfig
-from runtime.errors import ConfigError
 from runtime.models.lm.sampling import Sampler, draw, greedy_token
 from runtime.models.lm.target import Target
 
@@ -300,63 +298,3 @@ class DraftModelDrafter:
             row = self.draft.score(tokens, chain(tokens))[-1]
             self.draft.commit([])
         return Draft(tokens, chain(tokens), None if self.sampler.greedy else qs)
-
-
-class AutoDrafter:
-    """`auto`: the n-gram copy when the context has a match (answers that quote the transcript get long
-    accepted runs for free), else a fallback that always has candidates once warm: a token-recycling tree where
-    wide trees are cheap to verify (GPUs), a tri-gram chain on CPUs, where `runtime bench llm --model ...`
-    measured recycling's 77-node trees at half the speed of plain decoding and tri-gram chains faster on every
-    task. Both learn from every forward and stay warm across answers."""
-
-    def __init__(self, vocab_size: int, ngram: NgramDrafter | None = None, wide_trees: bool = True) -> None:
-        self.ngram = ngram or NgramDrafter()
-        self.fallback: TokenRecyclingDrafter | TrigramDrafter = (
-            TokenRecyclingDrafter(vocab_size) if wide_trees else TrigramDrafter())
-
-    def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
-        draft = self.ngram.propose(context, pending, budget)
-        if draft.tokens:
-            if isinstance(self.fallback, TrigramDrafter):
-                self.fallback.propose(context, pending, 0)  # keep its context and predecessor current
-            return draft
-        return self.fallback.propose(context, pending, budget)
-
-    def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
-        self.fallback.observe(tokens, parents, logits)
-
-    def reset(self) -> None:
-        self.ngram.reset()
-        self.fallback.reset()
-
-
-def make_drafter(
-    cfg: LMConfig,
-    *,
-    vocab_size: int,
-    draft_target: Target | None = None,
-    draft_fed: Sequence[int] = (),
-    generator: torch.Generator | None = None,
-    wide_trees: bool = True,
-) -> Drafter | None:
-    """The drafter `cfg.drafter` names (None for "none"). draft-model needs `draft_target`: a session of
-    `cfg.draft_model` holding `draft_fed` (the same prompt as the main target). `wide_trees`: whether the
-    target verifies a wide tree about as fast as one token (a GPU), which decides `auto`'s fallback."""
-    kind = cfg.drafter
-    if kind == "none":
-        return None
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind == "recycling":
-        return TokenRecyclingDrafter(vocab_size)
-    if kind == "trigram":
-        return TrigramDrafter()
-    if kind == "auto":
-        return AutoDrafter(vocab_size, wide_trees=wide_trees)
-    if kind == "draft-model":
-        if draft_target is None:
-            raise ConfigError("lm.drafter = draft-model needs lm.draft_model (a smaller model, same tokenizer)")
-        return DraftModelDrafter(
-            draft_target, fed=draft_fed, temperature=cfg.temperature, top_p=cfg.top_p, generator=generator
-        )
-    raise ConfigError(f"lm.drafter {kind!r} is not one of {', '.join(DRAFTERS)}")

@@ -18,7 +18,8 @@ import torch
 
 from runtime.config import LMConfig
 from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, LMStream
-from runtime.models.lm.drafters import Drafter, make_drafter
+from runtime.models.lm.drafter_choice import make_drafter
+from runtime.models.lm.drafters import Drafter
 from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.sampling import Sampler, StopRule
