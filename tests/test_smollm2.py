@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,43 @@ def test_verified_drafts_get_exactly_the_logits_of_plain_decoding(path) -> None:
     got = session().score([*chain, 1345], [-1, 0, 1, 2, 3, 4, 5, 0])  # last: a sibling of node 1
     assert [torch.equal(got[i], want[i]) for i in range(len(chain))] == [True] * len(chain)
     assert torch.equal(got[-1], plain([504, 1345])[1])
+
+
+def test_answer_scoring_reads_numbers_and_names() -> None:
+    from runtime.bench.answers import normalise
+
+    assert normalise("Forty-five thousand dollars, 12,000 more") == "45 thousand dollars, 12000 more"
+    assert is_right("It is $45,000.", [["45000", "45 thousand"]]) and is_right("forty five", [["45"]])
+    assert not is_right("It costs 145 dollars.", [["45"]])  # whole numbers only
+    assert is_right("Kenji starts in March.", [["kenji"], ["march"]])
+    assert not is_right("Kenji starts soon.", [["kenji"], ["march"]])
+
+
+def test_llama_cpp_missing_is_a_row_with_the_reason(monkeypatch) -> None:
+    import builtins
+
+    from runtime.bench.llm_peers import llama_cpp_rows
+
+    real_import = builtins.__import__
+
+    def no_llama(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise ImportError("no llama_cpp")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama)
+    row = llama_cpp_rows(Path("x.gguf"), [1, 2], 8, (1, 2), lambda _: None)
+    assert row == {"skipped": "llama-cpp-python is not installed: pip install -e '.[llamacpp]'  (builds llama.cpp "
+                              "from source: about 10 minutes on 2 cores)"}
+
+
+def test_bench_answers_quick_runs_the_question_set(path, capsys) -> None:
+    import json
+
+    from runtime.cli import main
+
+    assert main(["bench", "answers", "--quick", "--json", "-q"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (variant,) = result["variants"].values()
+    assert result["questions"] == len(variant["text"]) >= 10
+    assert variant["text_accuracy"] >= 0.6, variant["text"]  # measured 0.8-0.9; a broken model scores ~0
