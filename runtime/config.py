@@ -74,7 +74,8 @@ class LMConfig:
     sink_tokens: int = 4
     window_tokens: int = 2048
     prefill_chunk_tokens: int = 256  # streamed context is prefilled in jobs of at most this many tokens
-    # engine: lossless speculative decoding. drafter: none | ngram | recycling | trigram | draft-model | auto
+    # engine: lossless speculative decoding. drafter: none | ngram | recycling | trigram | draft-model | swift
+    # (the model through a subset of its layers) | auto
     drafter: str = "auto"
     draft_model: str = ""  # a smaller model sharing the tokenizer, for drafter = draft-model
     max_draft_tokens: int = 8  # the upper bound; the engine adapts below it from measured acceptance and cost

@@ -273,3 +273,22 @@ def test_int4_refuses_layers_its_kernel_cannot_pack() -> None:
     with pytest.raises(ConfigError, match="divisible by 16 .* use lm.weights = int8 or bf16"):
         LMEngine.load(LMConfig(weights="int4"), device="cpu", dtype="float32")  # the tiny model's odd sizes
 
+
+
+def test_layer_skip_view_shares_weights_and_leaves_the_model_whole(engine: LMEngine) -> None:
+    from runtime.models.lm.layer_skip import kept_layers, layer_skip_view
+
+    model = engine.model
+    layers = list(model.model.layers)
+    view = layer_skip_view(model, [len(layers) - 1])
+    assert len(layers) >= 2
+    assert list(model.model.layers) == layers and model.args.num_layers == len(layers)  # untouched
+    assert view.args.num_layers == 1 and view.model.layers[0] is layers[-1]
+    assert view.model.embed_tokens is model.model.embed_tokens and view.lm_head is model.lm_head
+    ids = torch.tensor([5, 9, 13, 2])
+    full = model(ids, torch.arange(4))
+    skipped = view(ids, torch.arange(4))
+    assert full.shape == skipped.shape and not torch.allclose(full, skipped)
+    assert [i for i in range(30) if i not in kept_layers(30)] == [4, 9, 14, 19, 24]
+    with pytest.raises(ValueError, match="subset"):
+        layer_skip_view(model, [len(layers)])

@@ -68,7 +68,7 @@ def test_drafters_are_lossless_on_real_weights(path) -> None:
     context = ("[00:01.0] The quarterly review is on Monday at nine in room 4B.\n"
                "[00:05.0] Ines presents the sales numbers: revenue grew by twelve percent to 3.4 million.\n")
     outputs = {}
-    for drafter in ("none", "ngram", "recycling", "trigram", "auto"):
+    for drafter in ("none", "ngram", "recycling", "trigram", "swift", "auto"):
         answerer = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="int4", drafter=drafter,
                                                 max_new_tokens=40), device="cpu", dtype="float32")
         outs = []

@@ -4,8 +4,7 @@ over plain greedy decoding of the same prompts in the same run, and whether ever
 plain greedy (it must be: the drafters are lossless).
 
 Tasks: answering from a transcript (this runtime's own use: answers quote the transcript), summarising a
-transcript, and open chat (no transcript). Self-speculation by layer skipping (SWIFT) is not built: its row
-says so.
+transcript, and open chat (no transcript). `swift` is self-speculation by layer skipping (`layer_skip.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 from runtime.config import LMConfig
 from runtime.models.lm.engine_answerer import EngineAnswerer
 
-DRAFTER_ROWS = ("none", "ngram", "recycling", "trigram", "auto")
+DRAFTER_ROWS = ("none", "ngram", "recycling", "trigram", "swift", "auto")
 MEETING = ("[00:03] Ana: Welcome back. Our first customer in Oslo signed the contract on Monday.\n"
            "[00:11] Ben: The contract is worth 120,000 dollars over two years, paid every quarter.\n"
            "[00:19] Ana: Kofi will lead the rollout, starting with the warehouse team on March 4th.\n"
@@ -67,7 +66,6 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
             rows[drafter] = {"tokens_per_step": round(emitted / max(1, steps), 3), "tokens": emitted,
                              "seconds": round(seconds, 3), "speedup": round(base_s / seconds, 3),
                              "identical": outs == plain}
-        rows["swift"] = {"skipped": "self-speculation by layer skipping is not built"}
         table[task] = rows
     table["weights"] = weights
     table["max_new_tokens"] = n

@@ -115,9 +115,10 @@ def make_drafter(
         return TrigramDrafter()
     if kind == "auto":
         return AutoDrafter(vocab_size, wide_trees=wide_trees)
-    if kind == "draft-model":
+    if kind in ("draft-model", "swift"):
         if draft_target is None:
-            raise ConfigError("lm.drafter = draft-model needs lm.draft_model (a smaller model, same tokenizer)")
+            raise ConfigError(f"lm.drafter = {kind} needs a draft session: lm.draft_model (a smaller model, same "
+                              "tokenizer) for draft-model; the engine builds the layer-skip view for swift")
         return DraftModelDrafter(
             draft_target, fed=draft_fed, temperature=cfg.temperature, top_p=cfg.top_p, generator=generator
         )

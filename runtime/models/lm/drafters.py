@@ -24,7 +24,8 @@ import torch
 from runtime.models.lm.sampling import Sampler, draw, greedy_token
 from runtime.models.lm.target import Target
 
-DRAFTERS = ("none", "ngram", "recycling", "trigram", "draft-model", "auto")
+DRAFTERS = ("none", "ngram", "recycling", "trigram", "draft-model", "swift", "auto")
+MODEL_DRAFTERS = ("draft-model", "swift")  # drafters that decode a model (another one, or the target's own layers)
 
 
 class Draft(NamedTuple):

@@ -19,8 +19,9 @@ import torch
 from runtime.config import LMConfig
 from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, LMStream
 from runtime.models.lm.drafter_choice import make_drafter
-from runtime.models.lm.drafters import Drafter
+from runtime.models.lm.drafters import MODEL_DRAFTERS, Drafter
 from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.layer_skip import layer_skip_view
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.sampling import Sampler, StopRule
 from runtime.models.lm.speculative import SpeculativeDecoder
@@ -114,12 +115,15 @@ class EngineAnswerer:
         if cfg.drafter == "draft-model":
             draft_cfg = replace(cfg, model=cfg.draft_model, drafter="none")
             draft = LMEngine.load(draft_cfg, device=device, dtype=dtype, seed=seed, progress=progress)
+        elif cfg.drafter == "swift":  # the model itself through a subset of its layers: shared weights
+            draft = LMEngine(layer_skip_view(engine.model), engine.tokenizer, replace(cfg, drafter="none"),
+                             name=f"{cfg.model} (layer-skip draft)", seed=seed, eos_ids=engine.eos_ids)
         return cls(engine, draft)
 
     def open_stream(self) -> StreamLM:
         """A stream's state; the pipeline keeps it for the stream's life. Runs on the worker (allocates KV)."""
         draft_session = self.draft_engine.open_session() if self.draft_engine is not None else None
-        drafter = None if self.cfg.drafter == "draft-model" else make_drafter(
+        drafter = None if self.cfg.drafter in MODEL_DRAFTERS else make_drafter(
             self.cfg, vocab_size=self.engine.model.args.vocab_size,
             wide_trees=self.engine.model.device.type != "cpu")
         return StreamLM(self.engine.open_session(), drafter, draft_session)
