@@ -171,9 +171,19 @@ def test_auto_prefers_an_ngram_match_else_recycling():
 def test_auto_on_a_cpu_falls_back_to_trigram_chains():
     d = AutoDrafter(20, wide_trees=False)
     assert d.propose([1, 4, 6, 7, 2], 4, 3).tokens == [6, 7, 2]  # n-gram copy first
-    d.observe([5, 9], [-1, 0], torch.stack([torch.arange(20.0), torch.arange(20.0).flip(0)]))
-    draft = d.propose([8, 2], 5, 4)  # no n-gram match: (2, 5) from the observed tree (its root followed 2)
+    d.observe([4, 9], [-1, 0], torch.stack([torch.arange(20.0), torch.arange(20.0).flip(0)]))
+    draft = d.propose([8, 2], 4, 4)  # no n-gram match: (2, 4) from the observed tree (its root 4 followed 2)
     assert draft.tokens[:1] == [19] and draft.parents[0] == -1
+
+
+def test_trigram_keys_a_root_only_when_it_knows_the_token_before_it():
+    d = TrigramDrafter(k=2)
+    d.propose([1, 2, 3], 4, 3)  # proposes below 4, after 3
+    d.observe([9], [-1], torch.arange(12.0)[None])  # a tree it did not propose (a new answer's first token)
+    assert (3, 9) not in d.table
+    assert d.propose([7, 8, 9], 5, 0) is not None and d.propose([7, 8, 9], 5, 0).tokens == []  # budget 0: none
+    d.observe([5, 6], [-1, 0], torch.stack([torch.arange(12.0), torch.arange(12.0).flip(0)]))
+    assert d.table[(9, 5)] == [11, 10] and d.table[(5, 6)] == [0, 1]
 
 
 def test_trigram_follows_context_and_target_predictions():

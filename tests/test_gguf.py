@@ -42,6 +42,15 @@ def write_gguf(model: torch.nn.Module, path: Path, arch: str, qtype: GGMLQuantiz
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(2)
+    w.add_bos_token_id(1)
+    # a byte-level BPE vocabulary without merges: enough for transformers' GGUF tokenizer converter
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    tokens = ["<unk>", "<s>", "</s>", *[chr(ord("!") + i) for i in range(cfg.vocab_size - 3)]]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3, *[1] * (cfg.vocab_size - 3)])
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_merges([])
     for name, t in model.state_dict().items():
         a = t.float().numpy()
         if name == "lm_head.weight" and tie:
@@ -111,10 +120,13 @@ def test_int4_takes_the_files_own_blocks(written) -> None:
     if qtype == "Q8_0":  # no 4-bit blocks in the file: quantised by block minimum and maximum
         assert ckpt.q4_blocks("model.layers.1.self_attn.q_proj.weight") is None
         assert err <= (want.abs().max() / 15 + 1e-6)
-    else:
-        blocks = ckpt.q4_blocks("model.layers.1.self_attn.q_proj.weight")
-        assert blocks is not None
-        assert err <= 2 ** -7 * want.abs().max()  # bf16 scales and zeros: one rounding each
+    else:  # exactly the file's blocks, through the kernel's bf16 scale and zero
+        parts = [ckpt.q4_blocks(f"model.layers.1.self_attn.{p}_proj.weight") for p in "qkv"]
+        q, scale, low = (torch.cat([getattr(b, f) for b in parts]) for f in ("q", "scale", "low"))
+        bf = scale.bfloat16().float(), (low + 8 * scale).bfloat16().float()
+        exact = (q.float() - 8) * bf[0].repeat_interleave(32, 1) + bf[1].repeat_interleave(32, 1)
+        err = (lin.dequantized() - exact).abs()  # the kernel's bf16 output: within half a bf16 step of each
+        assert bool((err <= exact.abs() * 2**-8 + 1e-6).all()), float((err - exact.abs() * 2**-8).max())
 
 
 def test_weight_formats_stay_close_to_fp32(written) -> None:
@@ -160,6 +172,30 @@ def test_unsupported_architecture_and_types_are_one_line_errors(tmp_path: Path) 
     write_gguf(tiny("llama"), good, "llama", GGMLQuantizationType.Q8_0)
     with pytest.raises(ConfigError, match="lm.weights 'int3' is not one of auto, fp32, bf16, int8, int4"):
         Transformer.from_pretrained(good, weights="int3")
+
+
+def test_an_unsupported_tensor_type_is_a_one_line_error(tmp_path: Path) -> None:
+    path = tmp_path / "iq.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 36), dtype=np.uint8), raw_dtype=GGMLQuantizationType.IQ4_NL)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=r"GGUF tensor types IQ4_NL are not supported \(supported: F32, "):
+        GGUFCheckpoint(path)
+
+
+def test_a_gguf_file_path_loads_through_the_profile_path(written) -> None:
+    from runtime.config import LMConfig
+    from runtime.models.lm.engine import LMEngine
+    from runtime.models.loading import resolve_checkpoint
+
+    path, _ = written
+    assert resolve_checkpoint(str(path), role="lm") == path
+    engine = LMEngine.load(LMConfig(backend="engine", model=str(path), weights="int8"), device="cpu",
+                           dtype="float32")
+    assert engine.model.weights == "int8" and engine.eos_ids == frozenset({2})
 
 
 def test_gguf_file_is_found_in_a_folder(tmp_path: Path) -> None:

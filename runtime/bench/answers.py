@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from runtime.config import LMConfig, load_profile
+from runtime.errors import UserError
 from runtime.memory.transcript import TranscriptMemory
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm.engine_answerer import EngineAnswerer
@@ -52,16 +53,18 @@ def normalise(text: str) -> str:
     """Lower case, number words as digits ("forty five" -> "45"), thousands separators dropped."""
     words = re.sub(r"(?<=\d),(?=\d{3})", "", text.lower()).replace("-", " ").split()
     out: list[str] = []
+    tens = False  # the last word was a number word of tens ("forty"), which a unit word joins ("forty five")
     for w in words:
-        bare = w.strip(".,!?;:'\"()")
-        value = _NUMBERS.get(bare)
-        if value is not None and out and out[-1].isdigit() and int(out[-1]) % 10 == 0 and 0 < value < 10 \
-                and int(out[-1]) >= 20:
+        value = _NUMBERS.get(w.strip(".,!?;:'\"()"))
+        if value is not None and tens and 0 < value < 10:
             out[-1] = str(int(out[-1]) + value)
+            tens = False
         elif value is not None:
             out.append(str(value))
+            tens = value >= 20
         else:
             out.append(w)
+            tens = False
     return " ".join(out)
 
 
@@ -134,7 +137,10 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     base: LMConfig = replace(profile.lm, backend="engine")
     if args.model:
         base = replace(base, model=args.model)
-    variants = list(VARIANTS) if not args.prompts else args.prompts.split(",")
+    variants = list(VARIANTS) if not args.prompts else [v.strip() for v in args.prompts.split(",")]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise UserError(f"--prompts {','.join(unknown)}: unknown prompt variant (known: {', '.join(VARIANTS)})")
     if args.quick:
         items = items[:3]
         variants = variants[-1:]

@@ -23,6 +23,15 @@ def llama_cpp_rows(file: Path, prompt: Sequence[int], n: int, threads: Sequence[
     import llama_cpp
 
     out: dict[str, Any] = {"version": llama_cpp.__version__}
+    try:
+        _measure(Llama, file, prompt, n, threads, status, out)
+    except Exception as err:  # any failure of the peer is its row, never the bench's end
+        return {**out, "skipped": f"llama.cpp failed on {file.name}: {type(err).__name__}: {err}"}
+    return out
+
+
+def _measure(Llama: type, file: Path, prompt: Sequence[int], n: int, threads: Sequence[int],  # noqa: N803
+             status: Callable[[str], None], out: dict[str, Any]) -> None:
     for t in threads:
         status(f"llama.cpp: decode and prefill at {t} thread(s)")
         llm = Llama(str(file), n_threads=t, n_threads_batch=t, n_ctx=2048, n_batch=512, verbose=False)
@@ -43,4 +52,3 @@ def llama_cpp_rows(file: Path, prompt: Sequence[int], n: int, threads: Sequence[
         llm.eval(filler)
         out[f"prefill_tok_s_{t}t"] = round(512 / (time.perf_counter() - start), 1)
         del llm
-    return out

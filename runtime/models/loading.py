@@ -139,7 +139,7 @@ def _not_found(ref: str, role: str, why: str) -> CheckpointNotFound:
 
 
 def resolve_checkpoint(ref: str, *, role: str, seed: int = 0, progress: Progress | None = None) -> Path:
-    """Map a profile's model reference to a local directory that `from_pretrained` can read."""
+    """Map a profile's model reference to a local directory (or GGUF file) that the loaders can read."""
     if ref.startswith("tiny:"):
         return ensure_tiny(ref.removeprefix("tiny:"), seed=seed, progress=progress)
     if ref.startswith("builtin:"):
@@ -154,7 +154,7 @@ def resolve_checkpoint(ref: str, *, role: str, seed: int = 0, progress: Progress
                                      f"{', '.join(shipped) or 'none'})")
         return path
     path = Path(ref).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):  # a GGUF file is a whole checkpoint
         return path
     if is_path_like(ref) or path.exists():
         what = "is not a directory" if path.exists() else "does not exist"

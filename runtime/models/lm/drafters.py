@@ -191,7 +191,7 @@ class TrigramDrafter:
         self.table: dict[tuple[int, int], list[int]] = {}
         self._seen = 0
         self._ctx: tuple[int, ...] = ()
-        self._prev = -1  # the token before the last proposal's pending token
+        self._root: tuple[int, int] | None = None  # (token before it, pending) of the proposal being verified
 
     def _put(self, key: tuple[int, int], nxt: list[int]) -> None:
         if len(self.table) >= self.max_entries and key not in self.table:
@@ -209,16 +209,27 @@ class TrigramDrafter:
         self._ctx = tuple(context[-1:])
 
     def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
+        """A root's key needs the token before it, known only for a tree this drafter proposed below (the
+        decoder also reports trees it scored without asking: an answer's first token, depth-0 steps)."""
         top = logits.topk(self.k, dim=-1).indices.tolist()
+        root, self._root = self._root, None
         for i, (tok, par) in enumerate(zip(tokens, parents, strict=True)):
-            before = self._prev if par < 0 else tokens[par]
+            if par >= 0:
+                before = tokens[par]
+            elif root is not None and root[1] == tok:
+                before = root[0]
+            else:
+                continue
             if before >= 0 and tok >= 0:
                 self._put((before, tok), top[i])
 
     def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
         self._ingest(context)
-        self._prev = context[-1] if context else -1
-        first = self.table.get((self._prev, pending), [])[: self.width]
+        before = context[-1] if context else -1
+        self._root = (before, pending)
+        if budget <= 0:
+            return EMPTY
+        first = self.table.get((before, pending), [])[: self.width]
         tokens: list[int] = []
         parents: list[int] = []
         for rank, tok in enumerate(first):

@@ -337,9 +337,12 @@ class EngineSession:
             raise ValueError("tokens and parents differ in length")
         attend = self.cache.score_tree(parents)
         graph = self._decode_graph() if len(tokens) == 1 and tokens[0] >= 0 else None
-        # by token: each node's logits are exactly what a plain decode step there computes (lossless greedy)
+        # by token on CPU: each node's logits are exactly what a plain decode step there computes (lossless
+        # greedy with row-independent matmuls: int8/int4). On CUDA the decode step is the fixed-form graph, a
+        # different call anyway, and a call per node would make wide trees dear: one masked call there.
+        by_token = self.cache.k.device.type == "cpu"
         logits = graph.run(tokens[0], attend) if graph else self._forward(tokens, attend, last_only=False,
-                                                                         by_token=True)
+                                                                         by_token=by_token)
         self._tree = (list(tokens), logits)
         return logits
 

@@ -9,13 +9,12 @@ not permuted. A file without `output.weight` ties the head to the token embeddin
 4-bit blocks are also handed out raw (`q4_blocks`), so the int4 weight format can take the file's own integers
 and scales instead of quantising the dequantised floats a second time.
 
-The tokenizer and chat template come from the file's metadata through transformers' GGUF tokenizer converter;
-the converted tokenizer is saved once in the runtime cache, keyed by the file's hash (converting takes seconds).
+The tokenizer and chat template come from the file's metadata through transformers' GGUF tokenizer converter
+(`tokenizer.py`, which caches the result).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -113,10 +112,16 @@ class GGUFCheckpoint:
     def _arch(self, key: str, default: Meta = None) -> Meta:
         return self.field(f"{self.arch}.{key}", default)
 
+    def _required(self, key: str) -> int:
+        value = self._arch(key)
+        if value is None:
+            raise CheckpointNotFound(f"lm checkpoint {self.path}: the GGUF metadata lacks {self.arch}.{key}")
+        return int(value)
+
     @cached_property
     def args(self) -> ModelArgs:
-        heads = int(self._arch("attention.head_count"))
-        hidden = int(self._arch("embedding_length"))
+        heads = self._required("attention.head_count")
+        hidden = self._required("embedding_length")
         vocab = self._arch("vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
         scaling: dict[str, Any] = {}
         kind = self._arch("rope.scaling.type", "none")
@@ -133,11 +138,11 @@ class GGUFCheckpoint:
             model_type="qwen2" if qwen else "llama",
             vocab_size=int(vocab),
             hidden_size=hidden,
-            num_layers=int(self._arch("block_count")),
+            num_layers=self._required("block_count"),
             num_heads=heads,
             num_kv_heads=int(self._arch("attention.head_count_kv", heads)),
             head_dim=int(self._arch("attention.key_length", hidden // heads)),
-            intermediate_size=int(self._arch("feed_forward_length")),
+            intermediate_size=self._required("feed_forward_length"),
             rms_norm_eps=float(self._arch("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(self._arch("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
@@ -201,14 +206,9 @@ class GGUFCheckpoint:
             out = [unpermute(x, heads) for x in out]
         return Q4Blocks(*out)
 
-    def sha16(self) -> str:
-        digest = hashlib.sha256()
-        with self.path.open("rb") as f:
-            while block := f.read(1 << 22):
-                digest.update(block)
-        return digest.hexdigest()[:16]
-
     @property
     def eos_ids(self) -> list[int]:
-        eos = self.field("tokenizer.ggml.eos_token_id")
-        return [] if eos is None else [int(eos)]
+        """End of sequence and, where the file names them, end of turn and of message (Llama 3's
+        `<|eot_id|>` / `<|eom_id|>` end an instruct answer while eos is `<|end_of_text|>`)."""
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        return sorted({int(v) for v in (self.field(k) for k in keys) if v is not None})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from runtime.errors import CheckpointNotFound
 from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file
 from runtime.models.loading import cache_dir
 
@@ -25,7 +26,11 @@ def _gguf_tokenizer(file: Path) -> PreTrainedTokenizerBase:
     cached = cache_dir() / "gguf-tokenizers" / f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if cached.is_dir():
         return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except (KeyError, ValueError, TypeError) as err:  # transformers' converter on incomplete metadata
+        raise CheckpointNotFound(f"lm checkpoint {file}: no usable tokenizer in the GGUF metadata "
+                                 f"({type(err).__name__}: {err})") from None
     template = GGUFCheckpoint(file).field("tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = str(template)

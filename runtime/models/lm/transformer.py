@@ -18,7 +18,6 @@ SwiGLU MLP), so in float32 our logits equal the reference model's to ~1e-6.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.errors import CheckpointNotFound
+from runtime.models.lm.attention import Mask, TokenKeys, attention_by_token, token_keys
 from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file
 from runtime.models.lm.weight_formats import BlockSource, format_dtype, quantize_linears
 from runtime.models.lm.weights import ModelArgs, load_state, read_config
@@ -82,47 +82,6 @@ def rotate_keys(ck: Tensor, kr: Tensor, rotate: Rotate) -> None:
     if rotate is not None:
         where, cos, sin = rotate
         kr[:, where] = apply_rope(ck[:, where], cos, sin)
-
-
-@dataclass(frozen=True)
-class TokenKeys:
-    """Per new token, the cache slots it sees: an int L when that is the prefix [0, L), else their indices;
-    `size`: the window [0, size) they all lie in."""
-
-    seen: list[int | Tensor]
-    size: int
-
-
-# Which cache slots the new tokens see: a boolean mask [n, S]; S for all of [0, S); or per token (`token_keys`)
-Mask = Tensor | int | TokenKeys
-
-
-def token_keys(mask: Tensor) -> TokenKeys:
-    """`TokenKeys` of a mask [n, S]: one host synchronisation for the whole forward, used by every layer."""
-    lengths = mask.sum(-1)
-    slots = torch.arange(mask.shape[-1], device=mask.device)
-    prefix = (mask == (slots[None, :] < lengths[:, None])).all(-1)
-    seen = [int(length) if is_prefix else row.nonzero().squeeze(1)
-            for length, is_prefix, row in zip(lengths.tolist(), prefix.tolist(), mask, strict=True)]
-    return TokenKeys(seen, mask.shape[-1])
-
-
-def attention_by_token(q: Tensor, k: Tensor, v: Tensor, keys: TokenKeys, scale: float) -> Tensor:
-    """Each new token's attention computed as if it were a one-token decode step: its query rows over exactly
-    the keys it sees, in slot order, in one SDPA call of the same shape a plain decode step makes there.
-
-    Why: torch's CPU SDPA kernel rounds differently with the call's shape (other queries, masked keys), so one
-    masked forward over k draft tokens differed from k one-token steps (in bf16 by up to 0.6 in the logits,
-    enough to flip greedy near-ties). Token by token, verifying a draft chain is bitwise equal to decoding
-    it (tested), and speculative decoding stays token-identical. q [kv, group * n, d] (token i's rows are
-    i, i + n, ...), k/v [kv, S, d]."""
-    n = len(keys.seen)
-    out = torch.empty_like(q)
-    for i, seen in enumerate(keys.seen):
-        ks, vs = (k.narrow(1, 0, seen), v.narrow(1, 0, seen)) if isinstance(seen, int) else (
-            k.index_select(1, seen), v.index_select(1, seen))
-        out[:, i::n] = F.scaled_dot_product_attention(q[None, :, i::n], ks[None], vs[None], scale=scale)[0]
-    return out
 
 
 def layer_views(cache: CacheBuffers) -> list[KV]:
@@ -400,10 +359,13 @@ class Transformer(nn.Module):
             if "model.embed_tokens.weight" in state:
                 state["lm_head.weight"] = state["model.embed_tokens.weight"]
         state = fuse_projections(state)
-        expected = set(model.state_dict())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            what = f"lacks {missing[:3]}" if missing else f"has unexpected {unexpected[:3]}"
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+        wrong = [f"{k} {tuple(state[k].shape)} (config: {expected[k]})" for k in sorted(expected.keys() & state.keys())
+                 if tuple(state[k].shape) != expected[k]]
+        if missing or unexpected or wrong:
+            what = (f"lacks {missing[:3]}" if missing else f"has unexpected {unexpected[:3]}" if unexpected
+                    else f"has weights of the wrong shape: {wrong[:2]}")
             raise CheckpointNotFound(f"lm checkpoint {where} {what} (a {args.model_type} checkpoint was expected)")
         model.load_state_dict(state, strict=True, assign=True)
         if args.tie_word_embeddings:

@@ -1,0 +1,56 @@
+"""Which cache slots each new token attends to, and attention computed token by token for verification.
+
+Why token by token: torch's CPU SDPA kernel rounds differently with a call's shape (the other queries in the
+call, the masked keys), so one masked forward over k draft tokens gave logits up to 0.6 away from k one-token
+decode steps in bf16 activations, enough to flip greedy near-ties. Each token attending in the very call a
+one-token step makes at its place (its query rows over exactly the keys it sees) removes that difference; with
+row-independent matmuls around it (the int8/int4 weight-only kernels) a verified draft gets bitwise the
+logits of plain decoding, and greedy speculative decoding stays token-identical (tests/test_smollm2.py). bf16
+and fp32 `F.linear` are not row-independent, so there the logits agree only to rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TokenKeys:
+    """Per new token, the cache slots it sees: an int L when that is the prefix [0, L), else their indices;
+    `size`: the window [0, size) they all lie in."""
+
+    seen: list[int | Tensor]
+    size: int
+
+
+# Which cache slots the new tokens see: a boolean mask [n, S]; S for all of [0, S); or per token (`token_keys`)
+Mask = Tensor | int | TokenKeys
+
+
+def token_keys(mask: Tensor) -> TokenKeys:
+    """`TokenKeys` of a mask [n, S]: one host synchronisation for the whole forward, used by every layer."""
+    lengths = mask.sum(-1)
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    prefix = (mask == (slots[None, :] < lengths[:, None])).all(-1)
+    seen = [int(length) if is_prefix else row.nonzero().squeeze(1)
+            for length, is_prefix, row in zip(lengths.tolist(), prefix.tolist(), mask, strict=True)]
+    return TokenKeys(seen, mask.shape[-1])
+
+
+def attention_by_token(q: Tensor, k: Tensor, v: Tensor, keys: TokenKeys, scale: float) -> Tensor:
+    """Each new token's attention as a one-token decode step computes it: its query rows over exactly the keys
+    it sees, in slot order, in one SDPA call of the same shape (the module's docstring says why). q [kv, group
+    * n, d] (token i's rows are i, i + n, ...), k/v [kv, S, d]."""
+    n = len(keys.seen)
+    out = torch.empty_like(q)
+    for i, seen in enumerate(keys.seen):
+        ks, vs = (k.narrow(1, 0, seen), v.narrow(1, 0, seen)) if isinstance(seen, int) else (
+            k.index_select(1, seen), v.index_select(1, seen))
+        out[:, i::n] = F.scaled_dot_product_attention(q[None, :, i::n], ks[None], vs[None], scale=scale)[0]
+    return out
+
+
