@@ -27,6 +27,7 @@ from runtime.bench.llm_peers import llama_cpp_rows
 from runtime.bench.llm_spec import spec_table
 from runtime.bench.timing import machine
 from runtime.config import LMConfig
+from runtime.errors import UserError
 from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
 from runtime.models.lm.gguf_checkpoint import gguf_file
@@ -196,6 +197,12 @@ def ttft_after_streaming(ref: str, fmt: str, tokens: int, status: Status) -> dic
 
 
 def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
+    if args.device != "cpu":
+        raise UserError(f"runtime bench llm --model measures CPU weight formats against llama.cpp on the CPU; "
+                        f"--device {args.device} is not measured here")
+    if args.threads or args.dtype:
+        status("note: --threads and --dtype are not used: every row is measured at 1 and 2 threads, and each "
+               "weight format sets its own dtype")
     ref = args.model
     n = 32 if args.quick else 96
     path = resolve_checkpoint(ref, role="lm")

@@ -337,8 +337,9 @@ class Transformer(nn.Module):
         path = Path(path)
         if (file := gguf_file(path)) is not None:
             ckpt = GGUFCheckpoint(file)
-            return cls.from_state(ckpt.args, ckpt.state_dict(), where=str(file), device=device, dtype=dtype,
-                                  weights=weights, blocks=ckpt.q4_blocks)
+            state = ckpt.state_dict(format_dtype(weights, dtype))  # cast tensor by tensor: no float32 copy of all
+            return cls.from_state(ckpt.args, state, where=str(file), device=device, dtype=dtype, weights=weights,
+                                  blocks=ckpt.q4_blocks)
         args = read_config(path)
         state = load_state(path, device=device, dtype=format_dtype(weights, dtype))
         return cls.from_state(args, state, where=str(path), device=device, dtype=dtype, weights=weights)
