@@ -171,8 +171,9 @@ def test_auto_prefers_an_ngram_match_else_recycling():
 def test_auto_on_a_cpu_falls_back_to_trigram_chains():
     d = AutoDrafter(20, wide_trees=False)
     assert d.propose([1, 4, 6, 7, 2], 4, 3).tokens == [6, 7, 2]  # n-gram copy first
+    assert d.propose([8, 2], 4, 4).tokens == []  # no copy, and the tri-gram table knows nothing yet
     d.observe([4, 9], [-1, 0], torch.stack([torch.arange(20.0), torch.arange(20.0).flip(0)]))
-    draft = d.propose([8, 2], 4, 4)  # no n-gram match: (2, 4) from the observed tree (its root 4 followed 2)
+    draft = d.propose([8, 2], 4, 4)  # the tri-gram table learned (2, 4) from that tree (its root 4 followed 2)
     assert draft.tokens[:1] == [19] and draft.parents[0] == -1
 
 

@@ -69,13 +69,13 @@ class AutoDrafter:
 
     def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
         self.proposals += 1
-        chosen, draft = None, EMPTY
-        for name in self._order():
-            found = self.candidates[name].propose(context, pending, budget)
-            if found.tokens and chosen is None:
-                chosen, draft = name, found
-        self._last = (chosen, len(draft.tokens)) if chosen is not None else None
-        return draft
+        self._last = None
+        for name in self._order():  # the first with something to propose; the others catch up on the context
+            draft = self.candidates[name].propose(context, pending, budget)  # incrementally when next asked
+            if draft.tokens:
+                self._last = (name, len(draft.tokens))
+                return draft
+        return EMPTY
 
     def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
         for drafter in self.candidates.values():
