@@ -292,3 +292,8 @@ def test_layer_skip_view_shares_weights_and_leaves_the_model_whole(engine: LMEng
     assert [i for i in range(30) if i not in kept_layers(30)] == [4, 9, 14, 19, 24]
     with pytest.raises(ValueError, match="subset"):
         layer_skip_view(model, [len(layers)])
+
+
+def test_the_generate_backend_refuses_engine_weight_formats() -> None:
+    with pytest.raises(ConfigError, match="lm.weights = int4 is a format of the engine's own model"):
+        GenerateAnswerer.load(LMConfig(backend="generate", weights="int4"), device="cpu", dtype="float32")

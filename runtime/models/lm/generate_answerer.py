@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from runtime.config import LMConfig
-from runtime.errors import UserError
+from runtime.errors import ConfigError, UserError
 from runtime.models.lm.backend import AnswerStep, AnswerText, LMStream
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.pieces import Piece
@@ -109,6 +109,11 @@ class GenerateAnswerer:
         seed: int = 0,
         progress: Callable[[str], None] | None = None,
     ) -> GenerateAnswerer:
+        if cfg.weights not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"lm.weights = {cfg.weights} is a format of the engine's own model; lm.backend = "
+                              "generate runs transformers' model in the profile's dtype (use lm.backend = engine)")
+        if cfg.weights != "auto":
+            dtype = {"fp32": "float32", "bf16": "bfloat16"}[cfg.weights]
         with load_progress(progress, "lm", cfg.model, device, dtype):
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
             tokenizer, _ = load_tokenizer(path)

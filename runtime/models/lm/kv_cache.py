@@ -14,7 +14,9 @@ head_dim] with capacity = sink + window + reserve + target, and never reallocate
 
 The target group sits right after the source it answers from, so a decode step attends over one contiguous
 prefix of live slots, [0, F + answer so far): its attention costs what the live context costs, never the
-empty reserve (on CPU, SDPA's time grows with the slots it is given, masked or not).
+empty reserve (on CPU, SDPA's time grows with the slots it is given, masked or not). The price
+is paid by the rarer case: source tokens prefilled during an answer sit after the target group's whole
+capacity and attend over it (masked), and `end_target` always moves them back.
 
 Keys are stored BEFORE RoPE (`k`); `pos` holds each slot's position and attention uses keys rotated by it.
 The rotated keys are kept too (`kr`, one more K-sized buffer: +50 % KV memory), with the position each slot
