@@ -88,7 +88,7 @@ class VideoNote(Event):
     """A one-line note the model wrote about one memory segment (media seconds `start`-`end`); ours, no Realtime
     equivalent. A later note for a merged segment has a new `segment_id`."""
 
-    type: ClassVar[str] = "video.note"
+    type: ClassVar[str] = "runtime.video.note"
     segment_id: int
     text: str
     start: float
@@ -138,7 +138,7 @@ class ResponseDone(Event):
 class Metrics(Event):
     """Queue depths, drops, event-loop lag and device-worker load, emitted periodically and at the end."""
 
-    type: ClassVar[str] = "metrics"
+    type: ClassVar[str] = "runtime.metrics"
     metrics: dict[str, Any]
 
 

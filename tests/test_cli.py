@@ -122,7 +122,7 @@ def test_serve_with_a_file_source_takes_questions_on_stdin(demo_file):
     assert any(e.type == "response.done" for e in events)
     # stdin closed after the question (a pipe, as under systemd or nohup): only the questions end, the file
     # plays to its end
-    heard = [e for e in events if e.type == "metrics"][-1].metrics["asr"]["pushed_until"]
+    heard = [e for e in events if e.type == "runtime.metrics"][-1].metrics["asr"]["pushed_until"]
     assert heard == pytest.approx(len(demo_speech()) / 16000, abs=0.05)
 
 

@@ -185,7 +185,7 @@ async def test_unknown_fields_are_dropped_and_unknown_types_skipped(caplog):
     async with fake_server(newer_server) as url, AsyncRealtimeClient(url) as client:
         with caplog.at_level(logging.WARNING, logger="runtime.client"):
             received = [e async for e in client.events()]
-    assert [e.type for e in received] == ["metrics", "response.output_text.delta"]
+    assert [e.type for e in received] == ["runtime.metrics", "response.output_text.delta"]
     assert received[0].metrics == {"asr": {}} and not hasattr(received[0], "future_field")
     assert received[1].delta == "still here"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

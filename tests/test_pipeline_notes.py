@@ -166,7 +166,7 @@ async def test_a_note_is_asked_about_the_segment_keyframe_collapsed_to_one_line_
     assert model.embedded == ["a red ball"] and memory.notes == [(3, "a red ball", 1.0)]
     assert writer.written == 1 and model.released == 1
     assert [(e.type, e.segment_id, e.text, e.start, e.end, e.media_time) for e in out] == [
-        ("video.note", 3, "a red ball", 3.0, 4.0, 4.0)]
+        ("runtime.video.note", 3, "a red ball", 3.0, 4.0, 4.0)]
 
 
 @pytest.mark.asyncio

@@ -34,7 +34,7 @@ async def test_transcript_then_answer_in_order_with_no_task_left(worker):
     await session.finish()
     out = await events
     types = types_of(out)
-    assert types[0] == "session.created" and types[-1] == "metrics"
+    assert types[0] == "session.created" and types[-1] == "runtime.metrics"
     completed = [e.transcript for e in out if e.type.endswith("transcription.completed")]
     assert completed == ["w0 w1 w2 w3 w4", "w5 w6 w7 w8 w9", "w10 w11"]
     answer = "".join(e.delta for e in out if e.type == "response.output_text.delta")
@@ -168,7 +168,7 @@ async def test_stop_mid_answer_leaves_nothing_behind(worker):
     await asyncio.sleep(0.2)
     await session.stop()
     out = await events
-    assert out[-1].type == "metrics"
+    assert out[-1].type == "runtime.metrics"
     assert asr.streams[0].closed and answerer.released == 1
     await asyncio.sleep(0)
     assert asyncio.all_tasks() == {asyncio.current_task()}
@@ -196,7 +196,7 @@ async def test_metrics_are_emitted_periodically(worker):
         await session.push_audio(chunk)
     await asyncio.sleep(0.3)
     await session.finish()
-    reports = [e for e in await events if e.type == "metrics"]
+    reports = [e for e in await events if e.type == "runtime.metrics"]
     assert len(reports) >= 3
     assert all(r.media_time == pytest.approx(0.3) for r in reports)  # stamped with the media reached
     metrics = [r.metrics for r in reports]

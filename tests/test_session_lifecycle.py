@@ -44,7 +44,7 @@ async def test_final_metrics_report_the_numbers_measured(worker):
     created = next(e for e in out if e.type == "response.created")
     assert created.media_time == 1.2
     final = out[-1]
-    assert final.type == "metrics" and final.media_time == 1.2
+    assert final.type == "runtime.metrics" and final.media_time == 1.2
     m = final.metrics
     # heard all 0.5000625 s pushed and the transport holds 0.25006 s more (reported to the millisecond)
     assert m["asr"] == {"pushed_until": 0.5, "heard_until": 0.5, "lag_s": 0.25, "dropped_s": 0.5}
@@ -54,7 +54,7 @@ async def test_final_metrics_report_the_numbers_measured(worker):
                           "batches": 0}
     assert list(m["channels"]) == ["audio", "video", "questions", "events"]
     assert (m["channels"]["audio"]["got"], m["channels"]["questions"]["got"]) == (6, 1)
-    assert [e.type for e in out].count("metrics") == 1  # metrics_interval_s = 0: only the final report
+    assert [e.type for e in out].count("runtime.metrics") == 1  # metrics_interval_s = 0: only the final report
 
 
 @pytest.mark.asyncio
@@ -88,7 +88,7 @@ async def test_finish_and_stop_run_once(worker):
     await session.finish()
     await session.stop()
     out = await events
-    assert [e.type for e in out] == ["session.created", "metrics"] and asr.streams[0].closes == 1
+    assert [e.type for e in out] == ["session.created", "runtime.metrics"] and asr.streams[0].closes == 1
     assert out[-1].media_time == 0.0  # no media came
     assert out[-1].metrics["asr"] == {"pushed_until": 0.0, "heard_until": 0.0, "lag_s": 0.0, "dropped_s": 0.0}
     await asyncio.sleep(0)
@@ -190,7 +190,7 @@ async def test_finish_closes_the_session_even_when_a_processor_crashed(worker):
     await session.ask("q")
     await session.finish()  # the crashed tasks' errors do not stop the close
     out = await events
-    assert out[-1].type == "metrics" and asr.streams[0].closed and session.activity.open == 0
+    assert out[-1].type == "runtime.metrics" and asr.streams[0].closed and session.activity.open == 0
     await asyncio.sleep(0)
     assert asyncio.all_tasks() == {asyncio.current_task()}
 
@@ -222,7 +222,7 @@ async def test_a_session_never_started_can_still_be_stopped_or_finished(worker):
         session = await open_session(profile_for(), Models(asr, EchoAnswerer()), worker)
         events = asyncio.create_task(collect(session))
         await getattr(session, end)()
-        assert [e.type for e in await events] == ["metrics"] and asr.streams[0].closed
+        assert [e.type for e in await events] == ["runtime.metrics"] and asr.streams[0].closed
 
 
 class _BrokenVision:
@@ -256,5 +256,5 @@ async def test_an_asr_stream_that_fails_to_close_costs_nothing_else(worker):
         await session.push_audio(chunk)
     await session.finish()  # the close fails on the worker; the session still ends with its final metrics
     out = await events
-    assert asr.streams[0].closes == 1 and out[-1].type == "metrics" and session.events.closed
+    assert asr.streams[0].closes == 1 and out[-1].type == "runtime.metrics" and session.events.closed
     assert asyncio.all_tasks() == {asyncio.current_task()}

@@ -77,7 +77,7 @@ async def test_question_while_frames_arrive_and_frames_after_it_land(models, wor
     dropped = session.video_in.stats.dropped
     assert snap.frames_seen + dropped == 12 and snap.frames_seen > seen_at_question
     assert snap.tokens == memory.sizes.budget()
-    metrics = [e for e in events if e.type == "metrics"][-1].metrics["video"]
+    metrics = [e for e in events if e.type == "runtime.metrics"][-1].metrics["video"]
     assert metrics["encoded"] == snap.frames_seen and metrics["dropped_full"] == dropped
     assert metrics["memory_tokens"] == metrics["memory_budget"] == memory.sizes.budget()
     assert metrics["segments"] == len(snap.segments) and metrics["notes"] == 0  # notes are off in this profile
@@ -98,7 +98,7 @@ async def test_notes_are_written_for_closed_segments_when_idle(models, worker):
     assert created["video"] == {"fps": 1.0, "max_side": 320, "memory_tokens": 84}  # 16 + 8*4 + 4 + 2*16
     notes = [e for e in events if isinstance(e, VideoNote)]
     assert len(notes) >= 2
-    final = [e for e in events if e.type == "metrics"][-1].metrics["video"]
+    final = [e for e in events if e.type == "runtime.metrics"][-1].metrics["video"]
     assert final["notes"] == session.notes.written
     assert final["segments"] == len(session.video_memory.snapshot().segments) >= 2
     by_id = {s.id: s for s in session.video_memory.snapshot().segments}
@@ -160,7 +160,7 @@ async def test_an_unpaced_video_file_loses_no_frame_and_answers_the_same_every_r
         await feed(FileSource(path, speed=0, fps=1.0), session, [ScheduledQuestion("what moves?", at=25.0)])
         await session.finish()
         await consumer
-        video = [e for e in events if e.type == "metrics"][-1].metrics["video"]
+        video = [e for e in events if e.type == "runtime.metrics"][-1].metrics["video"]
         done = next(e for e in events if e.type == "response.done")
         answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         runs.append((video["dropped_full"], video["processed"], video["batches"], done.response["video"], answer))

@@ -40,7 +40,7 @@ async def test_a_client_that_stops_reading_keeps_its_session_and_every_event(tin
         async for message in ws:  # the server closes with 1000 after the commit's last events
             types.append(json.loads(message)["type"])
         assert ws.close_code == 1000, (ws.close_code, ws.close_reason)
-    assert types[0] == "session.created" and "response.done" in types and types[-1] == "metrics"
+    assert types[0] == "session.created" and "response.done" in types and types[-1] == "runtime.metrics"
 
 
 @pytest.mark.asyncio
@@ -63,4 +63,4 @@ async def test_a_server_working_through_a_backlog_keeps_the_session(tiny, monkey
             await client.commit()
             events = [event async for event in client.events()]
             assert client.close_code == 1000
-    assert session_started.is_set() and events[-1].type == "metrics"
+    assert session_started.is_set() and events[-1].type == "runtime.metrics"

@@ -53,7 +53,7 @@ async def stream_demo(client: AsyncRealtimeClient, seconds: float = 3.0) -> None
 def check_round_trip(events: list) -> None:
     types = [e.type for e in events]
     assert types[0] == "session.created"
-    assert types[-1] == "metrics"  # final metrics, then the server closes
+    assert types[-1] == "runtime.metrics"  # final metrics, then the server closes
     assert "conversation.item.input_audio_transcription.completed" in types
     created, done = types.index("response.created"), types.index("response.done")
     deltas = [i for i, t in enumerate(types) if t == "response.output_text.delta"]

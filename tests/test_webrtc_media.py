@@ -130,7 +130,7 @@ async def test_a_data_channel_append_beside_a_microphone_track_is_refused_and_th
     assert await asyncio.wait_for(peer.driver.run(messages(), send), 120)
     errors = [e["error"] for e in sent if e["type"] == "error"]
     assert [(e["code"], e["event_id"]) for e in errors] == [("audio_from_track", "a1")]
-    assert "response.done" in [e["type"] for e in sent] and sent[-1]["type"] == "metrics"
+    assert "response.done" in [e["type"] for e in sent] and sent[-1]["type"] == "runtime.metrics"
     await peer.pc.close()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from runtime.events import Event
+from runtime.events import Event, Metrics
 
 WATCHER_QUEUE = 512
 HISTORY = 100
@@ -38,7 +38,7 @@ class Broadcast:
     def publish(self, event: Event) -> None:
         """Called for every event of the local session, on the loop; never waits."""
         text = event.to_json()
-        if event.type != "metrics":
+        if event.type != Metrics.type:
             self.history.append(text)
         for watcher in list(self.watchers):
             try:

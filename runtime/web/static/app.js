@@ -250,7 +250,7 @@ const handlers = {
     renderCaptions();
   },
 
-  "video.note": (e) => {
+  "runtime.video.note": (e) => {
     const li = document.createElement("li");
     const time = document.createElement("time");
     time.textContent = clock(e.start) + "–" + clock(e.end);
@@ -286,7 +286,7 @@ const handlers = {
     responseId = null;
   },
 
-  metrics: (e) => {
+  "runtime.metrics": (e) => {
     const m = e.metrics || {};
     if (m.asr && typeof m.asr.lag_s === "number") ui.latAsr.textContent = ms(m.asr.lag_s);
     if (m.loop_lag && typeof m.loop_lag.max_ms === "number") ui.latLoop.textContent = m.loop_lag.max_ms + " ms";
