@@ -35,8 +35,7 @@ Status = Callable[[str], None]
 DEFAULT_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "answer_set.json"
 LINE_S = 4.0  # media seconds per scripted line
 VARIANTS: dict[str, dict[str, Any]] = {
-    "plain": {"system_prompt": "You are a live assistant. Answer the question about what was said, using the "
-                               "transcript.", "max_new_tokens": 48},
+    "plain": {"system_prompt": LMConfig().system_prompt, "max_new_tokens": 48},  # the runtime's default
     "short": {"system_prompt": "You answer questions about a live transcript. Answer in one short sentence, using "
                                "only facts from the transcript.", "max_new_tokens": 32},
     "quote": {"system_prompt": "You answer questions about a live transcript. Reply with one short sentence that "
@@ -132,6 +131,9 @@ def spoken_lines(items: list[dict[str, Any]], profile_name: str, status: Status)
 
 def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     path = Path(args.data) if args.data else DEFAULT_SET
+    if not path.is_file():
+        raise UserError(f"no question set at {path}: pass --data FILE (the format of tests/data/answer_set.json "
+                        "in the repository)")
     items = load_set(path)
     profile = load_profile(args.profile or "demo")
     base: LMConfig = replace(profile.lm, backend="engine")

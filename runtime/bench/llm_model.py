@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from runtime.bench.llm_peers import llama_cpp_rows
 from runtime.bench.llm_spec import spec_table
@@ -30,6 +29,7 @@ from runtime.config import LMConfig
 from runtime.errors import UserError
 from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
+from runtime.models.lm.generate_answerer import transformers_model
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.transformer import Transformer
 from runtime.models.loading import resolve_checkpoint
@@ -138,10 +138,8 @@ def _formats(ref: str, args: argparse.Namespace, status: Status, n: int) -> tupl
 
 def transformers_rows(path: Path, prompt: list[int], n: int, status: Status) -> dict[str, Any]:
     """transformers `generate` on the same file (its GGUF loader dequantises to fp32), at 1 and 2 threads."""
-    file = gguf_file(path)
     status("transformers generate: loading the same file")
-    where = {"gguf_file": file.name} if file is not None else {}
-    hf = AutoModelForCausalLM.from_pretrained(file.parent if file else path, dtype=torch.float32, **where).eval()
+    hf = transformers_model(path, torch.float32).eval()
     x = torch.tensor([prompt])
     out: dict[str, Any] = {}
     for threads in THREADS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -79,6 +80,13 @@ class GenerateAnswer:
         return None
 
 
+def transformers_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """transformers' own causal LM for a checkpoint folder or a GGUF file (which transformers dequantises)."""
+    file = gguf_file(path)
+    where = {"gguf_file": file.name} if file is not None else {}
+    return AutoModelForCausalLM.from_pretrained(file.parent if file else path, dtype=dtype, **where)
+
+
 class GenerateAnswerer:
     """A causal LM answering questions about the transcript; shared by sessions, state per answer."""
 
@@ -117,10 +125,7 @@ class GenerateAnswerer:
         with load_progress(progress, "lm", cfg.model, device, dtype):
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
             tokenizer, _ = load_tokenizer(path)
-            file = gguf_file(path)  # transformers reads GGUF itself, dequantised
-            where = {"gguf_file": file.name} if file is not None else {}
-            model = AutoModelForCausalLM.from_pretrained(file.parent if file else path, dtype=torch_dtype(dtype),
-                                                         **where).to(device).eval()
+            model = transformers_model(path, torch_dtype(dtype)).to(device).eval()
         return cls(model, tokenizer, cfg, name=cfg.model, seed=seed)
 
     # -- prompt ---------------------------------------------------------------------------------------
