@@ -22,7 +22,7 @@ def main(path: str, question: str, url: str = DEFAULT_URL) -> None:
     with RealtimeClient(url) as client:
         client.stream_file(path)  # as fast as the server takes it; speed=1.0 plays at real-time pace
         client.ask(question)
-        client.commit()  # end of input: the server flushes the transcript, answers, then closes
+        client.finish()  # end of input: the server flushes the transcript, answers, then closes
         for event in client.events():  # raises if the connection breaks instead of ending as if all went well
             if event.type.endswith("transcription.completed"):
                 print(f"[{event.start:6.1f}s] {event.transcript}")

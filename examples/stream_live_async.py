@@ -42,7 +42,7 @@ async def main(path: str, url: str = DEFAULT_URL) -> None:
                 await client.stream_microphone("default")
             else:
                 await client.stream_file(path, speed=1.0)
-            await client.commit()
+            await client.finish()
 
         async def ask_from_stdin() -> None:
             lines: asyncio.Queue[str | None] = asyncio.Queue(maxsize=8)

@@ -3,9 +3,14 @@
     async with AsyncRealtimeClient("ws://127.0.0.1:8765/v1/realtime") as client:
         await client.append_audio(samples)          # float32 or int16, mono 16 kHz (or stream_file/_microphone)
         await client.ask("what moved?")
-        await client.commit()
+        await client.finish()                       # no more input: the server answers, then closes
         async for event in client.events():         # runtime.events objects, in order
             ...
+
+On connect the client tells the server it sends 16 kHz PCM (the API's default is 24 kHz) and, unless
+`answer_turns`, that turn detection only splits the captions into utterances: a script streaming a talk asks
+its own questions rather than getting an answer at every pause. `commit()` ends a user turn (the API's
+`input_audio_buffer.commit`); `finish()` ends the session's input.
 
 `events()` raises `websockets.exceptions.ConnectionClosedError` when the connection breaks (see its docstring),
 so a script that reads every event fails loudly when the server does.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import threading
@@ -30,7 +36,7 @@ from websockets.exceptions import ConcurrencyError, ConnectionClosed, Connection
 from websockets.frames import CloseCode
 
 from runtime.chunks import AudioChunk
-from runtime.events import Event, new_id, parse_event
+from runtime.events import Event, SessionCreated, new_id, parse_event
 from runtime.web.protocol import binary_audio, binary_frame
 
 if TYPE_CHECKING:
@@ -41,7 +47,7 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-# Close codes after which `events()` just ends: 1000 (the server finished the session after commit), 1001 (the
+# Close codes after which `events()` just ends: 1000 (the server finished the session after finish()), 1001 (the
 # server is going away, e.g. shut down) and 1013 (server_busy: an `error` event saying so came first).
 QUIET_CLOSE_CODES = frozenset({CloseCode.NORMAL_CLOSURE, CloseCode.GOING_AWAY, CloseCode.TRY_AGAIN_LATER})
 
@@ -110,10 +116,12 @@ class AsyncRealtimeClient:
     to ping the server (a late pong closes nothing, see `connect`)."""
 
     def __init__(self, url: str, *, token: str | None = None, max_size: int = 16 * 1024 * 1024,
-                 binary: bool = False, keepalive_s: float = 20.0) -> None:
+                 binary: bool = False, keepalive_s: float = 20.0, answer_turns: bool = False) -> None:
         self.url, self.token, self.max_size, self.binary = url, token, max_size, binary
-        self.keepalive_s = keepalive_s
+        self.keepalive_s, self.answer_turns = keepalive_s, answer_turns
         self.ws: ClientConnection | None = None
+        self.created: Event | None = None  # the server's session.created, read on connect (events() yields it)
+        self.greeting_timeout_s = 30.0
         self._seq = 0
 
     async def connect(self) -> AsyncRealtimeClient:
@@ -123,6 +131,23 @@ class AsyncRealtimeClient:
         self.ws = await connect(self.url, max_size=self.max_size, additional_headers=headers,
                                 ping_interval=self.keepalive_s, ping_timeout=None,
                                 create_connection=_ClientConnection)
+        try:
+            first = read_server_event(await asyncio.wait_for(self.ws.recv(), self.greeting_timeout_s))
+        except ConnectionClosed:  # refused at once: events() says how
+            return self
+        except TimeoutError:
+            await self.close()
+            raise ConnectionError(f"{self.url} sent no session.created within {self.greeting_timeout_s:g} s: is it "
+                                  "a runtime server?") from None
+        self.created = first
+        if not isinstance(first, SessionCreated):  # server_busy: an error, then 1013
+            return self
+        audio: dict[str, object] = {"format": {"type": "audio/pcm", "rate": 16000}}
+        detection = first.session.get("audio", {}).get("input", {}).get("turn_detection")
+        if detection and not self.answer_turns:
+            audio["turn_detection"] = {**detection, "create_response": False, "interrupt_response": False}
+        with contextlib.suppress(ConnectionClosed):  # closed already: events() yields what came and says how
+            await self.update_session(audio={"input": audio})
         return self
 
     async def close(self) -> None:
@@ -171,7 +196,7 @@ class AsyncRealtimeClient:
         data = image if isinstance(image, bytes) else encode_jpeg(image)
         if self.binary:
             return await self._send_binary(lambda seq: binary_frame(seq, timestamp, data))
-        return await self.send("input_video_frame.append", image=base64.b64encode(data).decode(),
+        return await self.send("runtime.input_video_frame.append", image=base64.b64encode(data).decode(),
                                timestamp=timestamp)
 
     async def _send_binary(self, build: Callable[[int], bytes]) -> str:
@@ -190,7 +215,15 @@ class AsyncRealtimeClient:
         return await self.send("response.cancel", **({"response_id": response_id} if response_id else {}))
 
     async def commit(self) -> str:
+        """End the user's turn: the audio so far becomes a user item (turn detection does this by itself)."""
         return await self.send("input_audio_buffer.commit")
+
+    async def clear(self) -> str:
+        return await self.send("input_audio_buffer.clear")
+
+    async def finish(self) -> str:
+        """No more input: the server transcribes and answers what is pending, then closes with 1000."""
+        return await self.send("runtime.session.finish")
 
     async def events(self) -> AsyncIterator[Event]:
         """Server events, in order, until the connection closes. It ends quietly on 1000 (after commit, once
@@ -200,6 +233,9 @@ class AsyncRealtimeClient:
         session is never mistaken for a finished one. Forward compatible: unknown fields are dropped, messages
         of an unknown type are skipped with a logged warning (`read_server_event`)."""
         assert self.ws is not None, "connect() first"
+        if self.created is not None:
+            first, self.created = self.created, None
+            yield first
         try:
             async for message in self.ws:
                 if (event := read_server_event(message)) is not None:
@@ -248,7 +284,7 @@ class RealtimeClient:
         with RealtimeClient("ws://127.0.0.1:8765/v1/realtime") as client:
             client.stream_file("talk.mp4")
             client.ask("what was the plan?")
-            client.commit()
+            client.finish()
             for event in client.events():
                 print(event.to_json())
 
@@ -259,9 +295,9 @@ class RealtimeClient:
     THREAD_NAME = "realtime-client"
 
     def __init__(self, url: str, *, token: str | None = None, max_size: int = 16 * 1024 * 1024,
-                 binary: bool = False, keepalive_s: float = 20.0) -> None:
+                 binary: bool = False, keepalive_s: float = 20.0, answer_turns: bool = False) -> None:
         self._async = AsyncRealtimeClient(url, token=token, max_size=max_size, binary=binary,
-                                          keepalive_s=keepalive_s)
+                                          keepalive_s=keepalive_s, answer_turns=answer_turns)
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=self.THREAD_NAME, daemon=True)
@@ -328,6 +364,12 @@ class RealtimeClient:
 
     def commit(self) -> str:
         return self._call(self._async.commit)
+
+    def clear(self) -> str:
+        return self._call(self._async.clear)
+
+    def finish(self) -> str:
+        return self._call(self._async.finish)
 
     def stream_file(self, path: str | Path, speed: float = 0.0, *, fps: float = 1.0) -> float:
         return self._call(self._async.stream_file, path, speed, fps=fps)

@@ -114,6 +114,10 @@ class PipelineConfig:
     event_queue: int = 1024  # bounded; a full queue slows the processors (events are never dropped)
     worker_queue: int = 64  # bounded per process; submitters wait for a slot
     metrics_interval_s: float = 1.0  # wall seconds between metrics events (0 = only at the end)
+    # Turn detection a session starts with (a client's session.update may change it): "server_vad" (Silero VAD),
+    # "semantic_vad" (Smart Turn judges each pause) or "none" (one item until the client commits). It splits live
+    # captions into utterances everywhere; a websocket session also answers each turn (the API's default).
+    turn_detection: str = "server_vad"
 
 
 @dataclass(frozen=True)

@@ -74,12 +74,87 @@ class TranscriptionDelta(Event):
 @_register
 @dataclass(kw_only=True)
 class TranscriptionCompleted(Event):
+    """`usage` is the API's duration form: seconds of audio the item holds."""
+
     type: ClassVar[str] = "conversation.item.input_audio_transcription.completed"
     item_id: str
     content_index: int = 0
     transcript: str
     start: float
     end: float
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.usage:
+            self.usage = {"type": "duration", "seconds": round(max(0.0, self.end - self.start), 3)}
+
+
+@_register
+@dataclass(kw_only=True)
+class AudioBufferCommitted(Event):
+    """The input audio buffer became the user item `item_id` (by the client's commit or by turn detection)."""
+
+    type: ClassVar[str] = "input_audio_buffer.committed"
+    item_id: str
+    previous_item_id: str | None = None
+
+
+@_register
+@dataclass(kw_only=True)
+class AudioBufferCleared(Event):
+    type: ClassVar[str] = "input_audio_buffer.cleared"
+
+
+@_register
+@dataclass(kw_only=True)
+class SpeechStarted(Event):
+    """Turn detection heard speech begin at `audio_start_ms` of the session's audio (prefix padding included)."""
+
+    type: ClassVar[str] = "input_audio_buffer.speech_started"
+    item_id: str
+    audio_start_ms: int
+
+
+@_register
+@dataclass(kw_only=True)
+class SpeechStopped(Event):
+    type: ClassVar[str] = "input_audio_buffer.speech_stopped"
+    item_id: str
+    audio_end_ms: int
+
+
+@_register
+@dataclass(kw_only=True)
+class ItemAdded(Event):
+    """An item joined the conversation after `previous_item_id`; `item` as `Item.to_api` writes it."""
+
+    type: ClassVar[str] = "conversation.item.added"
+    item: dict[str, Any]
+    previous_item_id: str | None = None
+
+
+@_register
+@dataclass(kw_only=True)
+class ItemDone(Event):
+    """An item is final (a spoken one once its transcript completed, an answer once it ended)."""
+
+    type: ClassVar[str] = "conversation.item.done"
+    item: dict[str, Any]
+    previous_item_id: str | None = None
+
+
+@_register
+@dataclass(kw_only=True)
+class ItemDeleted(Event):
+    type: ClassVar[str] = "conversation.item.deleted"
+    item_id: str
+
+
+@_register
+@dataclass(kw_only=True)
+class ItemRetrieved(Event):
+    type: ClassVar[str] = "conversation.item.retrieved"
+    item: dict[str, Any]
 
 
 @_register
@@ -100,6 +175,46 @@ class VideoNote(Event):
 class ResponseCreated(Event):
     type: ClassVar[str] = "response.created"
     response: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
+class OutputItemAdded(Event):
+    type: ClassVar[str] = "response.output_item.added"
+    response_id: str
+    output_index: int = 0
+    item: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
+class OutputItemDone(Event):
+    type: ClassVar[str] = "response.output_item.done"
+    response_id: str
+    output_index: int = 0
+    item: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
+class ContentPartAdded(Event):
+    type: ClassVar[str] = "response.content_part.added"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    part: dict[str, Any]
+
+
+@_register
+@dataclass(kw_only=True)
+class ContentPartDone(Event):
+    type: ClassVar[str] = "response.content_part.done"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    part: dict[str, Any]
 
 
 @_register

@@ -1,6 +1,6 @@
 """The models a process loads once and shares between its sessions, loaded on the device worker (the thread
-that will run them): the ASR, the answerer, and the vision half of a vision-language model when the language
-model can see.
+that will run them): the ASR, the answerer, the vision half of a vision-language model when the language
+model can see, and the turn-detection models.
 """
 
 from __future__ import annotations
@@ -9,13 +9,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.config import Profile, check_memory_fits
+from runtime.errors import CheckpointNotFound
 from runtime.models.asr.base import StreamingASR
 from runtime.models.asr.registry import load_asr
 from runtime.models.lm import AnswerBackend, NoAnswerer, load_answerer
 from runtime.models.lm.weights import is_vlm
 from runtime.models.loading import configure_threads, resolve_checkpoint
+from runtime.models.turns.silero_vad import SileroVAD
+from runtime.models.turns.smart_turn import SmartTurn
 from runtime.models.vlm.base import FrameEncoder
 from runtime.models.vlm.llava_onevision import VisionEncoder
+from runtime.pipeline.turn_taking import TurnModels
 from runtime.worker import DeviceWorker, Priority
 
 
@@ -24,6 +28,18 @@ class Models:
     asr: StreamingASR
     answerer: AnswerBackend
     vision: FrameEncoder | None = None  # the VLM's vision half, when the language model can see
+    turns: TurnModels | None = None  # Silero VAD and Smart Turn (turn detection); None: commits by hand only
+
+
+def load_turn_models(progress: Callable[[str], None] | None = None) -> TurnModels | None:
+    """The turn-detection models, or None (said once through `progress`) when their package is missing: the
+    session then has no turn detection and a client commits by hand."""
+    try:
+        return TurnModels(SileroVAD.load(), SmartTurn.load())
+    except CheckpointNotFound as err:
+        if progress:
+            progress(f"no turn detection: {err}")
+        return None
 
 
 def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str], None] | None = None, *,
@@ -33,8 +49,10 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
     worker.call(Priority.CONTROL, configure_threads, profile.threads)
     asr = worker.call(Priority.CONTROL, load_asr, profile.asr, device=profile.device,
                       dtype=profile.dtype, progress=progress)
+    turns = worker.call(Priority.CONTROL, load_turn_models, progress) if profile.pipeline.turn_detection != "none" \
+        else None
     if not answers:
-        return Models(asr=asr, answerer=NoAnswerer())
+        return Models(asr=asr, answerer=NoAnswerer(), turns=turns)
     answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, seed=profile.seed,
                            device=profile.device, dtype=profile.dtype, progress=progress)
     vision = None
@@ -50,4 +68,4 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
             check_memory_fits(profile)
             vision = worker.call(Priority.CONTROL, VisionEncoder.load, profile.lm.model, grid=profile.video.grid,
                                  device=profile.device, dtype=profile.dtype, progress=progress)
-    return Models(asr=asr, answerer=answerer, vision=vision)
+    return Models(asr=asr, answerer=answerer, vision=vision, turns=turns)

@@ -12,25 +12,40 @@ module only runs it: lifecycle, input, reporting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 
-from runtime.channels import BlockingChannel, ChannelClosed, LatestChannel
-from runtime.chunks import AudioChunk, VideoFrame
+from runtime.channels import BlockingChannel, LatestChannel
+from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.config import Profile
-from runtime.events import Event, Metrics, SessionCreated, error_event, new_id
-from runtime.memory.transcript import TranscriptMemory
+from runtime.events import (
+    Event,
+    ItemAdded,
+    ItemDeleted,
+    ItemDone,
+    ItemRetrieved,
+    Metrics,
+    SessionCreated,
+    SessionUpdated,
+    error_event,
+    new_id,
+)
+from runtime.memory.conversation import Conversation, Item, Role
 from runtime.memory.video import VideoMemory
 from runtime.metrics import LoopLagMonitor
-from runtime.models.asr.base import ASRStream
 from runtime.pipeline import Emit
 from runtime.pipeline.answers import Question, QuestionProcessor
-from runtime.pipeline.audio import AudioProcessor
+from runtime.pipeline.audio import MIN_COMMIT_S, AudioProcessor, BufferEnd
 from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
+from runtime.pipeline.response_requests import ResponseRequests
 from runtime.pipeline.video import VideoProcessor
-from runtime.session_state import AnswerActivity, HeardClock, TransportStats
-from runtime.worker import DeviceWorker, Priority
+from runtime.session_config import SessionConfig
+from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, SessionSettings, TransportStats
+from runtime.worker import DeviceWorker
+
+
+class BufferTooSmall(ValueError):
+    """A commit of less audio than the API allows; the buffer is kept."""
 
 
 class FrameSampler:
@@ -55,18 +70,20 @@ class FrameSampler:
 class SessionParts:
     """Everything a session runs, built in dependency order by `session_builder.open_session`."""
 
-    audio_in: BlockingChannel[AudioChunk]
+    audio_in: BlockingChannel[AudioChunk | BufferEnd]
     video_in: LatestChannel[VideoFrame]
     questions: BlockingChannel[Question]
     events: BlockingChannel[Event]
     emit: Emit
     sampler: FrameSampler
-    transcript: TranscriptMemory
+    conversation: Conversation
     video_memory: VideoMemory | None
-    asr_stream: ASRStream
     heard: HeardClock
+    changes: ContextChanges
     activity: AnswerActivity
     transport: TransportStats
+    settings: SessionSettings
+    requests: ResponseRequests
     audio: AudioProcessor
     video: VideoProcessor
     answers: QuestionProcessor
@@ -81,17 +98,19 @@ class Session:
         self.profile, self.worker = profile, worker
         self.audio_in, self.video_in = parts.audio_in, parts.video_in
         self.questions, self.events, self.emit = parts.questions, parts.events, parts.emit
-        self.sampler, self.memory, self.video_memory = parts.sampler, parts.transcript, parts.video_memory
+        self.sampler, self.conversation, self.video_memory = parts.sampler, parts.conversation, parts.video_memory
         self.audio, self.video, self.answers = parts.audio, parts.video, parts.answers
         self.prefiller, self.notes = parts.prefiller, parts.notes
         self.heard, self.activity, self.transport = parts.heard, parts.activity, parts.transport
-        self._asr_stream = parts.asr_stream
+        self.settings, self.requests, self.changes = parts.settings, parts.requests, parts.changes
+        self.commits = 0  # commits asked for: a response waits for the transcripts of those before it
         self._describe = parts.describe
         self.lag = LoopLagMonitor()
         self.pushed_until = 0.0  # media seconds of audio pushed so far
         self.received_until = 0.0  # the same, counting a chunk still waiting for room in the audio queue
         self.media_time = 0.0  # newest media time seen on any input
         self._expected_sample = 0
+        self._buffer_from = 0  # the sample the input buffer starts at (after the last commit or clear)
         self._inputs: list[asyncio.Task[None]] = []  # end when their channels drain: audio, video
         self._answers: asyncio.Task[None] | None = None  # ends when the question channel drains
         self._background: list[asyncio.Task[None]] = []  # wait for changes forever: prefiller, notes, metrics
@@ -155,8 +174,7 @@ class Session:
         for task in self._background:  # nothing more will change: the prefiller and notes have no more to do
             task.cancel()
         await asyncio.gather(*self._tasks(), return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await self.worker.run(Priority.CONTROL, self._asr_stream.close)
+        await self.audio.release()  # the audio task closed its ASR streams, unless it never ran
         await self.emit(Metrics(metrics=self.metrics(), media_time=self.media_time))
         await self.lag.stop()
         self.events.close()
@@ -189,37 +207,96 @@ class Session:
         self, text: str, *, media_time: float | None = None, client_event_id: str | None = None,
         wait: bool = False,
     ) -> str | None:
-        """Queue a question; returns its response id, or None after emitting an `error` event. `wait`: return
-        only once the answer has ended (a file played unpaced asks this way, so that no audio after the
-        question's media time reaches the context its answer reads)."""
+        """Queue a question (a script's, the terminal's): it joins the conversation with its answer. Returns its
+        response id, or None after emitting an `error` event. `wait`: return only once the answer has ended (a
+        file played unpaced asks this way, so that no audio after the question's media time reaches the context
+        its answer reads)."""
         at = self.media_time if media_time is None else media_time
         if not text.strip():
             await self.emit(error_event("the question is empty", code="empty_question", param="text",
                                         client_event_id=client_event_id, media_time=at))
             return None
-        if len(self.questions) >= self.questions.capacity or self.questions.closed:
-            why = "closed" if self.questions.closed else f"full ({self.questions.capacity} waiting)"
-            await self.emit(error_event(f"question queue is {why}; ask again after the current answer",
-                                        code="question_queue_full", client_event_id=client_event_id,
-                                        media_time=at))
-            return None
-        question = Question(text.strip(), at, min(at, self.pushed_until), client_event_id)
-        self.activity.asked()  # from now on a note waits: the question goes first
-        try:
-            await self.questions.put(question)
-        except ChannelClosed:
-            self.activity.ended()
+        config = self.settings.config
+        question = Question(text.strip(), at, min(at, self.pushed_until), client_event_id, commits=self.commits,
+                            instructions=config.instructions, max_tokens=config.max_output_tokens,
+                            record_question=True)
+        if not await self.requests.request(question):
             return None
         if wait:
             await question.answered.wait()
         return question.response_id
+
+    async def create_response(self, *, client_event_id: str | None = None, text: str | None = None,
+                              instructions: str | None = None, max_tokens: int | None = None,
+                              in_conversation: bool = True, metadata: dict[str, object] | None = None) -> str | None:
+        """`response.create`: answer what the user said or typed since the last answer (or `text`, a request's
+        own input), after every commit sent before it has its transcript."""
+        config = self.settings.config
+        question = Question(text, self.media_time, self.pushed_until, client_event_id, commits=self.commits,
+                            instructions=config.instructions if instructions is None else instructions,
+                            max_tokens=config.max_output_tokens if max_tokens is None else max_tokens,
+                            in_conversation=in_conversation, metadata=metadata)
+        return question.response_id if await self.requests.request(question) else None
+
+    async def commit_audio(self, client_event_id: str | None = None) -> None:
+        """The audio pushed since the last commit becomes a user item (`input_audio_buffer.committed` follows,
+        in order with the audio). Raises BufferTooSmall, keeping the buffer, under `MIN_COMMIT_S` of audio."""
+        held = self._expected_sample - self._buffer_from
+        if held < MIN_COMMIT_S * SAMPLE_RATE:
+            raise BufferTooSmall(f"buffer too small: expected at least {MIN_COMMIT_S * 1000:.0f} ms of audio, the "
+                                 f"buffer holds {1000 * held / SAMPLE_RATE:.0f} ms")
+        self.commits += 1
+        self._buffer_from = self._expected_sample
+        await self.audio_in.put(BufferEnd(client_event_id=client_event_id))
+
+    async def clear_audio(self, client_event_id: str | None = None) -> None:
+        self._buffer_from = self._expected_sample
+        await self.audio_in.put(BufferEnd(clear=True, client_event_id=client_event_id))
+
+    # -- the conversation ------------------------------------------------------------------------------------
+    async def add_item(self, role: Role, text: str, *, item_id: str | None = None,
+                       after: str | None = None) -> str:
+        """A typed user or system message joins the conversation (`conversation.item.create`); raises KeyError
+        for an unknown `after`, ValueError for an id already in use."""
+        if item_id is not None and self.conversation.get(item_id) is not None:
+            raise ValueError(item_id)
+        item = Item(item_id or new_id("item"), self.media_time, self.media_time, role=role, audio=False,
+                    stable=text, completed=True)
+        previous = self.conversation.add(item, after=after)
+        self.changes.mark()
+        await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
+        await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
+        return item.item_id
+
+    async def delete_item(self, item_id: str) -> bool:
+        if not self.conversation.delete(item_id):
+            return False
+        self.changes.mark()
+        await self.emit(ItemDeleted(item_id=item_id, media_time=self.media_time))
+        return True
+
+    async def retrieve_item(self, item_id: str) -> bool:
+        item = self.conversation.get(item_id)
+        if item is not None:
+            await self.emit(ItemRetrieved(item=item.to_api(), media_time=self.media_time))
+        return item is not None
+
+    async def update_config(self, config: SessionConfig) -> None:
+        self.settings.config = config
+        await self.emit(SessionUpdated(session=self.describe(), media_time=self.media_time))
+
+    @property
+    def detects_turns(self) -> bool:
+        """Whether the turn-detection models loaded (else `turn_detection` stays null: commits by hand)."""
+        return self.audio.turns is not None
 
     def cancel_response(self, response_id: str | None = None) -> bool:
         return self.answers.cancel(response_id)
 
     # -- reporting -------------------------------------------------------------------------------------------
     def describe(self) -> dict[str, object]:
-        return {"id": self.id, "object": "realtime.session", **self._describe}
+        """The GA session object (what the client set), then what this server runs (models, profile)."""
+        return {"id": self.id, "object": "realtime.session", **self.settings.config.to_api(), **self._describe}
 
     def metrics(self) -> dict[str, object]:
         t = self.transport

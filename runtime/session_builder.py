@@ -13,30 +13,51 @@ websocket's rate bounds) passes the `TransportStats` it owns, and the session's 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import AudioChunk, VideoFrame
 from runtime.config import Profile, memory_sizes
+from runtime.errors import ConfigError
 from runtime.events import Event
 from runtime.loaded_models import Models
-from runtime.memory.transcript import TranscriptMemory
+from runtime.memory.conversation import Conversation
 from runtime.memory.video import VideoMemory
 from runtime.models.lm import NoAnswerer
 from runtime.pipeline.answers import Question, QuestionProcessor
-from runtime.pipeline.audio import AudioProcessor
+from runtime.pipeline.audio import AudioProcessor, BufferEnd
 from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
+from runtime.pipeline.response_requests import ResponseRequests
+from runtime.pipeline.turn_taking import TurnTaking
 from runtime.pipeline.video import VideoProcessor
 from runtime.session import FrameSampler, Session, SessionParts
-from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, TransportStats
+from runtime.session_config import CAPTIONS, SessionConfig, TurnDetection
+from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, SessionSettings, TransportStats
 from runtime.worker import DeviceWorker, Priority
+
+TURN_DETECTION = ("server_vad", "semantic_vad", "none")
+
+
+def initial_config(profile: Profile, models: Models, *, answer_turns: bool) -> SessionConfig:
+    """The config a session starts with: the profile's turn detection (when its models loaded), answering each
+    turn only for a conversation client (`answer_turns`; a live captioner only splits its captions)."""
+    kind = profile.pipeline.turn_detection
+    if kind not in TURN_DETECTION:
+        raise ConfigError(f"pipeline.turn_detection must be one of {', '.join(TURN_DETECTION)}, got {kind!r}")
+    detection = None
+    if kind != "none" and models.turns is not None:
+        detection = TurnDetection(type=kind) if answer_turns else replace(CAPTIONS, type=kind)  # type: ignore[arg-type]
+    return SessionConfig(turn_detection=detection)
 
 
 async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *,
-                       transport: TransportStats | None = None) -> Session:
-    """A session ready to `start()`. Its per-stream model state is opened on the worker, never on the loop."""
+                       transport: TransportStats | None = None, config: SessionConfig | None = None) -> Session:
+    """A session ready to `start()`. Its per-stream model state is opened on the worker, never on the loop.
+    `config`: what the client starts with (default: `initial_config` for a captioner)."""
     pipe = profile.pipeline
-    audio_in: BlockingChannel[AudioChunk] = BlockingChannel(pipe.audio_queue_chunks, "audio")
+    settings = SessionSettings(config or initial_config(profile, models, answer_turns=False))
+    audio_in: BlockingChannel[AudioChunk | BufferEnd] = BlockingChannel(pipe.audio_queue_chunks, "audio")
     video_in: LatestChannel[VideoFrame] = LatestChannel(pipe.video_queue_frames, "video")
     questions: BlockingChannel[Question] = BlockingChannel(pipe.question_queue, "questions")
     events: BlockingChannel[Event] = BlockingChannel(pipe.event_queue, "events")
@@ -46,7 +67,7 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
         if not events.closed:
             await events.put(event)
 
-    transcript = TranscriptMemory()
+    conversation = Conversation()
     heard, changes, activity = HeardClock(), ContextChanges(), AnswerActivity()
     video_memory = None
     if models.vision is not None:
@@ -63,22 +84,26 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
 
     prefiller = notes = None
     if lm_stream is not None:  # the answerer keeps per-stream KV: prefill the context as it lands
-        prefiller = ContextPrefiller(lm_stream, worker, transcript, changes, video=video_memory,
+        prefiller = ContextPrefiller(lm_stream, worker, conversation, changes, video=video_memory,
                                      embed_text=models.answerer.embed_text)
         if video_memory is not None and profile.video.notes:
             notes = NoteWriter(models.answerer, worker, video_memory, emit, activity,
                                max_tokens=profile.video.note_tokens)
 
+    answers = QuestionProcessor(questions, models.answerer, worker, emit, conversation, heard, activity, changes,
+                                lm_stream=lm_stream, prefiller=prefiller)
+    requests = ResponseRequests(questions, answers, activity, heard, settings, emit)
+    turns = TurnTaking(models.turns, settings) if models.turns is not None else None
     parts = SessionParts(
         audio_in=audio_in, video_in=video_in, questions=questions, events=events, emit=emit,
-        sampler=FrameSampler(profile.video.fps), transcript=transcript, video_memory=video_memory,
-        asr_stream=asr_stream, heard=heard, activity=activity, transport=transport or TransportStats(),
-        audio=AudioProcessor(audio_in, asr_stream, worker, emit, transcript, heard, changes),
+        sampler=FrameSampler(profile.video.fps), conversation=conversation, video_memory=video_memory,
+        heard=heard, changes=changes, activity=activity, transport=transport or TransportStats(),
+        settings=settings, requests=requests,
+        audio=AudioProcessor(audio_in, models.asr.open_stream, worker, emit, conversation, heard, changes,
+                             first_stream=asr_stream, turns=turns, sink=requests),
         video=VideoProcessor(video_in, worker, emit, changes, encoder=models.vision, memory=video_memory,
                              notes=notes),
-        answers=QuestionProcessor(questions, models.answerer, worker, emit, transcript, heard, activity,
-                                  lm_stream=lm_stream, prefiller=prefiller),
-        prefiller=prefiller, notes=notes,
+        answers=answers, prefiller=prefiller, notes=notes,
         describe=describe(profile, models, video_memory),
     )
     return Session(profile, worker, parts)

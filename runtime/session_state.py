@@ -7,6 +7,8 @@ Each has one writer and any number of readers, and each is built before the part
 - `ContextChanges`: the transcript or the video memory changed (written by both; the prefiller waits on it).
 - `AnswerActivity`: questions waiting or being answered (the session and the question processor write it;
   the note writer waits for it to be idle, so a note never delays an answer).
+- `SessionSettings`: the client's session config (written by the session; the audio and question processors
+  read it).
 - `TransportStats`: what a transport measured before the session's own channels (owned by the transport;
   the session's metrics read it).
 """
@@ -16,14 +18,23 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from runtime.session_config import SessionConfig
+
 
 class HeardClock:
-    """Media seconds of audio the ASR has consumed; `finished` once the audio ended (or its task stopped)."""
+    """Media seconds of audio the ASR has consumed, and how many buffer ends (commits) it has processed;
+    `finished` once the audio ended (or its task stopped)."""
 
     def __init__(self) -> None:
         self.until = 0.0
+        self.commits = 0
         self.finished = False
         self._changed = asyncio.Condition()
+
+    async def committed(self) -> None:
+        async with self._changed:
+            self.commits += 1
+            self._changed.notify_all()
 
     async def advance(self, media_time: float) -> None:
         async with self._changed:
@@ -35,10 +46,11 @@ class HeardClock:
             self.finished = True
             self._changed.notify_all()
 
-    async def reached(self, media_time: float) -> None:
-        """Wait until audio up to `media_time` is heard, or no more will be."""
+    async def reached(self, media_time: float, commits: int = 0) -> None:
+        """Wait until audio up to `media_time` is heard and `commits` commits are done, or no more will be."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.finished or self.until >= media_time - 1e-9)
+            await self._changed.wait_for(lambda: self.finished or (self.until >= media_time - 1e-9
+                                                                   and self.commits >= commits))
 
 
 class ContextChanges:
@@ -81,6 +93,14 @@ class AnswerActivity:
         """Wait until no question is waiting or being answered."""
         while self.open:
             await self._idle.wait()
+
+
+class SessionSettings:
+    """The session's `SessionConfig`, replaced whole by `session.update` (one writer: the session); readers
+    take `.config` when they need it, so a change applies from their next chunk or answer."""
+
+    def __init__(self, config: SessionConfig) -> None:
+        self.config = config
 
 
 @dataclass

@@ -85,7 +85,8 @@ class EchoAnswerer:
     def open_stream(self) -> None:
         return None
 
-    def start(self, context: str, question: str, *, seed=None, stream=None, suffix=None) -> "EchoAnswer":
+    def start(self, context: str, question: str, *, seed=None, stream=None, suffix=None,
+              max_tokens=None) -> "EchoAnswer":
         self.contexts.append(context)
         last = context.split()[-1] if context.split() else "nothing"
         return EchoAnswer(self, f"{question}->{last}")
@@ -95,6 +96,8 @@ class EchoAnswerer:
 
 
 class EchoAnswer:
+    prompt_ids: list[int] = [1, 2, 3]  # noqa: RUF012 - read only
+
     def __init__(self, answerer: EchoAnswerer, text: str) -> None:
         self.answerer, self.text, self.i = answerer, text, 0
 
@@ -119,7 +122,7 @@ class StreamingEchoAnswerer(EchoAnswerer):
     def open_stream(self) -> "StreamState":
         return StreamState()
 
-    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> "EchoAnswer":
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None) -> "EchoAnswer":
         assert stream is not None and stream.pending() == 0, "the pipeline must prefill before answering"
         stream.prefilled_at_question.append(stream.prefilled)
         return super().start(context, question)
@@ -165,6 +168,7 @@ def types_of(events) -> list[str]:
 
 class TwoStepAnswer:
     """Says "a note" in two steps; logs its release."""
+    prompt_ids: list[int] = [1, 2, 3]  # noqa: RUF012 - read only
 
     def __init__(self, log: list[str]) -> None:
         self.log, self.i = log, 0

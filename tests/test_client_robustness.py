@@ -23,7 +23,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosedError
 
 from runtime.client import AsyncRealtimeClient, RealtimeClient
-from runtime.events import Metrics, ResponseTextDelta
+from runtime.events import Metrics, ResponseTextDelta, SessionCreated
 from runtime.io.sample import demo_speech
 from runtime.web.server import RealtimeServer
 
@@ -33,8 +33,14 @@ CHUNK = 1600  # 100 ms
 
 @asynccontextmanager
 async def fake_server(handler: Callable[[ServerConnection], Awaitable[None]], **kwargs) -> AsyncIterator[str]:
-    """A websockets server on a free port running `handler` per connection; yields its URL."""
-    async with serve(handler, "127.0.0.1", 0, **kwargs) as server:
+    """A websockets server on a free port running `handler` per connection, after the greeting every session
+    starts with (`session.created`, which the SDK reads on connect); yields its URL."""
+
+    async def greeted(ws: ServerConnection) -> None:
+        await ws.send(SessionCreated(session={"id": "sess_fake", "object": "realtime.session"}).to_json())
+        await handler(ws)
+
+    async with serve(greeted, "127.0.0.1", 0, **kwargs) as server:
         port = server.sockets[0].getsockname()[1]
         yield f"ws://127.0.0.1:{port}/v1/realtime"
 
@@ -104,7 +110,8 @@ async def test_events_raise_after_yielding_what_arrived_when_the_connection_drop
         with pytest.raises(ConnectionClosedError):
             async for event in client.events():
                 received.append(event)
-    assert [e.delta for e in received] == ["last words"]
+    assert received[0].type == "session.created"  # the greeting, read on connect, comes first
+    assert [e.delta for e in received[1:]] == ["last words"]
     assert client.close_code == 1006
 
 
@@ -147,7 +154,7 @@ async def test_events_end_quietly_only_on_normal_shutdown_and_busy_closes(code, 
             assert raises
         else:
             assert not raises
-    assert len(received) == 1 and client.close_code == code
+    assert len(received) == 2 and client.close_code == code  # the greeting and the delta
 
 
 @pytest.mark.asyncio
@@ -165,7 +172,7 @@ async def test_blocking_events_raise_when_the_connection_drops():
                     received.append(event)
             return received
 
-        assert [e.delta for e in await asyncio.to_thread(read_all)] == ["a"]
+        assert [e.delta for e in (await asyncio.to_thread(read_all))[1:]] == ["a"]
 
 
 # 8. a newer server: unknown fields and event types do not stop the stream
@@ -185,9 +192,9 @@ async def test_unknown_fields_are_dropped_and_unknown_types_skipped(caplog):
     async with fake_server(newer_server) as url, AsyncRealtimeClient(url) as client:
         with caplog.at_level(logging.WARNING, logger="runtime.client"):
             received = [e async for e in client.events()]
-    assert [e.type for e in received] == ["runtime.metrics", "response.output_text.delta"]
-    assert received[0].metrics == {"asr": {}} and not hasattr(received[0], "future_field")
-    assert received[1].delta == "still here"
+    assert [e.type for e in received] == ["session.created", "runtime.metrics", "response.output_text.delta"]
+    assert received[1].metrics == {"asr": {}} and not hasattr(received[1], "future_field")
+    assert received[2].delta == "still here"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "future.event" in warnings[0]
 
@@ -267,7 +274,7 @@ def test_ask_about_a_file_exits_non_zero_with_one_line_when_the_server_is_unreac
 async def test_ask_about_a_file_exits_non_zero_when_the_connection_breaks(demo_file):
     async def abort(ws: ServerConnection) -> None:
         async for message in ws:  # take the media and the question, then die
-            if "input_audio_buffer.commit" in message:
+            if "runtime.session.finish" in message:
                 await ws.send(delta("half an answer"))
                 await asyncio.sleep(0.2)
                 ws.transport.abort()
@@ -286,7 +293,7 @@ async def test_stream_live_async_ends_with_the_session_while_stdin_stays_open(tm
 
     async def short_session(ws: ServerConnection) -> None:
         async for message in ws:
-            if isinstance(message, str) and "input_audio_buffer.commit" in message:
+            if isinstance(message, str) and "runtime.session.finish" in message:
                 break
         await ws.send(delta("hello"))
         await ws.close(1000, "session finished")

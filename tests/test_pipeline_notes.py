@@ -28,7 +28,8 @@ class _NoteModel:
     def open_stream(self) -> None:
         return None
 
-    def start(self, context: str, question: str, *, seed=None, stream=None, suffix=None) -> TwoStepAnswer:
+    def start(self, context: str, question: str, *, seed=None, stream=None, suffix=None,
+              max_tokens=None) -> TwoStepAnswer:
         self.log.append("start")
         self.asked.append((context, question, suffix))
         return TwoStepAnswer(self.log)
@@ -94,7 +95,7 @@ class _ScriptedNoteModel:
         self.released = 0
         self.steps = 0
 
-    def start(self, context, question, *, seed=None, stream=None, suffix=None):
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None):
         self.calls.append((context, question, suffix))
         if len(self.calls) in self.fail:
             raise RuntimeError("note failed")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from session_fakes import closed_segment
 
+from runtime.memory.conversation import Conversation
 from runtime.memory.snapshot import MemorySizes
-from runtime.memory.transcript import TranscriptMemory
 from runtime.memory.video import VideoMemory
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.vlm.prompt import memory_pieces
@@ -49,7 +49,7 @@ def _memory_with_a_planted_segment(query: torch.Tensor) -> VideoMemory:
 async def test_the_prefiller_puts_the_memory_after_the_transcript_and_lets_a_question_select_it():
     q = torch.zeros(16)
     q[5] = 1.0
-    memory, stream, transcript, changes = _memory_with_a_planted_segment(q), _RecordingStream(), TranscriptMemory(), \
+    memory, stream, transcript, changes = _memory_with_a_planted_segment(q), _RecordingStream(), Conversation(), \
         ContextChanges()
     transcript.apply(TranscriptUpdate("item_1", "hello there", "", 61.0, 62.0, True, "hello there"))
     asked: list[str] = []
@@ -82,7 +82,7 @@ async def test_the_prefiller_puts_the_memory_after_the_transcript_and_lets_a_que
 
 @pytest.mark.asyncio
 async def test_the_prefiller_without_video_hands_the_transcript_alone():
-    stream, transcript = _RecordingStream(), TranscriptMemory()
+    stream, transcript = _RecordingStream(), Conversation()
     transcript.apply(TranscriptUpdate("item_1", "w0 ", "w1", 0.0, 0.2))
     with DeviceWorker() as worker:
         prefiller = ContextPrefiller(stream, worker, transcript, ContextChanges(), embed_text=lambda t: None)
@@ -127,8 +127,8 @@ class _VideoMem:
         return self.snap
 
 
-def _transcript(text: str) -> TranscriptMemory:
-    transcript = TranscriptMemory()
+def _transcript(text: str) -> Conversation:
+    transcript = Conversation()
     transcript.apply(TranscriptUpdate("i0", text, "", 0.0, 1.0))
     return transcript
 

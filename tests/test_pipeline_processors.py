@@ -10,7 +10,7 @@ from session_fakes import TwoStepAnswer, closed_segment
 
 from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
-from runtime.memory.transcript import TranscriptMemory
+from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.audio import AudioProcessor
@@ -26,6 +26,7 @@ class _ScriptedStream:
     def __init__(self, heard: HeardClock, by_chunk: dict, final: list, fail_on: set) -> None:
         self.heard, self.by_chunk, self.final, self.fail_on = heard, by_chunk, final, fail_on
         self.heard_at_call: list[float] = []
+        self.closed = False
 
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
         self.heard_at_call.append(self.heard.until)
@@ -40,20 +41,24 @@ class _ScriptedStream:
             raise RuntimeError("corrupt end")
         return self.final
 
+    def close(self) -> None:
+        self.closed = True
+
 
 async def _run_audio(n_chunks: int, by_chunk: dict, final: list, fail_on: set = frozenset()):
     channel: BlockingChannel[AudioChunk] = BlockingChannel(n_chunks, "audio")
     for i in range(n_chunks):
         await channel.put(AudioChunk(np.zeros(SAMPLE_RATE // 10, np.float32), i * (SAMPLE_RATE // 10)))
     channel.close()
-    heard, changes, transcript, emitted = HeardClock(), ContextChanges(), TranscriptMemory(), []
+    heard, changes, transcript, emitted = HeardClock(), ContextChanges(), Conversation(), []
 
     async def emit(event) -> None:
         emitted.append(event)
 
     stream = _ScriptedStream(heard, by_chunk, final, set(fail_on))
     with DeviceWorker() as worker:
-        await AudioProcessor(channel, stream, worker, emit, transcript, heard, changes).run()
+        await AudioProcessor(channel, lambda: stream, worker, emit, transcript, heard, changes,
+                             first_stream=stream).run()
     return stream, heard, changes, transcript, emitted
 
 
@@ -65,27 +70,40 @@ async def test_audio_processor_publishes_updates_advances_the_clock_to_each_chun
     stream, heard, changes, transcript, out = await _run_audio(3, by_chunk, final, {1})
     assert stream.heard_at_call == pytest.approx([0.0, 0.1, 0.2, 0.3])  # a failed chunk still counts as heard
     assert heard.finished and heard.until == pytest.approx(0.3)
-    assert [e.type.rsplit(".", 1)[-1] if e.type != "error" else "error" for e in out] == [
-        "delta", "error", "delta", "completed"]  # the update with nothing new is applied, not emitted
-    delta, error, tail, done = out
-    assert (delta.item_id, delta.delta, delta.unstable, delta.start, delta.end, delta.media_time) == (
-        "i0", "a ", "", 0.0, 0.1, 0.1)
+    # the update with nothing new is applied, not emitted; the end of input commits the buffer: its user item
+    # is added, its transcript completes with the backend's final text, and the item is done
+    assert [e.type for e in out] == [
+        "conversation.item.input_audio_transcription.delta", "error",
+        "conversation.item.input_audio_transcription.delta", "input_audio_buffer.committed",
+        "conversation.item.added", "conversation.item.input_audio_transcription.delta",
+        "conversation.item.input_audio_transcription.completed", "conversation.item.done"]
+    delta, error, tail, committed, added, last, done, item_done = out
+    assert last.delta == " b"  # what the final text adds to the streamed deltas: they add up to it
+    item = delta.item_id  # the buffer's item, not the backend's "i0"
+    assert item.startswith("item_") and {e.item_id for e in (tail, committed, done)} == {item}
+    assert committed.previous_item_id is None and added.item["id"] == item_done.item["id"] == item
+    assert added.item["content"] == [{"type": "input_audio", "transcript": None}]
+    assert item_done.item["content"] == [{"type": "input_audio", "transcript": "a b"}]
+    assert stream.closed
+    assert (delta.delta, delta.unstable, delta.start, delta.end, delta.media_time) == ("a ", "", 0.0, 0.1, 0.1)
     assert error.error["code"] == "asr_failed" and error.error["type"] == "server_error"
     assert error.error["message"] == "speech recognition failed: corrupt 1" and error.media_time == pytest.approx(0.1)
     assert (tail.delta, tail.unstable, tail.media_time) == ("", "b", 0.3)
-    assert (done.item_id, done.transcript, done.start, done.end, done.media_time) == ("i0", "a b", 0.0, 0.3, 0.3)
+    assert (done.transcript, done.start, done.end, done.media_time) == ("a b", 0.0, 0.3, 0.3)
+    assert done.usage == {"type": "duration", "seconds": 0.3}
     assert transcript.final_text() == "a b"
     await asyncio.wait_for(changes.wait(), 1)  # the context changed
 
 
 @pytest.mark.asyncio
-async def test_audio_processor_without_words_marks_no_change_and_a_failed_finish_is_reported_at_the_heard_time():
+async def test_audio_processor_without_words_commits_an_empty_item_and_a_failed_finish_is_reported_at_its_end():
     stream, heard, changes, transcript, out = await _run_audio(2, {}, [], {"finish"})
     assert heard.finished and heard.until == pytest.approx(0.2)
-    assert [(e.error["code"], e.error["message"]) for e in out] == [("asr_failed", "speech recognition failed: "
-                                                                                   "corrupt end")]
-    assert out[0].media_time == pytest.approx(0.2)
-    assert not changes._dirty.is_set() and transcript.items == []
+    errors = [e for e in out if e.type == "error"]
+    assert [(e.error["code"], e.error["message"]) for e in errors] == [("asr_failed", "speech recognition failed: "
+                                                                                      "corrupt end")]
+    assert errors[0].media_time == pytest.approx(0.2)
+    assert [it.text for it in transcript.items] == [""] and transcript.context() == ""
 
 
 class _Encoder:
@@ -190,13 +208,8 @@ class _SelectingPrefiller:
 class _OneWordModel:
     name = "one"
 
-    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> TwoStepAnswer:
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None) -> TwoStepAnswer:
         return TwoStepAnswer([])
-
-
-class _NoContext:
-    def context(self) -> str:
-        return ""
 
 
 async def _answer_one(prefiller, question: Question) -> tuple[list, QuestionProcessor, AnswerActivity]:
@@ -212,8 +225,8 @@ async def _answer_one(prefiller, question: Question) -> tuple[list, QuestionProc
     await channel.put(question)
     channel.close()
     with DeviceWorker() as worker:
-        answers = QuestionProcessor(channel, _OneWordModel(), worker, emit, _NoContext(), heard, activity,
-                                    prefiller=prefiller)
+        answers = QuestionProcessor(channel, _OneWordModel(), worker, emit, Conversation(), heard, activity,
+                                    ContextChanges(), prefiller=prefiller)
         await answers.run()
     return emitted, answers, activity
 

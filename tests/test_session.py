@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 from session_fakes import (
+    CHUNK,
     EchoAnswerer,
     StreamingEchoAnswerer,
     WordASR,
@@ -36,7 +37,8 @@ async def test_transcript_then_answer_in_order_with_no_task_left(worker):
     types = types_of(out)
     assert types[0] == "session.created" and types[-1] == "runtime.metrics"
     completed = [e.transcript for e in out if e.type.endswith("transcription.completed")]
-    assert completed == ["w0 w1 w2 w3 w4", "w5 w6 w7 w8 w9", "w10 w11"]
+    # no turn detection and no commit: the input is one buffer, so one user item, however the ASR cut it
+    assert completed == ["w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11"]
     answer = "".join(e.delta for e in out if e.type == "response.output_text.delta")
     assert answer == "q->w11"  # the answer waited for every word heard before the question
     assert types.index("response.created") < types.index("response.output_text.done") < types.index("response.done")
@@ -69,8 +71,10 @@ async def test_media_times_line_up(worker):
     events = asyncio.create_task(collect(session))
     for chunk in audio_chunks(9):
         await session.push_audio(chunk)
+        if chunk.end_sample % (3 * CHUNK) == 0 and chunk.end_sample < 9 * CHUNK:
+            await session.commit_audio()  # a buffer of three chunks: one user item each
     await session.finish()
-    out = [e for e in await events if e.type.startswith("conversation.item")]
+    out = [e for e in await events if e.type.startswith("conversation.item.input_audio_transcription")]
     ends = [e.end for e in out]
     assert ends == sorted(ends) and ends[-1] == pytest.approx(0.9)
     completed = [e for e in out if e.type.endswith("completed")]
@@ -216,15 +220,16 @@ async def test_transcript_is_prefilled_as_it_arrives(worker):
         await session.push_audio(chunk)
     stream = session.answers.lm_stream
     for _ in range(500):  # idle: the prefiller catches up in the background, with no question asked
-        if "w7" in session.memory.context() and stream.prefilled == session.memory.context():
+        if "w7" in session.conversation.context() and stream.prefilled == session.conversation.context():
             break
         await asyncio.sleep(0.01)
-    assert stream.prefilled == session.memory.context() and "w7" in stream.prefilled
+    assert stream.prefilled == session.conversation.context() and "w7" in stream.prefilled
     assert stream.threads == {worker.name}  # prefill ran on the device worker
+    heard = session.conversation.context()
     await session.ask("q")
     await session.finish()
     out = await events
     assert "".join(e.delta for e in out if e.type == "response.output_text.delta") == "q->w7"
-    assert stream.prefilled_at_question == [session.memory.context()]
+    assert stream.prefilled_at_question == [heard]  # what was heard; the question and answer joined after
     assert out[-1].metrics["answers"]["prefilled_tokens"] == len(stream.prefilled)
     assert asyncio.all_tasks() == {asyncio.current_task()}

@@ -47,7 +47,7 @@ class CountingAnswerer(EchoAnswerer):
         super().__init__()
         self.limit, self.fail_at = limit, fail_at
 
-    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> EchoAnswer:
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None) -> EchoAnswer:
         if question == "explode":
             raise RuntimeError("the model fell over")
         return CountingAnswer(self, super().start(context, question).text, self.limit)
@@ -72,21 +72,32 @@ def _by_response(events, response_id):
 async def test_a_completed_answer_ties_its_events_together_and_reports_usage_and_timing(worker):
     (rid,), events = await _answer(worker, CountingAnswerer(), "q")
     mine = _by_response(events, rid)
-    assert [e.type for e in mine] == ["response.created"] + ["response.output_text.delta"] * 5 + [
-        "response.output_text.done", "response.done"]
-    created, *deltas, text_done, done = mine
-    assert created.response == {"id": rid, "object": "realtime.response", "status": "in_progress",
-                                "question": "q"}
-    item_ids = {e.item_id for e in [*deltas, text_done]}
+    # the Realtime API's response lifecycle, in its order; the answer also joins the conversation
+    assert [e.type for e in mine] == ["response.created", "response.output_item.added", "response.content_part.added"
+                                      ] + ["response.output_text.delta"] * 5 + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.done"]
+    created, item_added, part_added, *deltas, text_done, part_done, item_done, done = mine
+    assert created.response == {"id": rid, "object": "realtime.response", "status": "in_progress", "output": [],
+                                "conversation_id": "auto", "output_modalities": ["text"], "max_output_tokens": "inf",
+                                "metadata": None, "question": "q"}
+    assert item_added.item["status"] == "in_progress" and item_done.item["status"] == "completed"
+    assert part_added.part == {"type": "text", "text": ""} and part_done.part == {"type": "text", "text": "q->w2"}
+    item_ids = {e.item_id for e in [*deltas, text_done, part_added, part_done]} | {item_added.item["id"]}
     assert len(item_ids) == 1 and next(iter(item_ids)).startswith("item_")
     assert all(e.media_time == 0.25 for e in mine)  # every event of the answer carries the question's media time
     assert "".join(d.delta for d in deltas) == text_done.text == "q->w2"  # w2 ends at 0.3 s, after 0.25 s
     r = done.response
     assert (r["id"], r["object"], r["status"], r["status_details"], r["question"]) == (
         rid, "realtime.response", "completed", None, "q")
-    assert r["output"] == [{"id": next(iter(item_ids)), "type": "message", "role": "assistant",
+    assert r["output"] == [{"id": next(iter(item_ids)), "object": "realtime.item", "type": "message",
+                            "role": "assistant", "status": "completed",
                             "content": [{"type": "output_text", "text": "q->w2"}]}]
-    assert r["usage"] == {"output_tokens": 2 * 5, "decode_steps": 5}  # each step reported two tokens
+    # each step reported two tokens; the fake's prompt is three tokens
+    assert r["usage"] == {"total_tokens": 3 + 2 * 5, "input_tokens": 3, "output_tokens": 2 * 5, "decode_steps": 5}
+    # the question and its answer joined the conversation, after what was heard
+    conversation = [e for e in events if e.type == "conversation.item.done"]
+    said = [(e.item["role"], e.item["content"][0].get("text")) for e in conversation]
+    assert said[:2] == [("user", "q"), ("assistant", "q->w2")]  # the spoken item completes at the end of input
     assert r["decoding"] == {"steps": 5, "accepted_per_step": 2.0}
     assert 0 < r["timing"]["first_token_s"] <= r["timing"]["total_s"] < 30
     assert "video" not in r  # no video memory, so no selection to report
@@ -103,7 +114,7 @@ class TimedAnswerer(EchoAnswerer):
         super().__init__(step_s)
         self.started = self.last_step = 0.0
 
-    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> EchoAnswer:
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None) -> EchoAnswer:
         self.started = time.perf_counter()
         answer = super().start(context, question)
         step = answer.step
@@ -129,8 +140,8 @@ async def test_total_time_runs_from_the_question_to_the_answers_end_and_the_cont
     answered = time.perf_counter()
     await session.finish()
     timing = next(e for e in await events if e.type == "response.done").response["timing"]
-    # Item 0 (w0 w1) completed at 0.2 s; item 1 (w2) is open. One line per item, stamped with its start.
-    assert answerer.contexts == ["[00:00.0] w0 w1\n[00:00.2] w2"]
+    # The ASR's items fold into the buffer's one user item, stamped with its start.
+    assert answerer.contexts == ["[00:00.0] w0 w1 w2"]
     # The answer spelled "q->w2" in 5 steps of 30 ms, all between the question and its response.done.
     assert answerer.last_step - answerer.started >= 5 * 0.03
     assert answerer.last_step - answerer.started - 1e-4 <= timing["total_s"] <= answered - asked + 1e-4
@@ -205,7 +216,7 @@ async def test_cancel_names_the_answer_it_stops(worker):
     await session.finish()
     done = next(e for e in await events if e.type == "response.done")
     assert done.response["status"] == "cancelled"
-    assert done.response["status_details"] == {"reason": "client_cancelled"}
+    assert done.response["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
     assert session.answers.answered == 1 and session.answers.current is None
 
 
@@ -224,7 +235,7 @@ class ScriptedAnswerer:
     def open_stream(self) -> None:
         return None
 
-    def start(self, context, question, *, seed=None, stream=None, suffix=None) -> "ScriptedAnswer":
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None) -> "ScriptedAnswer":
         if self.fail_start:
             raise RuntimeError("out of memory")
         return ScriptedAnswer(self, self.scripts.pop(0))
@@ -234,6 +245,7 @@ class ScriptedAnswerer:
 
 
 class ScriptedAnswer:
+    prompt_ids: list[int] = [1, 2, 3]  # noqa: RUF012 - read only
     def __init__(self, model: ScriptedAnswerer, script: list[AnswerStep]) -> None:
         self.model, self.script, self.i = model, script, 0
 
@@ -270,18 +282,19 @@ async def test_an_answer_cut_at_max_tokens_is_incomplete_with_its_usage(worker):
     text_done = next(e for e in out if e.type == "response.output_text.done")
     done = next(e for e in out if e.type == "response.done")
     rid = created.response["id"]
-    assert created.response == {"id": rid, "object": "realtime.response", "status": "in_progress",
-                                "question": "why?"}
+    assert created.response == {"id": rid, "object": "realtime.response", "status": "in_progress", "output": [],
+                                "conversation_id": "auto", "output_modalities": ["text"], "max_output_tokens": "inf",
+                                "metadata": None, "question": "why?"}
     assert [d.delta for d in deltas] == ["ab", "c"]  # an empty delta (a partial character) is not emitted
     item = deltas[0].item_id
     assert item.startswith("item_") and rid.startswith("resp_")
     assert {d.item_id for d in deltas} == {item} and text_done.item_id == item and text_done.text == "abc"
     assert {d.response_id for d in deltas} == {rid} and text_done.response_id == rid and done.response["id"] == rid
     r = done.response
-    assert r["status"] == "incomplete" and r["status_details"] == {"reason": "max_output_tokens"}
-    assert r["usage"] == {"output_tokens": 6, "decode_steps": 3}
-    assert r["output"] == [{"id": item, "type": "message", "role": "assistant",
-                            "content": [{"type": "output_text", "text": "abc"}]}]
+    assert r["status"] == "incomplete" and r["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+    assert r["usage"] == {"total_tokens": 9, "input_tokens": 3, "output_tokens": 6, "decode_steps": 3}
+    assert r["output"] == [{"id": item, "object": "realtime.item", "type": "message", "role": "assistant",
+                            "status": "incomplete", "content": [{"type": "output_text", "text": "abc"}]}]
     assert r["decoding"] == {"target_forwards": 3} and "video" not in r
     assert 0 <= r["timing"]["first_token_s"] <= r["timing"]["total_s"]
     assert {e.media_time for e in (created, *deltas, text_done, done)} == {0.7}
@@ -293,7 +306,7 @@ async def test_a_completed_answer_has_no_status_details_and_no_decoding_stats(wo
     out = await _answer_events(worker, ScriptedAnswerer([AnswerStep("ok", True, "stop")]), ("q", 0.0))
     r = next(e for e in out if e.type == "response.done").response
     assert r["status"] == "completed" and r["status_details"] is None and "decoding" not in r
-    assert r["usage"] == {"output_tokens": 1, "decode_steps": 1}
+    assert r["usage"] == {"total_tokens": 4, "input_tokens": 3, "output_tokens": 1, "decode_steps": 1}
 
 
 @pytest.mark.asyncio
@@ -311,8 +324,10 @@ async def test_an_answer_that_fails_to_start_is_failed_and_the_next_question_is_
     assert errors[0].error == {"type": "server_error", "code": "response_failed", "event_id": "c1", "param": None,
                                "message": "answering failed: out of memory"}
     first, second = [e.response for e in out if e.type == "response.done"]
-    assert first["status"] == "failed" and first["status_details"] == {"reason": "error"}
-    assert first["usage"] == {"output_tokens": 0, "decode_steps": 0} and first["timing"]["first_token_s"] is None
+    assert first["status"] == "failed" and first["status_details"] == {
+        "type": "failed", "error": {"type": "server_error", "code": "response_failed", "message": "out of memory"}}
+    assert first["usage"] == {"total_tokens": 0, "input_tokens": 0, "output_tokens": 0, "decode_steps": 0}
+    assert first["timing"]["first_token_s"] is None
     assert "decoding" not in first and "video" not in first  # no counters from an answer that never started
     assert first["output"][0]["content"][0]["text"] == ""
     assert second["status"] == "completed" and second["output"][0]["content"][0]["text"] == "fine"
@@ -328,7 +343,8 @@ async def test_an_answer_failing_mid_decode_keeps_its_text_and_releases_its_stat
     assert "".join(e.delta for e in out if e.type == "response.output_text.delta") == "abcd"
     assert next(e for e in out if e.type == "response.output_text.done").text == "abcd"
     r = next(e for e in out if e.type == "response.done").response
-    assert r["status"] == "failed" and r["usage"] == {"output_tokens": 2, "decode_steps": 2}
+    assert r["status"] == "failed" and r["usage"] == {"total_tokens": 5, "input_tokens": 3, "output_tokens": 2,
+                                                    "decode_steps": 2}
     assert answerer.released == 1
 
 
@@ -380,7 +396,7 @@ async def test_cancel_names_the_current_answer_only(worker):
     await session.finish()
     out = await events
     done = next(e for e in out if e.type == "response.done")
-    assert done.response["status"] == "cancelled" and done.response["status_details"] == {
+    assert done.response["status"] == "cancelled" and done.response["status_details"] == {"type": "cancelled",
         "reason": "client_cancelled"}
     assert done.response["usage"]["decode_steps"] <= 2 and answerer.released == 1
     assert not session.cancel_response(rid)  # over

@@ -23,6 +23,7 @@ from runtime.config import with_overrides
 from runtime.loaded_models import Models
 from runtime.models.lm import NoAnswerer
 from runtime.session_builder import open_session
+from runtime.session_config import SessionConfig
 from runtime.session_state import TransportStats
 
 
@@ -65,9 +66,11 @@ async def test_session_created_describes_the_models_and_settings(worker):
     await session.finish()
     created = (await events)[0]
     assert created.type == "session.created" and session.id.startswith("sess_")
+    ga = SessionConfig(turn_detection=None).to_api()  # no turn models loaded: the client commits by hand
+    assert ga["audio"]["input"]["turn_detection"] is None and ga["type"] == "realtime"
     assert created.session == {
-        "id": session.id, "object": "realtime.session", "profile": "tiny", "device": "cpu", "dtype": "float32",
-        "random_weights": profile.random_weights,
+        "id": session.id, "object": "realtime.session", **ga, "profile": "tiny", "device": "cpu",
+        "dtype": "float32", "random_weights": profile.random_weights,
         "asr": {"backend": "causal-whisper", "model": "tiny:whisper", "language": "en"},
         "lm": {"backend": "engine", "model": "tiny:llava-onevision", "max_new_tokens": 24},
         "video": {"fps": 2.0, "max_side": 320, "memory_tokens": 0},

@@ -47,7 +47,7 @@ def test_blocking_client_round_trip(server_url, demo_file):
     with RealtimeClient(server_url) as client:
         sent = client.stream_file(demo_file)
         client.ask("what moved?")
-        client.commit()
+        client.finish()
         events = list(client.events())
     types = [e.type for e in events]
     assert types[0] == "session.created" and "response.done" in types

@@ -35,9 +35,9 @@ async def test_a_client_that_stops_reading_keeps_its_session_and_every_event(tin
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "what was said?"}]}}))
         await ws.send(json.dumps({"type": "response.create"}))
         await asyncio.sleep(30 * KEEPALIVE_S)  # not reading: the server's pings go unanswered meanwhile
-        await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        await ws.send(json.dumps({"type": "runtime.session.finish"}))
         types = []
-        async for message in ws:  # the server closes with 1000 after the commit's last events
+        async for message in ws:  # the server closes with 1000 after the session's last events
             types.append(json.loads(message)["type"])
         assert ws.close_code == 1000, (ws.close_code, ws.close_reason)
     assert types[0] == "session.created" and "response.done" in types and types[-1] == "runtime.metrics"
@@ -60,7 +60,7 @@ async def test_a_server_working_through_a_backlog_keeps_the_session(tiny, monkey
             speech = np.tile(demo_speech(), 2)
             for i in range(0, len(speech), 1600):
                 await client.append_audio(speech[i : i + 1600])
-            await client.commit()
+            await client.finish()
             events = [event async for event in client.events()]
             assert client.close_code == 1000
     assert session_started.is_set() and events[-1].type == "runtime.metrics"

@@ -14,10 +14,14 @@ from runtime.web.protocol import (
     AppendAudio,
     AppendFrame,
     CancelResponse,
+    ClearInput,
     CommitInput,
     CreateItem,
     CreateResponse,
+    DeleteItem,
+    FinishSession,
     ProtocolError,
+    RetrieveItem,
     UpdateSession,
     binary_audio,
     binary_frame,
@@ -33,21 +37,16 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def test_audio_round_trips_through_pcm16():
-    samples = np.linspace(-1, 1, 1600, dtype=np.float32)
-    command = parse_client_event(msg("input_audio_buffer.append", audio=b64(pcm16_bytes(samples))))
-    assert isinstance(command, AppendAudio) and command.event_id == "c1"
-    assert command.samples.dtype == np.float32 and len(command.samples) == 1600
-    assert np.abs(command.samples - samples).max() < 1e-4
-    ints = np.array([0, 16384, -32768], np.int16)
-    parsed = parse_client_event(msg("input_audio_buffer.append", audio=b64(pcm16_bytes(ints)))).samples
-    assert parsed.tolist() == [0.0, 0.5, -1.0]
+def test_audio_is_passed_on_as_bytes_in_the_sessions_format():
+    raw = pcm16_bytes(np.linspace(-1, 1, 1600, dtype=np.float32))
+    command = parse_client_event(msg("input_audio_buffer.append", audio=b64(raw)))
+    assert command == AppendAudio("c1", raw)  # decoded by the session's AudioDecoder, which knows the format
 
 
 def test_frame_decodes_and_shrinks_to_max_side():
     image = np.zeros((96, 128, 3), np.uint8)
     image[:, :64] = 255
-    command = parse_client_event(msg("input_video_frame.append", image=b64(encode_jpeg(image)), timestamp=1.5),
+    command = parse_client_event(msg("runtime.input_video_frame.append", image=b64(encode_jpeg(image)), timestamp=1.5),
                                  max_side=64)
     assert isinstance(command, AppendFrame)
     assert command.frame.time == 1.5 and command.frame.image.shape == (48, 64, 3)
@@ -59,9 +58,10 @@ def test_binary_fast_path_equals_the_json_events():
     as_json = parse_client_event(msg("input_audio_buffer.append", audio=b64(pcm16_bytes(samples))))
     as_binary = parse_client_event(binary_audio(4_000_000_000, pcm16_bytes(samples)))
     assert isinstance(as_binary, AppendAudio) and as_binary.event_id == "bin-4000000000"
-    assert np.array_equal(as_binary.samples, as_json.samples)
+    assert as_binary.audio == as_json.audio
     jpeg = encode_jpeg(np.full((96, 128, 3), 90, np.uint8))
-    json_frame = parse_client_event(msg("input_video_frame.append", image=b64(jpeg), timestamp=2.25), max_side=64)
+    json_frame = parse_client_event(msg("runtime.input_video_frame.append", image=b64(jpeg), timestamp=2.25),
+                                    max_side=64)
     binary = parse_client_event(binary_frame(3, 2.25, jpeg), max_side=64)
     assert isinstance(binary, AppendFrame) and binary.event_id == "bin-3" and binary.frame.time == 2.25
     assert np.array_equal(binary.frame.image, json_frame.frame.image)
@@ -72,21 +72,31 @@ def test_binary_fast_path_equals_the_json_events():
 
 def test_other_commands():
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "what moved?"}]}
-    assert parse_client_event(msg("conversation.item.create", item=item)) == CreateItem("c1", "what moved?")
+    assert parse_client_event(msg("conversation.item.create", item=item)) == CreateItem("c1", "user", "what moved?")
+    system = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "be brief"}]}
+    assert parse_client_event(msg("conversation.item.create", item={**system, "id": "mine"},
+                                  previous_item_id="root")) == CreateItem("c1", "system", "be brief", "mine", "root")
     assert parse_client_event(msg("response.create")) == CreateResponse("c1")
+    assert parse_client_event(msg("response.create", response={
+        "instructions": "in French", "max_output_tokens": 5, "conversation": "none", "metadata": {"k": "v"},
+        "input": [item, {"type": "item_reference", "id": "item_1"}]})) == CreateResponse(
+        "c1", "in French", 5, False, "what moved?", ("item_1",), {"k": "v"})
     assert parse_client_event(msg("response.cancel")) == CancelResponse("c1", None)
     assert parse_client_event(msg("input_audio_buffer.commit")) == CommitInput("c1")
-    assert parse_client_event(msg("session.update", session={"input_audio_format": "pcm16"})) == UpdateSession(
-        "c1", {"input_audio_format": "pcm16"})
+    assert parse_client_event(msg("input_audio_buffer.clear")) == ClearInput("c1")
+    assert parse_client_event(msg("conversation.item.delete", item_id="i")) == DeleteItem("c1", "i")
+    assert parse_client_event(msg("conversation.item.retrieve", item_id="i")) == RetrieveItem("c1", "i")
+    assert parse_client_event(msg("runtime.session.finish")) == FinishSession("c1")
+    # the session's fields are checked against its config (test_session_config.py); here only the shape
+    assert parse_client_event(msg("session.update", session={"instructions": "x"})) == UpdateSession(
+        "c1", {"instructions": "x"})
     assert parse_event({"type": "session.updated", "session": {}}).type == "session.updated"
 
 
 def test_escaped_surrogate_pairs_and_plain_unicode_are_text():
     pair = parse_client_event('{"type": "conversation.item.create", "event_id": "c1", "item": {"content": '
                               '[{"type": "input_text", "text": "caf\\u00e9 \\ud83d\\ude00 \\u00fc"}]}}')
-    assert pair == CreateItem("c1", "caf\u00e9 \U0001f600 \u00fc")
-    assert parse_client_event(msg("session.update", session={"modalities": ["text", "audio"]})) == UpdateSession(
-        "c1", {"modalities": ["text", "audio"]})
+    assert pair == CreateItem("c1", "user", "caf\u00e9 \U0001f600 \u00fc")
 
 
 @pytest.mark.parametrize("message, code", [
@@ -97,16 +107,27 @@ def test_escaped_surrogate_pairs_and_plain_unicode_are_text():
     (msg("input_audio_buffer.append"), "missing_field"),
     (msg("input_audio_buffer.append", audio=12), "invalid_value"),
     (msg("input_audio_buffer.append", audio="@@not base64@@"), "invalid_base64"),
-    (msg("input_audio_buffer.append", audio=b64(b"\x01\x02\x03")), "invalid_audio"),
-    (msg("input_video_frame.append", image=b64(b"not an image at all"), timestamp=0), "invalid_image"),
-    (msg("input_video_frame.append", image=b64(b"\xff\xd8\xff\xe0garbage"), timestamp=0), "invalid_image"),
-    (msg("input_video_frame.append", image=b64(b"x"), timestamp=-1), "invalid_value"),
-    (msg("input_video_frame.append", image=b64(b"x")), "missing_field"),
+    (msg("runtime.input_video_frame.append", image=b64(b"not an image at all"), timestamp=0), "invalid_image"),
+    (msg("runtime.input_video_frame.append", image=b64(b"\xff\xd8\xff\xe0garbage"), timestamp=0), "invalid_image"),
+    (msg("runtime.input_video_frame.append", image=b64(b"x"), timestamp=-1), "invalid_value"),
+    (msg("runtime.input_video_frame.append", image=b64(b"x")), "missing_field"),
     (msg("conversation.item.create", item={"type": "message", "content": []}), "missing_field"),
-    (msg("conversation.item.create", item={"content": [{"type": "input_audio"}]}), "invalid_value"),
+    (msg("conversation.item.create", item={"content": [{"type": "input_audio"}]}), "unsupported_content"),
+    (msg("conversation.item.create", item={"content": [{"type": "output_text", "text": "x"}]}), "invalid_value"),
+    (msg("conversation.item.create", item={"role": "tool", "content": [{"type": "input_text", "text": "x"}]}),
+     "invalid_value"),
     (msg("conversation.item.create", item={"type": "function_call"}), "unsupported_item"),
-    (msg("session.update", session={"voice": "alloy"}), "unsupported_field"),
-    (msg("session.update", session={"input_audio_format": "g711_ulaw"}), "invalid_value"),
+    (msg("conversation.item.create", item={"content": [{"type": "input_text", "text": "x"}]}, previous_item_id=3),
+     "invalid_value"),
+    (msg("conversation.item.delete"), "missing_field"),
+    (msg("conversation.item.truncate", item_id="i", content_index=0, audio_end_ms=10), "unsupported_event"),
+    (msg("session.update", session="x"), "invalid_value"),
+    (msg("response.create", response={"max_output_tokens": 0}), "invalid_value"),
+    (msg("response.create", response={"conversation": "other"}), "invalid_value"),
+    (msg("response.create", response={"output_modalities": ["audio"]}), "unsupported_modality"),
+    (msg("response.create", response={"tools": [{"type": "function"}]}), "unsupported_field"),
+    (msg("response.create", response={"voice": "alloy"}), "unknown_parameter"),
+    (msg("response.create", response={"input": [{"type": "item_reference"}]}), "missing_field"),
     (msg("response.cancel", response_id=3), "invalid_value"),
     ('{"event_id": "c1"}', "missing_field"),
     # half a UTF-16 pair, escaped: json.loads takes it, but it can be neither tokenized nor sent back as UTF-8
@@ -114,10 +135,6 @@ def test_escaped_surrogate_pairs_and_plain_unicode_are_text():
     ('{"type": "conversation.item.create", "event_id": "c1", "item": {"content": [{"type": "input_text", '
      '"text": "hi \\udfff"}]}}', "invalid_json"),
     ('{"type": "response.create", "event_id": "c1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "invalid_json"),
-    (msg("session.update", session={"modalities": "text"}), "invalid_value"),
-    (msg("session.update", session={"modalities": ["audio"]}), "invalid_value"),
-    (msg("session.update", session={"modalities": ["text", {}]}), "invalid_value"),
-    (msg("session.update", session={"modalities": ["text", "text"]}), "invalid_value"),
     ('{"type": "response.create", "event_id": "c1", "pad": "' + "x" * MAX_MESSAGE_BYTES + '"}',
      "message_too_large"),
 ])

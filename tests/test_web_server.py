@@ -72,7 +72,7 @@ async def test_sdk_round_trip_and_healthz(tiny):
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=10).read()))
         assert health["sessions"] == 0 and health["device"] == "cpu" and "worker" in health
         async with AsyncRealtimeClient(url(server)) as client:
-            await client.update_session(input_audio_format="pcm16")
+            await client.update_session(instructions="Answer briefly.")
             await stream_demo(client)
             await client.ask("what moved?")
             await wait_until(lambda: server.sessions)  # the session opens on the worker after the handshake
@@ -80,7 +80,7 @@ async def test_sdk_round_trip_and_healthz(tiny):
                 lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=10).read()))
             assert health["sessions"] == 1 and set(next(iter(health["queues"].values()))) == {
                 "audio", "video", "questions", "events"}
-            await client.commit()
+            await client.finish()
             events = [e async for e in client.events()]
         assert "session.updated" in [e.type for e in events]
         check_round_trip(events)
@@ -95,7 +95,7 @@ async def test_binary_media_fast_path_round_trip(tiny):
         await stream_demo(client)
         assert client._seq == 33  # 30 audio chunks and 3 frames went as binary messages
         await client.ask("what moved?")
-        await client.commit()
+        await client.finish()
         events = [e async for e in client.events()]
     assert not [e for e in events if e.type == "error"]
     check_round_trip([e for e in events])
@@ -114,7 +114,7 @@ async def test_frames_over_the_rate_are_dropped_and_audio_over_it_waits(tiny):
         for i in range(0, len(speech), CHUNK):  # as fast as the server takes it
             await client.append_audio(speech[i : i + CHUNK])
         await client.ask("what moved?")
-        await client.commit()
+        await client.finish()
         events = [e async for e in client.events()]
         waited = time.perf_counter() - started
     refused = [e for e in events if e.type == "error"]
@@ -139,8 +139,8 @@ async def test_bad_events_are_answered_and_the_session_carries_on(tiny):
             "b2": ({"type": "mystery.event"}, "unknown_event_type"),
             "b3": ({"type": "input_audio_buffer.append", "audio": "%%%"}, "invalid_base64"),
             "b4": ({"type": "input_audio_buffer.append", "audio": "AAEC"}, "invalid_audio"),  # 3 bytes
-            "b5": ({"type": "input_video_frame.append", "image": "AAAA", "timestamp": 0.5}, "invalid_image"),
-            "b6": ({"type": "input_video_frame.append", "image": "AAAA"}, "missing_field"),
+            "b5": ({"type": "runtime.input_video_frame.append", "image": "AAAA", "timestamp": 0.5}, "invalid_image"),
+            "b6": ({"type": "runtime.input_video_frame.append", "image": "AAAA"}, "missing_field"),
             "b7": ({"type": "response.create"}, "no_pending_item"),
             "b8": ({"type": "response.cancel"}, "response_not_found"),
             "b9": ({"type": "response.create", "pad": "x" * (MAX_MESSAGE_BYTES + 10)}, "message_too_large"),
@@ -151,7 +151,7 @@ async def test_bad_events_are_answered_and_the_session_carries_on(tiny):
             await client.ws.send(body)
         await stream_demo(client)
         await client.ask("what moved?")
-        await client.commit()
+        await client.finish()
         events = [e async for e in client.events()]
     errors = [e for e in events if e.type == "error"]
     codes = [(e.error["event_id"], e.error["code"]) for e in errors]
@@ -165,8 +165,9 @@ DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
     "invalid_json", "invalid_event", "invalid_binary_header", "rate_limited", "unknown_event_type", "missing_field",
     "invalid_value",
     "invalid_base64", "invalid_audio", "invalid_image", "image_too_large", "unsupported_field", "unsupported_item",
-    "message_too_large", "no_pending_item", "too_many_items", "response_not_found", "input_committed",
-    "empty_question", "question_queue_full", "audio_from_track"}
+    "message_too_large", "no_pending_item", "response_not_found", "session_finishing", "empty_question",
+    "question_queue_full", "audio_from_track", "unknown_parameter", "unsupported_modality", "unsupported_content",
+    "unsupported_event", "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "no_input"}
 
 
 def b64(raw: bytes) -> str:
@@ -203,7 +204,7 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
         unparsed(json.dumps({"event_id": bad_id, "type": "response.create"}), "invalid_value")
     # Unknown, missing or mistyped `type`.
     for kind in ("mystery.event", "", "response.create ", "Response.Create", "response", "session.create",
-                 "input_audio_buffer.clear", "conversation.item.delete", "response.cancelled", "input_video_frame",
+                 "input_video_frame.append", "runtime.session.end", "response.cancelled", "input_video_frame",
                  "input_text", "error", None, 5, ["response.create"], {"name": "response.create"}, True):
         add({"type": kind}, "unknown_event_type")
     add({}, "missing_field")
@@ -217,12 +218,18 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     add({"type": "session.update"}, "missing_field")
     for session in ("pcm16", [], None, 1):
         add({"type": "session.update", "session": session}, "invalid_value")
-    for session in ({"voice": "alloy"}, {"instructions": "be brief"}, {"modalities": ["text"], "turn_detection": None}):
+    for session in ({"voice": "alloy"}, {"modalities": ["text"]}, {"input_audio_format": "pcm16"}):
+        add({"type": "session.update", "session": session}, "unknown_parameter")
+    for session in ({"tools": [{"type": "function", "name": "f"}]}, {"audio": {"input": {"noise_reduction": {}}}}):
         add({"type": "session.update", "session": session}, "unsupported_field")
-    for fmt in ("g711_ulaw", None, 16000):
-        add({"type": "session.update", "session": {"input_audio_format": fmt}}, "invalid_value")
-    for modalities in ({"not": "a list"}, "text", ["audio"], ["text", 1], ["text", "text"]):
-        add({"type": "session.update", "session": {"modalities": modalities}}, "invalid_value")
+    add({"type": "session.update", "session": {"output_modalities": ["audio"]}}, "unsupported_modality")
+    for fmt in ("g711_ulaw_x", None, 16000, {"type": "audio/pcm", "rate": 44100}, {"type": "audio/opus"}):
+        add({"type": "session.update", "session": {"audio": {"input": {"format": fmt}}}}, "invalid_value")
+    for modalities in ({"not": "a list"}, "text", ["text", 1], ["text", "text"]):
+        add({"type": "session.update", "session": {"output_modalities": modalities}}, "invalid_value")
+    for detection in ({"type": "push_to_talk"}, {"threshold": -1}, {"silence_duration_ms": "long"}, "server_vad"):
+        add({"type": "session.update", "session": {"audio": {"input": {"turn_detection": detection}}}},
+            "invalid_value")
     # input_audio_buffer.append: field, base64, PCM
     append = "input_audio_buffer.append"
     add({"type": append}, "missing_field")
@@ -233,7 +240,7 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     for n in (1, 3, 5, 7, 101, 3201):
         add({"type": append, "audio": b64(bytes(n))}, "invalid_audio")
     # input_video_frame.append: fields, timestamp values, images that do not decode
-    frame = "input_video_frame.append"
+    frame = "runtime.input_video_frame.append"
     jpeg = encode_jpeg(render_frame(1.0, 160, 120))
     add({"type": frame, "timestamp": 0.5}, "missing_field")
     add({"type": frame, "image": b64(jpeg)}, "missing_field")
@@ -253,22 +260,32 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     add({"type": item}, "missing_field")
     for value in ("what moved?", [], None):
         add({"type": item, "item": value}, "invalid_value")
-    for value in ({"type": "function_call"}, {"role": "assistant"}, {"role": "system"}):
+    for value in ({"type": "function_call"}, {"type": "function_call_output"}):
         add({"type": item, "item": value}, "unsupported_item")
-    for value in ({}, {"content": []}, {"content": "what moved?"}):
+    for value in ({}, {"content": []}, {"content": "what moved?"}, {"role": "assistant"}, {"role": "system"}):
         add({"type": item, "item": value}, "missing_field")
-    for content in ([{"type": "input_audio", "audio": "AAAA"}], [{"type": "input_text", "text": 5}],
-                    ["what moved?"], [{"type": "input_text"}], [{"type": "input_text", "text": "hi"}, None]):
+    for content in ([{"type": "input_text", "text": 5}], ["what moved?"], [{"type": "input_text"}],
+                    [{"type": "input_text", "text": "hi"}, None]):
         add({"type": item, "item": {"content": content}}, "invalid_value")
-    # Out of order: nothing to answer, nothing to cancel; a blank question is refused when it is asked.
+    add({"type": item, "item": {"content": [{"type": "input_audio", "audio": "AAAA"}]}}, "unsupported_content")
+    add({"type": item, "item": {"role": "user", "content": [{"type": "input_text", "text": "x"}]},
+         "previous_item_id": "item_nope"}, "item_not_found")
+    for kind in ("conversation.item.delete", "conversation.item.retrieve"):
+        add({"type": kind, "item_id": "item_nope"}, "item_not_found")
+    add({"type": "conversation.item.truncate", "item_id": "x", "content_index": 0, "audio_end_ms": 0},
+        "unsupported_event")
+    add({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
+    # Out of order: nothing to answer, nothing to cancel; a blank question is nothing to answer.
     add({"type": "response.create"}, "no_pending_item")
-    add({"type": "response.create", "response": {"modalities": ["text"]}}, "no_pending_item")
+    add({"type": "response.create", "response": {"modalities": ["text"]}}, "unknown_parameter")
+    add({"type": "response.create", "response": {"input": [{"type": "item_reference", "id": "item_nope"}]}},
+        "item_not_found")
     add({"type": "response.cancel"}, "response_not_found")
     add({"type": "response.cancel", "response_id": "resp_nope"}, "response_not_found")
     for response_id in (5, []):
         add({"type": "response.cancel", "response_id": response_id}, "invalid_value")
     add({"type": item, "item": {"content": [{"type": "input_text", "text": "   "}]}}, None)
-    add({"type": "response.create"}, "empty_question")
+    add({"type": "response.create"}, "no_pending_item")
     # Over MAX_MESSAGE_BYTES but under the hard cap: refused unparsed; the event_id is named when it comes early.
     pad = "x" * (MAX_MESSAGE_BYTES + 10)
     add({"type": "response.create", "pad": pad}, "message_too_large")
@@ -304,13 +321,13 @@ async def test_a_hundred_malformed_messages_each_get_an_error_and_the_session_st
             await client.ws.send(message)
         await stream_demo(client)
         await client.ask("what moved?")
-        await client.commit()
-        late = [await client.commit(), await client.append_audio(np.zeros(CHUNK, np.float32))]  # after the end
+        await client.finish()
+        late = [await client.finish(), await client.append_audio(np.zeros(CHUNK, np.float32))]  # after the end
         events = [e async for e in client.events()]
         await wait_until(lambda: not server.sessions)
     errors = [e for e in events if e.type == "error"]
     expected = [(event_id, code) for _, event_id, code in cases if code is not None]
-    expected += [(event_id, "input_committed") for event_id in late]
+    expected += [(event_id, "session_finishing") for event_id in late]
     assert [(e.error["event_id"], e.error["code"]) for e in errors] == expected
     assert all(e.error["message"] and e.error["code"] in DOCUMENTED_CODES for e in errors)
     late_errors = [e for e in errors if e.error["event_id"] in late]
@@ -415,7 +432,7 @@ async def test_stream_file_sends_audio_and_jpeg_frames(tiny, demo_file):
     async with RealtimeServer(*tiny, port=0) as server, AsyncRealtimeClient(url(server)) as client:
         reached = await client.stream_file(demo_file, speed=0)
         await client.ask("what moved?")
-        await client.commit()
+        await client.finish()
         events = [e async for e in client.events()]
     assert client.close_code == 1000
     types = [e.type for e in events]
@@ -531,7 +548,7 @@ async def test_the_sdk_streams_a_microphone(tiny):
     """A capture device through the SDK: FFmpeg's lavfi sine stands in for a microphone (no sound card here)."""
     async with RealtimeServer(*tiny, port=0) as server, AsyncRealtimeClient(url(server), binary=True) as client:
         sent = await client.stream_microphone("sine=frequency=440:sample_rate=48000", backend="lavfi", seconds=1.0)
-        await client.commit()
+        await client.finish()
         events = [e async for e in client.events()]
     assert sent == pytest.approx(1.0, abs=0.11)
     assert not [e for e in events if e.type == "error"]

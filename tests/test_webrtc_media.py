@@ -124,8 +124,8 @@ async def test_a_data_channel_append_beside_a_microphone_track_is_refused_and_th
         yield json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
                           "content": [{"type": "input_text", "text": "what was said?"}]}})
         yield json.dumps({"type": "response.create"})
-        yield json.dumps({"type": "input_audio_buffer.commit"})
-        await asyncio.sleep(3600)  # the client stays; the driver ends once the commit has drained
+        yield json.dumps({"type": "runtime.session.finish"})
+        await asyncio.sleep(3600)  # the client stays; the driver ends once the session has drained
 
     assert await asyncio.wait_for(peer.driver.run(messages(), send), 120)
     errors = [e["error"] for e in sent if e["type"] == "error"]

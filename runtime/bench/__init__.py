@@ -28,10 +28,12 @@ BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("runtime.bench.serve", "server: N live SDK clients at real-time pace: event latency, loop lag, RSS"),
     "answers": ("runtime.bench.answers", "answer accuracy on the committed question set, from the scripted text "
                 "and from espeak-ng speech through the ASR, per prompt variant (needs trained weights)"),
+    "turns": ("runtime.bench.turns", "turn detection, server_vad vs semantic_vad, on human speech with pauses inserted "
+              "mid-utterance: false cut-offs, end-of-turn delay, Smart Turn calls, CPU"),
 }
 # the flags that pick a checkpoint or data set, per benchmark that takes them
 CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human"),
-                    "llm": ("model",), "answers": ("model", "data", "prompts", "profile")}
+                    "llm": ("model",), "answers": ("model", "data", "prompts", "profile"), "turns": ("human",)}
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
 
 
@@ -68,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "plain, short, quote (default: all)")
     parser.add_argument("--profile", default=None, help="answers: the profile whose language model and ASR answer "
                         "(default: demo)")
-    parser.add_argument("--human", default=None, help="asr-quality: a folder of human speech with manifest.jsonl "
-                        "(default: ../shared/speech/dev beside the repository)")
+    parser.add_argument("--human", default=None, help="asr-quality, turns: a folder of human speech with "
+                        "manifest.jsonl (default: ../shared/speech/dev beside the repository)")
 
 
 def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:

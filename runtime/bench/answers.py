@@ -27,7 +27,7 @@ import numpy as np
 
 from runtime.config import LMConfig, load_profile
 from runtime.errors import UserError
-from runtime.memory.transcript import TranscriptMemory
+from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm.engine_answerer import EngineAnswerer
 
@@ -79,7 +79,7 @@ def load_set(path: Path) -> list[dict[str, Any]]:
 
 def transcript_context(lines: list[str]) -> str:
     """The context the pipeline's transcript memory renders for these lines, each a completed item."""
-    memory = TranscriptMemory()
+    memory = Conversation()
     for i, line in enumerate(lines):
         memory.apply(TranscriptUpdate(item_id=f"item_{i}", delta="", transcript=line, unstable="", start=i * LINE_S,
                                       end=(i + 1) * LINE_S, completed=True))

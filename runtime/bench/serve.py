@@ -226,7 +226,7 @@ async def _session(url: str, media: _Media, start: float, offset_s: float, chunk
         run.sent_until_s = len(media.chunks) * media.chunk_samples / SAMPLE_RATE
         await asyncio.sleep(max(0.0, grace_until - time.perf_counter()))
         counted = len(run.events)
-        await client.commit()  # the server drains the session and closes the connection with 1000
+        await client.finish()  # the server drains the session and closes the connection with 1000
         try:
             await asyncio.wait_for(reader, DRAIN_TIMEOUT_S)
         except TimeoutError:

@@ -46,6 +46,19 @@ PACKAGED: dict[str, Packaged] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0", what="HuggingFaceTB SmolLM2-135M-Instruct, GGUF Q4_1 (Llama architecture, 135M)",
     ),
+    # Turn detection (runtime/models/turns). pipecat-ai is installed only for these two files: `find_spec` of its
+    # top-level package locates it without running its __init__, whose imports are not installed.
+    "silero-vad": Packaged(
+        dist="pipecat-ai", version="1.14.0", module="pipecat", folder="audio/vad/data",
+        weight_file="silero_vad.onnx", sha256="1a153a22f4509e292a94e67d6f9b85e8deb25b4988682b7e174c65279d8788e3",
+        license="MIT", what="Silero VAD v5+, ONNX (speech probability per 32 ms window at 16 kHz)",
+    ),
+    "smart-turn-v3.2": Packaged(
+        dist="pipecat-ai", version="1.14.0", module="pipecat", folder="audio/turn/smart_turn/data",
+        weight_file="smart-turn-v3.2-cpu.onnx",
+        sha256="2bb026316b14a660486a75b1733cd3fbab8c2fd0314dc9af7be49f8cca967e4f",
+        license="BSD-2-Clause", what="Daily Smart Turn v3.2, ONNX for CPU (Whisper-tiny encoder, end-of-turn)",
+    ),
 }
 
 _verified: dict[Path, str] = {}  # weight file -> (size, mtime) key already hashed in this process

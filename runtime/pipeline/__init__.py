@@ -1,7 +1,7 @@
 """The processors a session runs: chunks in, events out. Each is one asyncio task reading one bounded channel
 (or one signal), and hands model compute to the device worker (`worker.run`), so the loop only moves data:
 
-    audio channel ---> AudioProcessor (audio.py) --(worker: ASR)--> transcript events, TranscriptMemory
+    audio channel ---> AudioProcessor (audio.py) --(worker: ASR)--> transcript events, Conversation
     video channel ---> VideoProcessor (video.py) --(worker: vision tower)--> VideoMemory
                                                    '--> closed segments --> NoteWriter (notes.py) --> video.note
     context changes -> ContextPrefiller (prefill.py) --(worker: prefill)--> the LM stream's KV

@@ -1,25 +1,81 @@
-"""Audio into the session's ASR stream, in order; transcript updates out as events and into the transcript.
+"""Audio into the ASR, one input buffer at a time; transcript events and the conversation's user items out.
 
-Audio is never dropped: the channel in front of this processor blocks its producer when full. One chunk is one
-worker job at ASR priority (the highest after control: captions are the latency budget), so the loop never
-runs the model.
+Audio is never dropped: the channel in front of this processor blocks its producer when full. A `BufferEnd`
+travels in the same channel, so a commit or a clear lands exactly between the chunks it was sent between.
+Each buffer is one ASR stream, opened at its first chunk and finished at its end: a commit completes the
+buffer's user item with the backend's final text (what it would give for that audio offline), a clear drops it.
+With turn detection (`Turns`), a detected end of speech commits the buffer here, in order with the audio,
+and the `TurnSink` decides whether a response follows.
+
+One chunk is one worker job at ASR priority (the highest after control: captions are the latency budget), so
+the loop never runs the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from runtime.channels import BlockingChannel
-from runtime.chunks import AudioChunk
-from runtime.events import Event, TranscriptionCompleted, TranscriptionDelta, error_event
-from runtime.memory.transcript import TranscriptMemory
+from runtime.chunks import SAMPLE_RATE, AudioChunk
+from runtime.events import (
+    AudioBufferCleared,
+    AudioBufferCommitted,
+    Event,
+    ItemAdded,
+    ItemDone,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptionCompleted,
+    TranscriptionDelta,
+    error_event,
+    new_id,
+)
+from runtime.memory.conversation import Conversation, Item
 from runtime.models.asr.base import ASRStream, TranscriptUpdate
 from runtime.pipeline import Emit
+from runtime.pipeline.input_buffer import BufferTranscript
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker, Priority
 
 log = logging.getLogger(__name__)
+
+MIN_COMMIT_S = 0.1  # the API refuses to commit less audio than this
+
+
+@dataclass(frozen=True)
+class BufferEnd:
+    """In-band with the audio: the buffer so far ends here, committed (a user item) or cleared (dropped)."""
+
+    clear: bool = False
+    client_event_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnEvent:
+    """What turn detection found in a chunk: speech began (`started`) or ended, at a sample of the session."""
+
+    started: bool
+    sample: int
+
+
+class Turns(Protocol):
+    """Turn detection as the audio processor sees it (`turn_taking.TurnTaking`): `detect` runs on the worker."""
+
+    def detect(self, chunk: AudioChunk) -> list[TurnEvent]: ...
+
+    def reset(self, at_sample: int) -> None: ...
+
+
+class TurnSink(Protocol):
+    """What follows a turn (the session's `ResponseRequests`): a response, or cancelling one on barge-in."""
+
+    async def turn_ended(self, item_id: str, at: float) -> None: ...
+
+    def speech_started(self) -> None: ...
 
 
 def transcript_event(update: TranscriptUpdate) -> Event:
@@ -31,22 +87,87 @@ def transcript_event(update: TranscriptUpdate) -> Event:
 
 
 class AudioProcessor:
-    """Feeds chunks to the ASR stream; publishes how far it has heard (`heard`) and that the context changed."""
+    """Feeds chunks to the open buffer's ASR stream; publishes how far it has heard (`heard`), the user items
+    (`conversation`) and that the context changed."""
 
-    def __init__(self, channel: BlockingChannel[AudioChunk], stream: ASRStream, worker: DeviceWorker, emit: Emit,
-                 transcript: TranscriptMemory, heard: HeardClock, changes: ContextChanges) -> None:
-        self.channel, self.stream, self.worker, self.emit = channel, stream, worker, emit
-        self.transcript, self.heard, self.changes = transcript, heard, changes
+    def __init__(self, channel: BlockingChannel[AudioChunk | BufferEnd], open_asr: Callable[[], ASRStream],
+                 worker: DeviceWorker, emit: Emit, conversation: Conversation, heard: HeardClock,
+                 changes: ContextChanges, *, first_stream: ASRStream | None = None, turns: Turns | None = None,
+                 sink: TurnSink | None = None) -> None:
+        """`first_stream`: the first buffer's stream, opened by the builder (so a broken model fails the session
+        before it starts); later buffers open theirs with `open_asr`."""
+        self.channel, self.open_asr, self.worker, self.emit = channel, open_asr, worker, emit
+        self.conversation, self.heard, self.changes = conversation, heard, changes
+        self.turns, self.sink = turns, sink
+        self._spare = first_stream
+        self.stream: ASRStream | None = None
+        self.buffer: BufferTranscript | None = None
+        self.buffer_samples = 0
+        self.audio_end = 0.0  # media seconds: the end of the audio accepted so far
+        self.speaking = False
+        self.commits = 0
 
     async def run(self) -> None:
         try:
-            async for chunk in self.channel:
-                updates = await self._step(self.stream.accept, chunk, chunk.start)
-                await self._publish(updates, chunk.end)
-            updates = await self._step(self.stream.finish, None, self.heard.until)
-            await self._publish(updates, self.heard.until)
+            async for entry in self.channel:
+                if isinstance(entry, BufferEnd):
+                    await self._end(entry)
+                else:
+                    await self._accept(entry)
+            if self.buffer is not None:  # end of input: the last buffer is committed like any other
+                await self._end(BufferEnd())
         finally:
+            await self.release()
             await self.heard.finish()
+
+    async def release(self) -> None:
+        """Close the ASR streams this processor holds (also when it never ran); idempotent."""
+        streams, self.stream, self._spare = (self.stream, self._spare), None, None
+        for stream in streams:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    await self.worker.run(Priority.CONTROL, stream.close)
+
+    async def _accept(self, chunk: AudioChunk) -> None:
+        if self.stream is None:
+            self.stream, self._spare = self._spare or await self.worker.run(Priority.CONTROL, self.open_asr), None
+            self.buffer = BufferTranscript(new_id("item"), chunk.start)
+            self.buffer_samples = 0
+        self.buffer_samples += len(chunk.samples)
+        self.audio_end = chunk.end
+        await self._publish(await self._step(self.stream.accept, chunk, chunk.start))
+        if self.turns is not None:
+            for turn in await self._detect(chunk):
+                await self._turn(turn)
+        await self.heard.advance(chunk.end)
+
+    async def _detect(self, chunk: AudioChunk) -> list[TurnEvent]:
+        assert self.turns is not None
+        try:
+            return await self.worker.run(Priority.ASR, self.turns.detect, chunk)
+        except Exception as err:  # turn detection failing costs its turns, not the captions
+            log.exception("turn detection failed")
+            await self.emit(error_event(f"turn detection failed: {err}", code="turn_detection_failed",
+                                        type="server_error", media_time=chunk.end))
+            return []
+
+    async def _turn(self, turn: TurnEvent) -> None:
+        at_ms = round(turn.sample * 1000 / SAMPLE_RATE)
+        if self.buffer is None:
+            return
+        if turn.started:
+            self.speaking = True
+            await self.emit(SpeechStarted(item_id=self.buffer.item_id, audio_start_ms=at_ms,
+                                          media_time=turn.sample / SAMPLE_RATE))
+            if self.sink is not None:
+                self.sink.speech_started()
+        elif self.speaking:
+            self.speaking = False
+            item_id = self.buffer.item_id
+            await self.emit(SpeechStopped(item_id=item_id, audio_end_ms=at_ms, media_time=turn.sample / SAMPLE_RATE))
+            await self._end(BufferEnd())
+            if self.sink is not None:
+                await self.sink.turn_ended(item_id, self.audio_end)
 
     async def _step(self, fn: Callable[..., list[TranscriptUpdate]], chunk: AudioChunk | None,
                     at: float) -> list[TranscriptUpdate]:
@@ -58,11 +179,58 @@ class AudioProcessor:
                                         type="server_error", media_time=at))
             return []
 
-    async def _publish(self, updates: list[TranscriptUpdate], heard_until: float) -> None:
+    async def _publish(self, updates: list[TranscriptUpdate]) -> None:
+        assert self.buffer is not None
+        changed = False
         for update in updates:
-            self.transcript.apply(update)
-            if update.completed or update.delta or update.unstable:
-                await self.emit(transcript_event(update))
-        if updates:
+            folded = self.buffer.fold(update)
+            if folded is not None:
+                self.conversation.apply(folded)
+                await self.emit(transcript_event(folded))
+                changed = True
+        if changed:
             self.changes.mark()
-        await self.heard.advance(heard_until)
+
+    async def _end(self, end: BufferEnd) -> None:
+        """Commit or clear the buffer; a commit of less than `MIN_COMMIT_S` of audio is refused."""
+        buffer, stream = self.buffer, self.stream
+        at = self.audio_end
+        if end.clear:
+            if buffer is not None:
+                self.conversation.delete(buffer.item_id)
+                self.changes.mark()
+            await self._close_buffer(at)
+            await self.emit(AudioBufferCleared(media_time=at))
+            return
+        if buffer is None or stream is None or self.buffer_samples < MIN_COMMIT_S * SAMPLE_RATE:
+            held = 1000 * self.buffer_samples / SAMPLE_RATE if buffer is not None else 0.0
+            await self.emit(error_event(f"buffer too small: expected at least {MIN_COMMIT_S * 1000:.0f} ms of "
+                                        f"audio, the buffer holds {held:.0f} ms",
+                                        code="input_audio_buffer_commit_empty",
+                                        client_event_id=end.client_event_id, media_time=at))
+            await self.heard.committed()  # a response waiting on this commit goes on (with nothing new to read)
+            return
+        item = self.conversation.get(buffer.item_id)
+        if item is None:  # nothing was heard yet: the item joins now, empty
+            item = Item(buffer.item_id, buffer.start, at, status="in_progress")
+            self.conversation.add(item)
+        previous = self.conversation.previous_id(item.item_id)
+        await self.emit(AudioBufferCommitted(item_id=item.item_id, previous_item_id=previous, media_time=at))
+        await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=at))
+        await self._publish(await self._step(stream.finish, None, at))
+        done = buffer.complete(at)
+        self.conversation.apply(done)
+        await self.emit(transcript_event(done))
+        await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=at))
+        self.changes.mark()
+        await self._close_buffer(at)
+        self.commits += 1
+        await self.heard.committed()
+
+    async def _close_buffer(self, at: float) -> None:
+        stream, self.stream, self.buffer, self.buffer_samples, self.speaking = self.stream, None, None, 0, False
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                await self.worker.run(Priority.CONTROL, stream.close)
+        if self.turns is not None:
+            self.turns.reset(round(at * SAMPLE_RATE))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from runtime.memory.transcript import TranscriptMemory
+from runtime.memory.conversation import Conversation
 from runtime.memory.video import VideoMemory
 from runtime.models.lm.backend import LMStream
 from runtime.models.lm.pieces import Piece
@@ -27,7 +27,7 @@ TextEmbedder = Callable[[str], Tensor | None]  # text -> a vector in the memory'
 
 
 class ContextPrefiller:
-    def __init__(self, stream: LMStream, worker: DeviceWorker, transcript: TranscriptMemory,
+    def __init__(self, stream: LMStream, worker: DeviceWorker, transcript: Conversation,
                  changes: ContextChanges, *, video: VideoMemory | None = None,
                  embed_text: TextEmbedder | None = None) -> None:
         self.stream, self.worker, self.transcript, self.changes = stream, worker, transcript, changes

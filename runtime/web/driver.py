@@ -20,20 +20,25 @@ import numpy as np
 
 from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile
-from runtime.events import SessionUpdated
+from runtime.io.audio_formats import AudioDecoder
 from runtime.io.rechunk import AudioRechunker
-from runtime.session import Session
+from runtime.session import BufferTooSmall, Session
+from runtime.session_config import ConfigFieldError, parse_update
 from runtime.session_state import TransportStats
 from runtime.web.limits import SessionLimits
 from runtime.web.protocol import (
     AppendAudio,
     AppendFrame,
     CancelResponse,
+    ClearInput,
     Command,
     CommitInput,
     CreateItem,
     CreateResponse,
+    DeleteItem,
+    FinishSession,
     ProtocolError,
+    RetrieveItem,
     UpdateSession,
     parse_client_event,
 )
@@ -41,7 +46,6 @@ from runtime.web.protocol import (
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0  # after a disconnect during finish, how long pending work may take before it is cut
-MAX_PENDING_ITEMS = 16  # conversation items waiting for response.create
 
 Send = Callable[[str], Awaitable[None]]
 
@@ -52,7 +56,7 @@ class SessionDriver:
         self.session, self.profile = session, profile
         self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
         self.limits = SessionLimits(profile.serve, counts=stats.rate_limited)
-        self.pending_text: list[str] = []
+        self.decoder = AudioDecoder(session.settings.config.input_format)
         self.finishing: asyncio.Task[None] | None = None
         self.started = asyncio.Event()  # set once the session runs: media may be pushed from then on
         self.audio_from_track = False  # see take_audio_from_track
@@ -63,8 +67,8 @@ class SessionDriver:
         self.audio_from_track = True
 
     async def run(self, messages: AsyncIterable[str | bytes], send: Send) -> bool:
-        """Drive the session until the client goes or, after commit, every event is out (then True: the
-        transport should say goodbye). The session is stopped and its events closed when this returns."""
+        """Drive the session until the client goes or, after `runtime.session.finish`, every event is out (then
+        True: the transport should say goodbye). The session is stopped and its events closed when this returns."""
         session = self.session
         writer: asyncio.Task[None] | None = None
         reader: asyncio.Task[None] | None = None
@@ -81,6 +85,12 @@ class SessionDriver:
     async def push_audio(self, samples: np.ndarray) -> None:
         """16 kHz float32 mono samples of any length, cut into the profile's chunks."""
         for chunk in self.rechunker.push(samples):
+            await self.session.push_audio(chunk)
+
+    async def flush_audio(self) -> None:
+        """Everything received so far into the session: what the resampler and the rechunker hold."""
+        await self.push_audio(self.decoder.flush())
+        for chunk in self.rechunker.flush():
             await self.session.push_audio(chunk)
 
     async def _cleanup(self, reader: asyncio.Task[None] | None, writer: asyncio.Task[None] | None) -> None:
@@ -150,21 +160,10 @@ class SessionDriver:
     async def _apply(self, command: Command) -> None:
         session = self.session
         if self.finishing is not None:
-            raise ProtocolError("the input was committed; this session takes no more events",
-                                code="input_committed")
+            raise ProtocolError("the session is finishing (runtime.session.finish); it takes no more events",
+                                code="session_finishing")
         if isinstance(command, AppendAudio):
-            if self.audio_from_track:
-                raise ProtocolError("this connection's audio comes from its microphone track; send audio there, "
-                                    "not as input_audio_buffer.append", code="audio_from_track", param="audio")
-            seconds, most = len(command.samples) / SAMPLE_RATE, self.limits.max_audio_message_s
-            if seconds > most:
-                raise ProtocolError(f"one audio message of {seconds:.1f} s exceeds the {most:g} s burst "
-                                    "(serve.audio_burst_s); send it in shorter messages",
-                                    code="message_too_large", param="audio")
-            wait = self.limits.pace_audio(len(command.samples))
-            if wait > 0:  # over the bound: this reader waits (audio is never dropped), and TCP slows the client
-                await asyncio.sleep(wait)
-            await self.push_audio(command.samples)
+            await self._append_audio(command)
         elif isinstance(command, AppendFrame):
             assert command.frame is not None
             horizon = self.limits.media_horizon()
@@ -176,24 +175,92 @@ class SessionDriver:
             if not self.limits.admit_frame():
                 return self._frame_dropped()
             session.push_video(command.frame)
+        elif isinstance(command, CommitInput):
+            await self.flush_audio()
+            try:
+                await session.commit_audio(command.event_id)
+            except BufferTooSmall as e:
+                raise ProtocolError(str(e), code="input_audio_buffer_commit_empty") from None
+        elif isinstance(command, ClearInput):
+            await self.flush_audio()
+            await session.clear_audio(command.event_id)
         elif isinstance(command, CreateItem):
-            if len(self.pending_text) >= MAX_PENDING_ITEMS:
-                raise ProtocolError("too many items waiting for response.create", code="too_many_items")
-            self.pending_text.append(command.text)
+            await self._create_item(command)
+        elif isinstance(command, DeleteItem | RetrieveItem):
+            found = await (session.delete_item if isinstance(command, DeleteItem) else session.retrieve_item)(
+                command.item_id)
+            if not found:
+                raise ProtocolError(f"no item {command.item_id!r} in this conversation", code="item_not_found",
+                                    param="item_id")
         elif isinstance(command, CreateResponse):
-            if not self.pending_text:
-                raise ProtocolError("response.create needs a conversation.item.create with the question first",
-                                    code="no_pending_item")
-            text, self.pending_text = " ".join(self.pending_text), []
-            await session.ask(text, client_event_id=command.event_id)
+            await self._create_response(command)
         elif isinstance(command, CancelResponse):
             if not session.cancel_response(command.response_id):
                 raise ProtocolError("no response in progress to cancel", code="response_not_found",
                                     param="response_id" if command.response_id else None)
         elif isinstance(command, UpdateSession):
-            await session.emit(SessionUpdated(session={**session.describe(), **command.session},
-                                              media_time=session.media_time))
-        elif isinstance(command, CommitInput):
-            for chunk in self.rechunker.flush():
-                await session.push_audio(chunk)
+            await self._update(command)
+        elif isinstance(command, FinishSession):
+            await self.flush_audio()
             self.finishing = asyncio.create_task(session.finish(), name=f"{session.id}:finish")
+
+    async def _append_audio(self, command: AppendAudio) -> None:
+        if self.audio_from_track:
+            raise ProtocolError("this connection's audio comes from its microphone track; send audio there, "
+                                "not as input_audio_buffer.append", code="audio_from_track", param="audio")
+        try:
+            samples = self.decoder.decode(command.audio)
+        except ValueError as e:
+            raise ProtocolError(f"audio: {e}", code="invalid_audio", param="audio") from None
+        seconds, most = len(samples) / SAMPLE_RATE, self.limits.max_audio_message_s
+        if seconds > most:
+            raise ProtocolError(f"one audio message of {seconds:.1f} s exceeds the {most:g} s burst "
+                                "(serve.audio_burst_s); send it in shorter messages",
+                                code="message_too_large", param="audio")
+        wait = self.limits.pace_audio(len(samples))
+        if wait > 0:  # over the bound: this reader waits (audio is never dropped), and TCP slows the client
+            await asyncio.sleep(wait)
+        await self.push_audio(samples)
+
+    async def _create_item(self, command: CreateItem) -> None:
+        try:
+            await self.session.add_item(command.role, command.text, item_id=command.item_id,  # type: ignore[arg-type]
+                                        after=command.previous_item_id)
+        except KeyError:
+            raise ProtocolError(f"previous_item_id {command.previous_item_id!r} is not in this conversation",
+                                code="item_not_found", param="previous_item_id") from None
+        except ValueError:
+            raise ProtocolError(f"item id {command.item_id!r} is already in this conversation",
+                                code="duplicate_item_id", param="item.id") from None
+
+    async def _create_response(self, command: CreateResponse) -> None:
+        session = self.session
+        text = command.input_text
+        if command.input_refs:
+            found = [self.session.conversation.get(ref) for ref in command.input_refs]
+            missing = [ref for ref, item in zip(command.input_refs, found, strict=True) if item is None]
+            if missing:
+                raise ProtocolError(f"response.input references {missing[0]!r}, which is not in this conversation",
+                                    code="item_not_found", param="response.input")
+            text = " ".join(t for t in [text or "", *(item.text for item in found if item)] if t)
+        if text is None and session.commits == session.heard.commits and not session.conversation.pending_user_text():
+            raise ProtocolError("nothing to answer: no user message since the last answer; create one "
+                                "(conversation.item.create) or commit audio first", code="no_pending_item")
+        await self.session.create_response(client_event_id=command.event_id, text=text,
+                                           instructions=command.instructions, max_tokens=command.max_tokens,
+                                           in_conversation=command.in_conversation, metadata=command.metadata)
+
+    async def _update(self, command: UpdateSession) -> None:
+        session = self.session
+        try:
+            config = parse_update(session.settings.config, command.session)
+        except ConfigFieldError as e:
+            raise ProtocolError(str(e), code=e.code, param=e.param) from None
+        if config.turn_detection is not None and not session.detects_turns:
+            raise ProtocolError("turn detection is not available on this server (its VAD models are not "
+                                "installed: make install); send turn_detection: null and commit by hand",
+                                code="unsupported_field", param="session.audio.input.turn_detection")
+        if config.input_format != session.settings.config.input_format:
+            await self.flush_audio()  # what came in the old format goes in first
+            self.decoder = AudioDecoder(config.input_format)
+        await session.update_config(config)

@@ -8,8 +8,11 @@ see docs/protocol.md for a worked example of each message.
 Binary messages are the media fast path (no base64, no JSON): a 5-byte header, kind then a client-chosen
 sequence number that names the message in errors as `bin-SEQ`, then the payload:
 
-    b"A" | u32 LE seq | PCM16 little-endian mono 16 kHz                       (= input_audio_buffer.append)
-    b"V" | u32 LE seq | f64 LE timestamp (media seconds) | JPEG or PNG bytes   (= input_video_frame.append)
+    b"A" | u32 LE seq | audio in the session's input format                   (= input_audio_buffer.append)
+    b"V" | u32 LE seq | f64 LE timestamp (media seconds) | JPEG or PNG bytes   (= runtime.input_video_frame.append)
+
+Audio arrives as bytes in the session's `audio.input.format` (24 kHz PCM16 by default, as the API's; 16 kHz
+PCM16, G.711 mu-law and A-law too); the driver's `AudioDecoder` turns them into the models' 16 kHz floats.
 """
 
 from __future__ import annotations
@@ -29,14 +32,13 @@ import numpy as np
 from runtime.chunks import VideoFrame
 from runtime.events import Error, error_event
 from runtime.io.file_source import scaled_size
+from runtime.session_config import ConfigFieldError, max_tokens
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a client message larger than this is answered with an error
 MAX_IMAGE_PIXELS = 4096 * 4096  # a decoded frame larger than this is refused before conversion to RGB
 _EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,128})"')
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
 _SURROGATE = re.compile("[\ud800-\udfff]")
-MODALITIES = {"text", "audio"}
-ALLOWED_SESSION_FIELDS = {"input_audio_format", "modalities"}
 BINARY_AUDIO, BINARY_FRAME = b"A"[0], b"V"[0]
 BINARY_HEADER = struct.Struct("<BI")  # kind, sequence number
 BINARY_TIMESTAMP = struct.Struct("<d")
@@ -68,7 +70,7 @@ class UpdateSession(Command):
 
 @dataclass(frozen=True)
 class AppendAudio(Command):
-    samples: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 mono 16 kHz
+    audio: bytes = b""  # in the session's input format
 
 
 @dataclass(frozen=True)
@@ -78,12 +80,33 @@ class AppendFrame(Command):
 
 @dataclass(frozen=True)
 class CreateItem(Command):
+    role: str = "user"  # user | system | assistant
     text: str = ""
+    item_id: str | None = None
+    previous_item_id: str | None = None
+
+
+@dataclass(frozen=True)
+class DeleteItem(Command):
+    item_id: str = ""
+
+
+@dataclass(frozen=True)
+class RetrieveItem(Command):
+    item_id: str = ""
 
 
 @dataclass(frozen=True)
 class CreateResponse(Command):
-    pass
+    """`response.create`'s parameters; None: the session's. `input`: the request's own question (its text
+    messages and the texts of the items it references), instead of the conversation's newest user turn."""
+
+    instructions: str | None = None
+    max_tokens: int | None = None
+    in_conversation: bool = True
+    input_text: str | None = None
+    input_refs: tuple[str, ...] = ()
+    metadata: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +116,18 @@ class CancelResponse(Command):
 
 @dataclass(frozen=True)
 class CommitInput(Command):
-    """End of the input: flush the audio, finish the session, close once its events are out."""
+    """The audio so far becomes a user item (`input_audio_buffer.committed`); the session goes on."""
+
+
+@dataclass(frozen=True)
+class ClearInput(Command):
+    """The audio since the last commit is dropped (`input_audio_buffer.cleared`)."""
+
+
+@dataclass(frozen=True)
+class FinishSession(Command):
+    """The runtime's own `runtime.session.finish`: no more input; transcribe and answer what is pending, then
+    close the connection with 1000."""
 
 
 def event_id_of(message: str) -> str | None:
@@ -181,7 +215,7 @@ def parse_binary(message: bytes, *, max_side: int = 640) -> Command:
     body = memoryview(message)[BINARY_HEADER.size :]
     try:
         if kind == BINARY_AUDIO:
-            return AppendAudio(event_id, decode_pcm16(bytes(body)))
+            return AppendAudio(event_id, bytes(body))
         if kind == BINARY_FRAME:
             if len(body) < BINARY_TIMESTAMP.size:
                 raise ProtocolError("binary frame message ends before its f64 timestamp", code="invalid_binary_header")
@@ -217,32 +251,12 @@ def _b64(data: dict[str, Any], name: str, what: str) -> bytes:
 
 
 def _session_update(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
-    session = _field(data, "session", dict, "an object")
-    for key, value in session.items():
-        if key not in ALLOWED_SESSION_FIELDS:
-            raise ProtocolError(f"session.{key} cannot be changed on this server (the profile fixes it)",
-                                code="unsupported_field", param=f"session.{key}")
-        if key == "input_audio_format" and value != "pcm16":
-            raise ProtocolError("input_audio_format must be 'pcm16' (16 kHz mono little-endian)",
-                                code="invalid_value", param="session.input_audio_format")
-        if key == "modalities" and not (isinstance(value, list) and all(isinstance(m, str) for m in value)
-                                        and "text" in value and set(value) <= MODALITIES
-                                        and len(set(value)) == len(value)):
-            raise ProtocolError("modalities must be a list holding 'text' (and optionally 'audio', each once); "
-                                "this server answers in text", code="invalid_value", param="session.modalities")
-    return UpdateSession(event_id, dict(session))
-
-
-def decode_pcm16(raw: bytes) -> np.ndarray:
-    """PCM16 little-endian mono bytes -> float32 in [-1, 1]."""
-    if len(raw) % 2:
-        raise ProtocolError(f"PCM16 audio has an odd number of bytes ({len(raw)})", code="invalid_audio",
-                            param="audio")
-    return (np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0).astype(np.float32)
+    """Only the shape here: the fields are checked against the session's config (`session_config`)."""
+    return UpdateSession(event_id, dict(_field(data, "session", dict, "an object")))
 
 
 def _audio_append(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
-    return AppendAudio(event_id, decode_pcm16(_b64(data, "audio", "PCM16 LE mono 16 kHz")))
+    return AppendAudio(event_id, _b64(data, "audio", "audio in the session's input format"))
 
 
 def decode_image(raw: bytes, max_side: int = 640) -> np.ndarray:
@@ -270,24 +284,108 @@ def _frame_append(data: dict[str, Any], event_id: str | None, max_side: int) -> 
     return AppendFrame(event_id, VideoFrame(decode_image(raw, max_side), timestamp))
 
 
+_TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "assistant": ("output_text", "text")}
+
+
 def _item_create(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
     item = _field(data, "item", dict, "an object")
-    if item.get("type", "message") != "message" or item.get("role", "user") != "user":
-        raise ProtocolError("only user message items are supported", code="unsupported_item", param="item.type")
+    return CreateItem(event_id, *_message(item, "item"), item_id=_optional_id(item, "id", "item.id"),
+                      previous_item_id=_optional_id(data, "previous_item_id", "previous_item_id"))
+
+
+def _message(item: dict[str, Any], where: str) -> tuple[str, str]:
+    """A message item's (role, text): text content parts joined; audio content is refused, naming the way in."""
+    if item.get("type", "message") != "message":
+        raise ProtocolError(f"{where}.type {item.get('type')!r} is not supported: this server takes message items "
+                            "(function calling is not available yet)", code="unsupported_item",
+                            param=f"{where}.type")
+    role = item.get("role", "user")
+    if role not in _TEXT_PARTS:
+        raise ProtocolError(f"{where}.role must be 'user', 'system' or 'assistant'", code="invalid_value",
+                            param=f"{where}.role")
     content = item.get("content")
     if not isinstance(content, list) or not content:
-        raise ProtocolError("item.content must be a non-empty list", code="missing_field", param="item.content")
+        raise ProtocolError(f"{where}.content must be a non-empty list", code="missing_field",
+                            param=f"{where}.content")
     texts = []
     for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "input_text" or not isinstance(part.get("text"), str):
-            raise ProtocolError(f"item.content[{i}] must be {{'type': 'input_text', 'text': str}}",
-                                code="invalid_value", param=f"item.content[{i}]")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_audio", "input_image"):
+            raise ProtocolError(f"{where}.content[{i}]: {kind} parts are not taken here; send audio with "
+                                "input_audio_buffer.append and commit it, frames with "
+                                "runtime.input_video_frame.append", code="unsupported_content",
+                                param=f"{where}.content[{i}].type")
+        if kind not in _TEXT_PARTS[role] or not isinstance(part.get("text"), str):
+            raise ProtocolError(f"{where}.content[{i}] must be {{'type': '{_TEXT_PARTS[role][0]}', 'text': str}} "
+                                f"for a {role} message", code="invalid_value", param=f"{where}.content[{i}]")
         texts.append(part["text"])
-    return CreateItem(event_id, " ".join(texts))
+    return role, " ".join(texts)
+
+
+def _optional_id(data: dict[str, Any], name: str, param: str) -> str | None:
+    value = data.get(name)
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 64):
+        raise ProtocolError(f"{param} must be a string of 1 to 64 characters", code="invalid_value", param=param)
+    return value
+
+
+def _item_id(data: dict[str, Any], event_id: str | None, _max_side: int) -> tuple[str | None, str]:
+    return event_id, _field(data, "item_id", str, "an item id")
 
 
 def _response_create(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
-    return CreateResponse(event_id)
+    params = data.get("response", {})
+    if not isinstance(params, dict):
+        raise ProtocolError("response must be an object", code="invalid_value", param="response")
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        param = f"response.{key}"
+        if key == "instructions":
+            if not isinstance(value, str):
+                raise ProtocolError(f"{param} must be a string", code="invalid_value", param=param)
+            out["instructions"] = value
+        elif key == "max_output_tokens":
+            try:
+                out["max_tokens"] = max_tokens(value, param)
+            except ConfigFieldError as e:
+                raise ProtocolError(str(e), code=e.code, param=e.param) from None
+        elif key == "conversation":
+            if value not in ("auto", "none"):
+                raise ProtocolError(f"{param} must be 'auto' or 'none'", code="invalid_value", param=param)
+            out["in_conversation"] = value == "auto"
+        elif key == "output_modalities":
+            if value != ["text"]:
+                raise ProtocolError(f"{param}: this server answers in text only; send ['text']",
+                                    code="unsupported_modality", param=param)
+        elif key == "metadata":
+            if value is not None and not isinstance(value, dict):
+                raise ProtocolError(f"{param} must be an object", code="invalid_value", param=param)
+            out["metadata"] = value
+        elif key == "input":
+            out.update(_response_input(value, param))
+        elif key in ("tools", "tool_choice"):
+            if value not in ([], "auto", "none"):
+                raise ProtocolError(f"{param}: function calling is not available on this server yet",
+                                    code="unsupported_field", param=param)
+        elif key not in ("audio", "prompt"):
+            raise ProtocolError(f"unknown response field {key!r}", code="unknown_parameter", param=param)
+    return CreateResponse(event_id, **out)
+
+
+def _response_input(value: object, param: str) -> dict[str, Any]:
+    """A request's own input: message items (their text is the question) and references to existing items."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"{param} must be a list of items", code="invalid_value", param=param)
+    texts, refs = [], []
+    for i, item in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise ProtocolError(f"{where} must be an item object", code="invalid_value", param=where)
+        if item.get("type") == "item_reference":
+            refs.append(_field(item | {"type": "item_reference"}, "id", str, "an item id"))
+        else:
+            texts.append(_message(item, where)[1])
+    return {"input_text": " ".join(texts), "input_refs": tuple(refs)}
 
 
 def _response_cancel(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
@@ -297,16 +395,22 @@ def _response_cancel(data: dict[str, Any], event_id: str | None, _max_side: int)
     return CancelResponse(event_id, response_id)
 
 
-def _commit(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
-    return CommitInput(event_id)
+def _truncate(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
+    raise ProtocolError("conversation.item.truncate cuts the audio of an assistant item; this server's answers "
+                        "are text, so there is nothing to truncate", code="unsupported_event")
 
 
 _PARSERS = {
     "session.update": _session_update,
     "input_audio_buffer.append": _audio_append,
-    "input_video_frame.append": _frame_append,
+    "input_audio_buffer.commit": lambda d, e, m: CommitInput(e),
+    "input_audio_buffer.clear": lambda d, e, m: ClearInput(e),
     "conversation.item.create": _item_create,
+    "conversation.item.delete": lambda d, e, m: DeleteItem(*_item_id(d, e, m)),
+    "conversation.item.retrieve": lambda d, e, m: RetrieveItem(*_item_id(d, e, m)),
+    "conversation.item.truncate": _truncate,
     "response.create": _response_create,
     "response.cancel": _response_cancel,
-    "input_audio_buffer.commit": _commit,
+    "runtime.input_video_frame.append": _frame_append,
+    "runtime.session.finish": lambda d, e, m: FinishSession(e),
 }

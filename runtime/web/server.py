@@ -34,7 +34,7 @@ from runtime.events import error_event
 from runtime.loaded_models import Models
 from runtime.metrics import LoopLagMonitor, rss_mb
 from runtime.session import Session
-from runtime.session_builder import open_session
+from runtime.session_builder import initial_config, open_session
 from runtime.session_state import TransportStats
 from runtime.web.broadcast import Broadcast
 from runtime.web.driver import SessionDriver
@@ -201,7 +201,7 @@ class RealtimeServer:
             return error_response(connection, 503, f"server is at its limit of {self.max_sessions} sessions; "
                                                    "try again later", "server_busy")
         stats = TransportStats()  # the peer's own measurements, which the session's metrics report
-        session = await self._open(stats)
+        session = await self._open(stats, answer_turns=False)  # the page captions; questions are typed
         peer = WebRTCPeer(session, self.profile, stats)
         try:
             answer = await peer.answer(offer["sdp"])
@@ -218,12 +218,13 @@ class RealtimeServer:
     def _full(self) -> bool:
         return len(self.sessions) + self._opening >= self.max_sessions
 
-    async def _open(self, stats: TransportStats) -> Session:
+    async def _open(self, stats: TransportStats, *, answer_turns: bool) -> Session:
         """Build a session and register it; the slot is held from before the first await, so the limit check
         just made cannot race another connection."""
         self._opening += 1
         try:
-            session = await open_session(self.profile, self.models, self.worker, transport=stats)
+            config = initial_config(self.profile, self.models, answer_turns=answer_turns)
+            session = await open_session(self.profile, self.models, self.worker, transport=stats, config=config)
         finally:
             self._opening -= 1
         self.sessions[session.id] = session
@@ -262,9 +263,9 @@ class RealtimeServer:
                 await ws.close(1013, "server busy")
             return
         stats = TransportStats()
-        session = await self._open(stats)
+        session = await self._open(stats, answer_turns=True)  # a Realtime client: each turn is answered
         try:
-            if await SessionDriver(session, self.profile, stats).run(ws, ws.send):  # committed and drained: goodbye
+            if await SessionDriver(session, self.profile, stats).run(ws, ws.send):  # finished and drained: goodbye
                 with contextlib.suppress(ConnectionClosed):
                     await ws.close(1000, "session finished")
         finally:

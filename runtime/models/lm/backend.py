@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from runtime.config import LMConfig
 from runtime.errors import UserError
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.sampling import StopRule
@@ -35,6 +36,8 @@ class AnswerStep:
 
 class Answer(Protocol):
     """One answer in progress; every method runs on the device worker."""
+
+    prompt_ids: list[int]  # what it conditions on (a response's `usage.input_tokens`)
 
     def step(self) -> AnswerStep:
         """Decode and stream the next token(s); after the answer is done, an empty done step."""
@@ -70,15 +73,20 @@ class AnswerBackend(Protocol):
         ...
 
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
-              suffix: Sequence[Piece] | None = None) -> Answer:
+              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None) -> Answer:
         """Open an answer to `question` about `context` (and a video-memory `suffix`), on `stream` when the
-        backend keeps streams."""
+        backend keeps streams; at most `max_tokens` (and never more than `lm.max_new_tokens`)."""
         ...
 
     def embed_text(self, text: str) -> torch.Tensor | None:
         """Mean input embedding [hidden] (float32) of `text`'s tokens, for video-memory selection and notes;
         None for text without tokens, or a backend without input embeddings."""
         ...
+
+
+def token_limit(cfg: LMConfig, max_tokens: int | None) -> int:
+    """An answer's token budget: the profile's, or less when the request asks for less."""
+    return cfg.max_new_tokens if max_tokens is None else max(1, min(cfg.max_new_tokens, max_tokens))
 
 
 def new_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], emitted: str, *, final: bool) -> str:
@@ -124,7 +132,7 @@ class NoAnswerer:
         return None
 
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
-              suffix: Sequence[Piece] | None = None) -> Answer:
+              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None) -> Answer:
         raise UserError("this session loaded no language model, so it answers no questions")
 
     def embed_text(self, text: str) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from runtime.config import LMConfig
-from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, LMStream
+from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, LMStream, token_limit
 from runtime.models.lm.drafter_choice import make_drafter
 from runtime.models.lm.drafters import MODEL_DRAFTERS, Drafter
 from runtime.models.lm.engine import EngineSession, LMEngine
@@ -133,7 +133,7 @@ class EngineAnswerer:
             self._idle.append(stream)
 
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
-              suffix: Sequence[Piece] | None = None) -> EngineAnswer:
+              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None) -> EngineAnswer:
         """Open an answer. With `stream` (the pipeline's, from `open_stream`) the suffix it was last given is
         kept unless `suffix` replaces it; without one, a pooled stream gets `suffix` or none."""
         if stream is not None and not isinstance(stream, StreamLM):
@@ -155,7 +155,7 @@ class EngineAnswerer:
         prompt = lm.session.answer_ids()
         first = decoder.start(lm.session.next_logits(), prompt)
         cache = lm.session.cache
-        text = AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), self.cfg.max_new_tokens))
+        text = AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens)))
         return EngineAnswer(lm, decoder, text,
                             prompt, max(0, cache.source_len - self.engine.sink), cache.evicted > 0, first=first,
                             on_release=self._pool if pooled else None)

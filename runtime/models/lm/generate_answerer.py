@@ -22,7 +22,7 @@ from transformers import (
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
-from runtime.models.lm.backend import AnswerStep, AnswerText, LMStream
+from runtime.models.lm.backend import AnswerStep, AnswerText, LMStream, token_limit
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.prompt import CUT_MARK, prompt_text
@@ -169,7 +169,7 @@ class GenerateAnswerer:
         return None
 
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
-              suffix: Sequence[Piece] | None = None) -> GenerateAnswer:
+              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None) -> GenerateAnswer:
         """Build and prefill the prompt; the first token is chosen by the first `step()`. `stream` is always
         None here (`open_stream` opens none); a text model reads no video memory, so `suffix` must be empty."""
         if suffix:
@@ -180,7 +180,7 @@ class GenerateAnswerer:
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return GenerateAnswer(
             model=self.model,
-            text=AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), self.cfg.max_new_tokens)),
+            text=AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens))),
             sampler=self.sampler,
             prompt_ids=ids,
             cache=cache,

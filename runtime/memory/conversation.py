@@ -1,0 +1,133 @@
+"""The conversation so far: what every answer reads, in the order it happened.
+
+A session's conversation is the OpenAI Realtime API's: an ordered list of items. User audio items are the
+transcript (one item per input audio buffer: a commit, by hand or by turn detection, ends one), user and system
+text items come from `conversation.item.create`, and assistant items are the answers. The open audio item has
+stable text and an unstable tail that the ASR may still revise; the context shows all of it, so an answer
+asked mid-sentence sees the words already heard.
+
+The context is one line per item with its media time: spoken words as they were heard, everything else
+labelled with its role. New items land at the end, so the context grows append-only and the language model's
+KV (prefilled as it streams) stays valid; only an edit of the open audio item cuts it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from runtime.models.asr.base import TranscriptUpdate
+
+Role = Literal["user", "assistant", "system"]
+_LABEL = {"user": "User", "assistant": "Assistant", "system": "System"}
+
+
+@dataclass
+class Item:
+    item_id: str
+    start: float  # media seconds
+    end: float
+    role: Role = "user"
+    audio: bool = True  # spoken (transcribed) rather than typed
+    stable: str = ""
+    unstable: str = ""
+    completed: bool = False  # audio: the transcript is final; assistant: the answer ended
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+    @property
+    def text(self) -> str:
+        return (self.stable + self.unstable).strip()
+
+    def line(self) -> str:
+        label = "" if self.audio else f"{_LABEL[self.role]}: "
+        return f"[{_stamp(self.start)}] {label}{self.text}"
+
+    def to_api(self) -> dict[str, Any]:
+        """The item as the Realtime API's `conversation.item.*` events carry it (no audio bytes)."""
+        if self.audio:
+            part: dict[str, Any] = {"type": "input_audio", "transcript": self.text if self.completed else None}
+        elif self.role == "assistant":
+            part = {"type": "output_text", "text": self.text}
+        else:
+            part = {"type": "input_text", "text": self.text}
+        return {"id": self.item_id, "object": "realtime.item", "type": "message", "role": self.role,
+                "status": self.status, "content": [part]}
+
+
+def _stamp(seconds: float) -> str:
+    minutes, secs = divmod(seconds, 60)
+    return f"{int(minutes):02d}:{secs:04.1f}"
+
+
+@dataclass
+class Conversation:
+    items: list[Item] = field(default_factory=list)
+
+    def apply(self, update: TranscriptUpdate) -> Item:
+        """A transcript update of a user audio item (the open one, or a new one)."""
+        item = self.get(update.item_id)
+        if item is None:
+            item = Item(update.item_id, update.start, update.end, status="in_progress")
+            self.items.append(item)
+        item.end = update.end
+        if update.completed:
+            item.stable, item.unstable, item.completed, item.status = update.transcript, "", True, "completed"
+        else:
+            item.stable += update.delta
+            item.unstable = update.unstable
+        return item
+
+    def add(self, item: Item, *, after: str | None = None) -> str | None:
+        """Insert `item` after the item `after` (None: at the end; "root": first, as the API says); returns the
+        id of the item before it. Raises KeyError for an unknown `after`."""
+        if after is None:
+            index = len(self.items)
+        elif after == "root":
+            index = 0
+        else:
+            index = next((i + 1 for i, it in enumerate(self.items) if it.item_id == after), None)
+            if index is None:
+                raise KeyError(after)
+        self.items.insert(index, item)
+        return self.items[index - 1].item_id if index > 0 else None
+
+    def get(self, item_id: str) -> Item | None:
+        return next((it for it in reversed(self.items) if it.item_id == item_id), None)
+
+    def previous_id(self, item_id: str) -> str | None:
+        ids = [it.item_id for it in self.items]
+        i = ids.index(item_id) if item_id in ids else 0
+        return ids[i - 1] if i > 0 else None
+
+    def last_id(self) -> str | None:
+        return self.items[-1].item_id if self.items else None
+
+    def delete(self, item_id: str) -> bool:
+        item = self.get(item_id)
+        if item is None:
+            return False
+        self.items.remove(item)
+        return True
+
+    def pending_user_text(self) -> str:
+        """What a response answers by default: the user's typed items since the last answer, back to and
+        including the latest spoken one (earlier speech, say an hour of captioned talk, is context, not the
+        question)."""
+        texts: list[str] = []
+        for item in reversed(self.items):
+            if item.role == "assistant":
+                break
+            if item.role == "user" and item.text:
+                texts.append(item.text)
+                if item.audio:
+                    break
+        return " ".join(reversed(texts))
+
+    def context(self) -> str:
+        """One line per item: `[mm:ss.s] text` (spoken) or `[mm:ss.s] Role: text`, in order; empty items left
+        out."""
+        return "\n".join(it.line() for it in self.items if it.text)
+
+    def final_text(self) -> str:
+        """The spoken words alone, as a transcript."""
+        return " ".join(it.text for it in self.items if it.audio and it.text)

@@ -1,0 +1,52 @@
+"""Every way a response gets asked for, in one place: `response.create`, a scripted or typed question, and the
+end of a turn that turn detection found; and the one way one is cut short by the user speaking (barge-in).
+
+The question queue is bounded: a request that finds it full (or closed) is answered with an `error` event
+and dropped; nothing waits for room, so a burst of requests cannot stall the audio or the client's reader.
+"""
+
+from __future__ import annotations
+
+from runtime.channels import BlockingChannel, ChannelClosed
+from runtime.events import error_event
+from runtime.pipeline import Emit
+from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.session_state import AnswerActivity, HeardClock, SessionSettings
+
+
+class ResponseRequests:
+    def __init__(self, questions: BlockingChannel[Question], answers: QuestionProcessor, activity: AnswerActivity,
+                 heard: HeardClock, settings: SessionSettings, emit: Emit) -> None:
+        self.questions, self.answers, self.activity = questions, answers, activity
+        self.heard, self.settings, self.emit = heard, settings, emit
+
+    async def request(self, question: Question) -> bool:
+        """Queue `question`; False (after an `error` event) when the queue is full or closed."""
+        q = self.questions
+        if len(q) >= q.capacity or q.closed:
+            why = "closed" if q.closed else f"full ({q.capacity} waiting)"
+            await self.emit(error_event(f"question queue is {why}; ask again after the current answer",
+                                        code="question_queue_full", client_event_id=question.client_event_id,
+                                        media_time=question.media_time))
+            return False
+        self.activity.asked()  # from now on a note waits: the question goes first
+        try:
+            await q.put(question)
+        except ChannelClosed:
+            self.activity.ended()
+            return False
+        return True
+
+    async def turn_ended(self, item_id: str, at: float) -> None:
+        """Turn detection committed the user's turn: answer it when the session asks for that."""
+        config = self.settings.config
+        detection = config.turn_detection
+        if detection is not None and detection.create_response:
+            await self.request(Question(None, at, at, commits=self.heard.commits, instructions=config.instructions,
+                                        max_tokens=config.max_output_tokens))
+
+    def speech_started(self) -> None:
+        """Barge-in: the user speaking again cuts the answer in progress short, when the session asks for that."""
+        detection = self.settings.config.turn_detection
+        if detection is not None and detection.interrupt_response:
+            self.answers.cancel(reason="turn_detected")

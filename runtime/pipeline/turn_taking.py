@@ -1,0 +1,85 @@
+"""Turn detection on one session's audio: Silero VAD on every chunk, the turn rule of the session's current
+`turn_detection` (server_vad, or semantic_vad with Smart Turn judging each pause), as `TurnEvent`s for the
+audio processor, which commits the buffer at the end of a turn.
+
+`detect` runs on the device worker (the models are compute); `reset` runs on the loop between two `detect`
+calls of the same processor, never during one. The VAD sees every sample from the session's start, whether or
+not detection is on, so its windows stay on the session's sample grid; it costs well under 1% of a core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.chunks import SAMPLE_RATE, AudioChunk
+from runtime.models.turns.silero_vad import WINDOW_SAMPLES, SileroVAD
+from runtime.models.turns.smart_turn import SmartTurn
+from runtime.pipeline.audio import TurnEvent
+from runtime.pipeline.turn_detector import SpeechStarted, TurnDetector, VADSettings
+from runtime.session_config import TurnDetection
+from runtime.session_state import SessionSettings
+
+RECENT_S = 8  # what Smart Turn reads: the last 8 s of the turn
+
+
+@dataclass
+class TurnModels:
+    """Loaded once per process, shared by sessions: the VAD always, Smart Turn for semantic_vad."""
+
+    vad: SileroVAD
+    smart_turn: SmartTurn | None = None
+
+
+class TurnTaking:
+    def __init__(self, models: TurnModels, settings: SessionSettings) -> None:
+        self.models, self.settings = models, settings
+        self.vad = models.vad.open_stream()
+        self._config: TurnDetection | None = None
+        self._detector: TurnDetector | None = None
+        self._buffer_start = 0
+        self._recent = np.zeros(0, np.float32)  # the newest audio of this buffer, at most RECENT_S
+        self._recent_end = 0  # session sample just after `_recent`
+
+    def reset(self, at_sample: int) -> None:
+        """The input buffer now starts at `at_sample` (a commit or a clear): speech state and audio forgotten."""
+        self._buffer_start = at_sample
+        if self._detector is not None:
+            self._detector.reset(at_sample)
+        keep = max(0, self._recent_end - at_sample)
+        self._recent = self._recent[len(self._recent) - min(keep, len(self._recent)):]
+
+    def detect(self, chunk: AudioChunk) -> list[TurnEvent]:
+        probs = self.vad.accept(chunk.samples)
+        first = self.vad.windows_done - len(probs)
+        self._remember(chunk)
+        detector = self._current_detector()
+        if detector is None:
+            return []
+        return [TurnEvent(True, e.audio_start_sample) if isinstance(e, SpeechStarted)
+                else TurnEvent(False, e.audio_end_sample) for e in detector.push(probs.tolist(), first)]
+
+    def _current_detector(self) -> TurnDetector | None:
+        config = self.settings.config.turn_detection
+        if config != self._config:  # a session.update changed it: a new rule from the current buffer on
+            self._config = config
+            self._detector = None
+            if config is not None:
+                semantic = config.type == "semantic_vad" and self.models.smart_turn is not None
+                self._detector = TurnDetector(
+                    VADSettings(config.threshold, config.prefix_padding_ms, config.silence_duration_ms),
+                    WINDOW_SAMPLES, end_of_turn=self._end_of_turn if semantic else None,
+                    eagerness=config.eagerness if semantic else "auto")  # type: ignore[arg-type]
+                self._detector.reset(self._buffer_start)
+        return self._detector
+
+    def _remember(self, chunk: AudioChunk) -> None:
+        self._recent = np.concatenate([self._recent, chunk.samples])[-RECENT_S * SAMPLE_RATE:]
+        self._recent_end = chunk.end_sample
+
+    def _end_of_turn(self, pause_start: int) -> float:
+        """Smart Turn's judgement of the turn's audio so far, the pause included (as its authors feed it: the
+        silence after the last word is part of what it learned to read)."""
+        assert self.models.smart_turn is not None
+        return self.models.smart_turn.end_of_turn_probability(self._recent)

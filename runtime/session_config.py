@@ -1,0 +1,210 @@
+"""What a client may set on its session (`session.update`), in the OpenAI Realtime API's GA shape.
+
+One frozen `SessionConfig` per session, replaced whole on each update (the session holds the newest; processors
+read it when they need it, so a change applies from the next chunk or the next answer). `parse_update` checks
+every field a client sends and refuses an unknown or malformed one with a `ConfigFieldError` naming it, so the
+session keeps its config and the client learns which field was wrong. `to_api` is what `session.created` and
+`session.updated` echo.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from runtime.io.audio_formats import DEFAULT_FORMAT, AudioFormat, parse_audio_format
+
+EAGERNESS = ("low", "medium", "high", "auto")
+
+
+class ConfigFieldError(ValueError):
+    """A session field a client sent that cannot be applied; `param` names it (`session.audio.input.format`)."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class TurnDetection:
+    """`server_vad` (Silero VAD: speech, then `silence_duration_ms` of silence) or `semantic_vad` (Smart Turn
+    judges from the audio whether the speaker has finished; `eagerness` sets how long it waits)."""
+
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+    idle_timeout_ms: int | None = None
+    eagerness: str = "auto"
+
+    def to_api(self) -> dict[str, Any]:
+        common = {"type": self.type, "create_response": self.create_response,
+                  "interrupt_response": self.interrupt_response}
+        if self.type == "semantic_vad":
+            return {**common, "eagerness": self.eagerness}
+        return {**common, "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
+                "silence_duration_ms": self.silence_duration_ms, "idle_timeout_ms": self.idle_timeout_ms}
+
+
+# A live captioner's turns only split its captions into utterances: nothing is answered or cut short, and a line
+# ends at a sentence's pause (read speech pauses 300-400 ms between sentences), sooner than a conversation's turn,
+# which waits 500 ms so as not to cut a speaker off.
+CAPTIONS = TurnDetection(silence_duration_ms=300, create_response=False, interrupt_response=False)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    instructions: str = ""  # given with every question, after it (the profile's system prompt frames the context)
+    output_modalities: tuple[str, ...] = ("text",)
+    max_output_tokens: int | None = None  # None: "inf", the profile's lm.max_new_tokens
+    input_format: AudioFormat = DEFAULT_FORMAT
+    transcription_model: str = ""  # reported; the profile's ASR transcribes whatever name is given
+    transcription: dict[str, Any] = field(default_factory=dict)
+    turn_detection: TurnDetection | None = TurnDetection()
+
+    def to_api(self) -> dict[str, Any]:
+        transcription = {**self.transcription, "model": self.transcription_model} if self.transcription_model \
+            else (self.transcription or None)
+        return {
+            "type": "realtime",
+            "instructions": self.instructions,
+            "output_modalities": list(self.output_modalities),
+            "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
+            "audio": {"input": {"format": self.input_format.to_dict(), "transcription": transcription,
+                                "turn_detection": None if self.turn_detection is None
+                                else self.turn_detection.to_api(),
+                                "noise_reduction": None}},
+            "tools": [],
+            "tool_choice": "auto",
+        }
+
+
+_IGNORED = {"model", "tracing", "truncation", "include", "prompt"}  # accepted, echoed, no effect on this server
+
+
+def parse_update(config: SessionConfig, session: dict[str, Any]) -> SessionConfig:
+    """`config` with the fields of a `session.update`'s `session` applied; raises ConfigFieldError."""
+    changes: dict[str, Any] = {}
+    for key, value in session.items():
+        param = f"session.{key}"
+        if key == "type":
+            if value != "realtime":
+                raise ConfigFieldError(param, "session.type must be 'realtime' (a transcription-only session is a "
+                                              "realtime one with no response.create)")
+        elif key == "instructions":
+            changes["instructions"] = _typed(value, str, param, "a string")
+        elif key == "output_modalities":
+            changes["output_modalities"] = _modalities(value, param)
+        elif key == "max_output_tokens":
+            changes["max_output_tokens"] = max_tokens(value, param)
+        elif key == "audio":
+            changes.update(_audio(config, _typed(value, dict, param, "an object")))
+        elif key in ("tools", "tool_choice"):
+            if value not in ([], "auto", "none"):
+                raise ConfigFieldError(param, f"{param}: function calling is not available on this server yet; "
+                                              "send [] or leave it out", code="unsupported_field")
+        elif key not in _IGNORED:
+            raise ConfigFieldError(param, f"unknown session field {key!r}", code="unknown_parameter")
+    return replace(config, **changes)
+
+
+def max_tokens(value: object, param: str) -> int | None:
+    if value == "inf":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise ConfigFieldError(param, f"{param} must be an integer from 1 to 4096, or 'inf'")
+    return value
+
+
+def _typed(value: object, kind: type, param: str, what: str) -> Any:  # noqa: ANN401 - the JSON value, checked
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigFieldError(param, f"{param} must be {what}")
+    return value
+
+
+def _modalities(value: object, param: str) -> tuple[str, ...]:
+    if value == ["text"]:
+        return ("text",)
+    if isinstance(value, list) and "audio" in value:
+        raise ConfigFieldError(param, "this server answers in text only: set output_modalities to ['text'] (it "
+                                      "does not speak yet)", code="unsupported_modality")
+    raise ConfigFieldError(param, f"{param} must be ['text']")
+
+
+def _audio(config: SessionConfig, audio: dict[str, Any]) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    for key, value in audio.items():
+        if key == "output":
+            continue  # the voice and format of spoken answers: nothing to apply while answers are text
+        if key != "input":
+            raise ConfigFieldError(f"session.audio.{key}", f"unknown session field 'audio.{key}'",
+                                   code="unknown_parameter")
+        for name, setting in _typed(value, dict, "session.audio.input", "an object").items():
+            param = f"session.audio.input.{name}"
+            if name == "format":
+                try:
+                    changes["input_format"] = parse_audio_format(setting, param)
+                except ValueError as e:
+                    raise ConfigFieldError(param, str(e)) from None
+            elif name == "transcription":
+                if setting is None:
+                    changes.update(transcription={}, transcription_model="")
+                    continue
+                setting = _typed(setting, dict, param, "an object or null")
+                unknown = set(setting) - {"model", "language", "prompt"}
+                if unknown:
+                    raise ConfigFieldError(f"{param}.{sorted(unknown)[0]}", f"unknown field in {param}: "
+                                           f"{sorted(unknown)}", code="unknown_parameter")
+                changes["transcription"] = dict(setting)
+                changes["transcription_model"] = str(setting.get("model", ""))
+            elif name == "turn_detection":
+                changes["turn_detection"] = turn_detection(setting, param, config.turn_detection)
+            elif name == "noise_reduction":
+                if setting is not None:
+                    raise ConfigFieldError(param, f"{param}: this server does no noise reduction; send null",
+                                           code="unsupported_field")
+            else:
+                raise ConfigFieldError(param, f"unknown session field 'audio.input.{name}'", code="unknown_parameter")
+    return changes
+
+
+def turn_detection(value: object, param: str, current: TurnDetection | None) -> TurnDetection | None:
+    """None turns it off (the client commits by hand); an object sets the type and the fields it names."""
+    if value is None:
+        return None
+    setting = _typed(value, dict, param, "an object or null")
+    kind = setting.get("type", current.type if current else "server_vad")
+    if kind not in ("server_vad", "semantic_vad"):
+        raise ConfigFieldError(f"{param}.type", f"{param}.type must be 'server_vad' or 'semantic_vad'")
+    base = current if current is not None and current.type == kind else TurnDetection(type=kind)
+    fields: dict[str, Any] = {}
+    for name, v in setting.items():
+        p = f"{param}.{name}"
+        if name == "type":
+            continue
+        if name == "threshold":
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
+                raise ConfigFieldError(p, f"{p} must be a number from 0 to 1")
+            fields[name] = float(v)
+        elif name == "idle_timeout_ms":
+            if v is not None:
+                raise ConfigFieldError(p, f"{p}: an idle timeout is not available on this server yet; send null",
+                                       code="unsupported_field")
+        elif name in ("prefix_padding_ms", "silence_duration_ms"):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not 0 <= v <= 60_000:
+                raise ConfigFieldError(p, f"{p} must be milliseconds from 0 to 60000")
+            fields[name] = int(v)
+        elif name in ("create_response", "interrupt_response"):
+            if not isinstance(v, bool):
+                raise ConfigFieldError(p, f"{p} must be true or false")
+            fields[name] = v
+        elif name == "eagerness":
+            if v not in EAGERNESS:
+                raise ConfigFieldError(p, f"{p} must be one of {list(EAGERNESS)}")
+            fields[name] = v
+        else:
+            raise ConfigFieldError(p, f"unknown field {name!r} in {param}", code="unknown_parameter")
+    return replace(base, **fields)

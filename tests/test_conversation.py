@@ -1,0 +1,73 @@
+"""The conversation's items and context, and how an input buffer folds the ASR's own items into one user item,
+worked out by hand."""
+
+import pytest
+
+from runtime.memory.conversation import Conversation, Item
+from runtime.models.asr.base import TranscriptUpdate as U
+from runtime.pipeline.input_buffer import BufferTranscript
+
+
+def test_a_buffer_folds_the_asrs_items_into_one_whose_deltas_add_up_to_its_text():
+    buffer = BufferTranscript("item_b", 1.0)
+    folded = [buffer.fold(u) for u in [
+        U("a", "hello", " wor", 1.0, 1.5),
+        U("a", "", "", 1.0, 1.6),  # nothing new: nothing to emit
+        U("a", "", "", 1.0, 2.0, completed=True, transcript="hello world"),  # the final text adds " world"
+        U("b", "", "how", 2.0, 2.3),  # the next item's first words: a space before them
+        U("b", "how are", " you", 2.0, 2.6),
+        U("b", "", "", 2.0, 3.0, completed=True, transcript="how are you"),
+    ]]
+    assert folded[1] is None
+    assert [(f.delta, f.unstable) for f in folded if f is not None] == [
+        ("hello", " wor"), (" world", ""), ("", " how"), (" how are", " you"), (" you", "")]
+    assert {f.item_id for f in folded if f is not None} == {"item_b"} and folded[-1].start == 1.0
+    assert "".join(f.delta for f in folded if f is not None) == "hello world how are you" == buffer.text
+    done = buffer.complete(3.0)
+    assert (done.completed, done.transcript, done.start, done.end) == (True, "hello world how are you", 1.0, 3.0)
+
+
+def test_a_final_text_that_revises_the_streamed_one_wins():
+    buffer = BufferTranscript("i", 0.0)
+    buffer.fold(U("a", "helo", "", 0.0, 0.5))
+    assert buffer.fold(U("a", "", "", 0.0, 1.0, completed=True, transcript="hello")).delta == ""
+    assert buffer.complete(1.0).transcript == "hello"
+
+
+def test_the_context_is_a_line_per_item_and_a_response_answers_the_latest_turn():
+    talk = Conversation()
+    talk.apply(U("item_1", "the red ball", "", 0.0, 2.0))
+    talk.add(Item("item_2", 2.5, 2.5, role="user", audio=False, stable="what moved?"))
+    assert talk.pending_user_text() == "the red ball what moved?"
+    talk.add(Item("item_3", 3.0, 3.0, role="assistant", audio=False, stable="The ball."))
+    assert talk.pending_user_text() == ""
+    talk.apply(U("item_4", "and then", "", 4.0, 5.0))
+    assert talk.context() == ("[00:00.0] the red ball\n[00:02.5] User: what moved?\n[00:03.0] Assistant: The ball.\n"
+                              "[00:04.0] and then")
+    assert talk.pending_user_text() == "and then"
+    assert talk.final_text() == "the red ball and then"  # the spoken words alone
+    assert talk.previous_id("item_3") == "item_2" and talk.previous_id("item_1") is None
+    assert talk.add(Item("item_0", 0.0, 0.0, role="system", audio=False, stable="Be brief."), after="root") is None
+    assert talk.items[0].line() == "[00:00.0] System: Be brief."
+    assert talk.add(Item("x", 0.0, 0.0, audio=False, stable="x"), after="item_2") == "item_2"
+    with pytest.raises(KeyError):
+        talk.add(Item("y", 0.0, 0.0), after="nope")
+    assert talk.delete("x") and not talk.delete("x")
+
+
+def test_an_earlier_spoken_item_is_context_not_the_question():
+    talk = Conversation()
+    talk.apply(U("talk", "an hour of a talk", "", 0.0, 3600.0, completed=True, transcript="an hour of a talk"))
+    talk.apply(U("turn", "what was the plan", "", 3600.0, 3602.0))
+    talk.add(Item("typed", 3603.0, 3603.0, audio=False, stable="in short"))
+    assert talk.pending_user_text() == "what was the plan in short"
+
+
+def test_items_read_as_the_api_writes_them():
+    spoken = Item("a", 0.0, 1.0, status="in_progress")
+    assert spoken.to_api() == {"id": "a", "object": "realtime.item", "type": "message", "role": "user",
+                               "status": "in_progress", "content": [{"type": "input_audio", "transcript": None}]}
+    answer = Item("b", 1.0, 1.0, role="assistant", audio=False, stable="Yes.")
+    assert answer.to_api()["content"] == [{"type": "output_text", "text": "Yes."}]
+    typed = Item("c", 1.0, 1.0, audio=False, stable="hi")
+    assert typed.to_api()["content"] == [{"type": "input_text", "text": "hi"}]

@@ -1,0 +1,76 @@
+"""`session.update` in the GA shape: every field the API defines is applied or refused with the field named,
+and a refused update leaves the config as it was."""
+
+import pytest
+
+from runtime.io.audio_formats import AudioFormat
+from runtime.session_config import ConfigFieldError, SessionConfig, TurnDetection, parse_update
+
+
+def test_ga_fields_apply_and_echo_in_the_apis_shape():
+    config = parse_update(SessionConfig(), {
+        "type": "realtime", "model": "gpt-realtime", "instructions": "Answer in one sentence.",
+        "output_modalities": ["text"], "max_output_tokens": 40,
+        "audio": {"input": {"format": {"type": "audio/pcmu"}, "transcription": {"model": "whisper-1"},
+                            "turn_detection": {"type": "server_vad", "threshold": 0.6, "silence_duration_ms": 700,
+                                               "create_response": False, "idle_timeout_ms": None},
+                            "noise_reduction": None},
+                  "output": {"voice": "alloy"}}})
+    assert config.instructions == "Answer in one sentence." and config.max_output_tokens == 40
+    assert config.input_format == AudioFormat("audio/pcmu", 8000) and config.transcription_model == "whisper-1"
+    assert config.turn_detection == TurnDetection(threshold=0.6, silence_duration_ms=700, create_response=False)
+    api = config.to_api()
+    assert api["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    assert api["audio"]["input"]["transcription"] == {"model": "whisper-1"}
+    assert api["audio"]["input"]["turn_detection"] == {
+        "type": "server_vad", "create_response": False, "interrupt_response": True, "threshold": 0.6,
+        "prefix_padding_ms": 300, "silence_duration_ms": 700, "idle_timeout_ms": None}
+    assert api["max_output_tokens"] == 40 and api["type"] == "realtime"
+    # "inf" and null turn detection; a semantic_vad keeps its eagerness and drops server_vad's fields
+    assert parse_update(config, {"max_output_tokens": "inf"}).max_output_tokens is None
+    assert parse_update(config, {"audio": {"input": {"turn_detection": None}}}).turn_detection is None
+    semantic = parse_update(config, {"audio": {"input": {"turn_detection": {"type": "semantic_vad",
+                                                                            "eagerness": "high"}}}})
+    assert semantic.turn_detection.to_api() == {"type": "semantic_vad", "create_response": True,
+                                                "interrupt_response": True, "eagerness": "high"}
+
+
+def test_an_update_changes_only_what_it_names():
+    config = parse_update(SessionConfig(), {"instructions": "a"})
+    again = parse_update(config, {"audio": {"input": {"turn_detection": {"threshold": 0.3}}}})
+    assert again.instructions == "a" and again.turn_detection.threshold == 0.3
+    assert again.turn_detection.silence_duration_ms == 500  # kept from before
+
+
+@pytest.mark.parametrize("session, param, code", [
+    ({"voice": "alloy"}, "session.voice", "unknown_parameter"),
+    ({"type": "transcription"}, "session.type", "invalid_value"),
+    ({"instructions": 3}, "session.instructions", "invalid_value"),
+    ({"output_modalities": ["audio"]}, "session.output_modalities", "unsupported_modality"),
+    ({"output_modalities": "text"}, "session.output_modalities", "invalid_value"),
+    ({"max_output_tokens": 0}, "session.max_output_tokens", "invalid_value"),
+    ({"max_output_tokens": True}, "session.max_output_tokens", "invalid_value"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "session.tools", "unsupported_field"),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 44100}}}}, "session.audio.input.format",
+     "invalid_value"),
+    ({"audio": {"input": {"turn_detection": {"type": "push_to_talk"}}}},
+     "session.audio.input.turn_detection.type", "invalid_value"),
+    ({"audio": {"input": {"turn_detection": {"threshold": 2}}}}, "session.audio.input.turn_detection.threshold",
+     "invalid_value"),
+    ({"audio": {"input": {"turn_detection": {"create_response": "yes"}}}},
+     "session.audio.input.turn_detection.create_response", "invalid_value"),
+    ({"audio": {"input": {"turn_detection": {"eagerness": "eager"}}}},
+     "session.audio.input.turn_detection.eagerness", "invalid_value"),
+    ({"audio": {"input": {"turn_detection": {"volume": 1}}}}, "session.audio.input.turn_detection.volume",
+     "unknown_parameter"),
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction",
+     "unsupported_field"),
+    ({"audio": {"input": {"transcription": {"model": "x", "delay": 1}}}}, "session.audio.input.transcription.delay",
+     "unknown_parameter"),
+    ({"audio": {"echo": {}}}, "session.audio.echo", "unknown_parameter"),
+])
+def test_a_bad_field_is_named(session, param, code):
+    with pytest.raises(ConfigFieldError) as info:
+        parse_update(SessionConfig(), session)
+    assert (info.value.param, info.value.code) == (param, code)
+    assert str(info.value)
