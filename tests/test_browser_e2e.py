@@ -142,6 +142,10 @@ async def test_page_shows_live_captions_and_a_streamed_answer(tiny, tmp_path):
                        deadline, "no latency readout", problems)
         captions, answer = await text_of(page, "#captions"), await text_of(page, "#answer")
         status = await text_of(page, "#status")
+        # The conversation view: the typed question, then its answer, as the server ordered them.
+        await wait_for(page, "document.querySelectorAll('#conversation li.assistant').length >= 1", deadline,
+                       "no answer in the conversation view", problems)
+        assert (await text_of(page, "#conversation li.user .text")).strip() == "what moved?"
 
         # The media tracks reached the session: audio heard, frames sampled.
         (session,) = server.sessions.values()

@@ -9,11 +9,13 @@ const ui = {
   captions: $("captions"), captionsBox: $("captions-box"), unstable: $("unstable"), notes: $("notes"),
   question: $("question"), ask: $("ask"), cancel: $("cancel"), answer: $("answer"),
   answerStatus: $("answer-status"), latFirst: $("lat-first"), latAsr: $("lat-asr"), latLoop: $("lat-loop"),
+  conversation: $("conversation"), answerTurns: $("answer-turns"),
 };
 
 const ICE_GATHER_TIMEOUT_MS = 5000; // host candidates only (no STUN), so gathering is quick; never wait forever
 const MAX_CAPTION_ITEMS = 200; // keep the DOM bounded on a long session
 const MAX_NOTES = 100;
+const MAX_CONVERSATION_ITEMS = 100;
 
 // Watch mode (?watch=1): follow the server's own local session (`runtime serve --camera 0`) over the read-only
 // websocket /v1/watch; this browser's camera and microphone are not used, and questions are asked in the
@@ -29,6 +31,10 @@ let eventSeq = 0;
 // Transcript items in arrival order: item_id -> {stable, unstable}. The server sends only the new stable
 // text in each delta, plus the whole unstable tail, which replaces the previous one.
 const items = new Map();
+
+// The conversation as the server keeps it: item_id -> its <li>, in the server's order (previous_item_id).
+const turns = new Map();
+let turnDetection = null; // the session's turn detection (session.created/updated), null when it has none
 
 // The answer being shown, and the client-side clock for "ask to first token".
 let responseId = null;
@@ -187,6 +193,8 @@ function teardown() {
 
 function resetView() {
   items.clear();
+  turns.clear();
+  ui.conversation.textContent = "";
   renderCaptions();
   ui.notes.textContent = "";
   ui.answer.textContent = "";
@@ -233,14 +241,25 @@ function onMessage(data) {
 }
 
 const handlers = {
-  "session.created": (e) => setStatus((watching ? "live: watching the server's local session "
-    : "live: session ") + (e.session && e.session.id || ""), "live"),
+  "session.created": (e) => {
+    setStatus((watching ? "live: watching the server's local session " : "live: session ")
+      + (e.session && e.session.id || ""), "live");
+    showTurnDetection(e.session);
+  },
+
+  "session.updated": (e) => showTurnDetection(e.session),
+
+  "conversation.item.added": (e) => addTurn(e.item, e.previous_item_id),
+  "conversation.item.done": (e) => { addTurn(e.item, e.previous_item_id); setTurnText(e.item); },
+  "conversation.item.deleted": (e) => { const li = turns.get(e.item_id); if (li) li.remove(); turns.delete(e.item_id); },
 
   "conversation.item.input_audio_transcription.delta": (e) => {
     const item = itemFor(e.item_id);
     item.stable += e.delta || "";
     item.unstable = e.unstable || "";
     renderCaptions();
+    const li = turns.get(e.item_id);
+    if (li) li.querySelector(".text").textContent = item.stable.trim();
   },
 
   "conversation.item.input_audio_transcription.completed": (e) => {
@@ -273,6 +292,8 @@ const handlers = {
       askedAt = null;
     }
     ui.answer.textContent += e.delta || "";
+    const li = turns.get(e.item_id);
+    if (li) li.querySelector(".text").textContent += e.delta || "";
   },
 
   "response.output_text.done": (e) => {
@@ -303,6 +324,57 @@ const handlers = {
 function about(state) {
   const question = ui.answer.dataset.question;
   return question ? state + ": " + question : state;
+}
+
+// ---------------------------------------------------------------- the conversation view
+
+const ROLE_LABEL = { user: "You", assistant: "Answer", system: "System" };
+
+function addTurn(item, previousId) {
+  if (!item || !item.id || turns.has(item.id)) return;
+  const li = document.createElement("li");
+  const part = (item.content || [])[0] || {};
+  li.className = "turn " + (item.role || "user");
+  const who = document.createElement("b");
+  who.textContent = (ROLE_LABEL[item.role] || item.role) + (part.type === "input_audio" ? " (spoken)" : "") + ": ";
+  const text = document.createElement("span");
+  text.className = "text";
+  li.append(who, text);
+  const after = previousId ? turns.get(previousId) : null;
+  if (after) after.after(li); // where the server put it
+  else if (previousId === null) ui.conversation.prepend(li); // first in the conversation
+  else ui.conversation.append(li);
+  turns.set(item.id, li);
+  setTurnText(item);
+  while (turns.size > MAX_CONVERSATION_ITEMS) {
+    const oldest = turns.keys().next().value;
+    turns.get(oldest).remove();
+    turns.delete(oldest);
+  }
+  li.scrollIntoView({ block: "nearest" });
+}
+
+function setTurnText(item) {
+  const li = item && turns.get(item.id);
+  const part = (item && item.content || [])[0] || {};
+  const text = part.transcript != null ? part.transcript : part.text;
+  if (li && text) li.querySelector(".text").textContent = text;
+}
+
+// The checkbox asks the server to answer each turn: the session's turn detection with create_response (and
+// interrupt_response, so speaking again cuts the answer short), or back to captions only.
+function showTurnDetection(session) {
+  const input = session && session.audio && session.audio.input;
+  turnDetection = input ? input.turn_detection : null;
+  ui.answerTurns.disabled = watching || !turnDetection;
+  ui.answerTurns.checked = !!(turnDetection && turnDetection.create_response);
+}
+
+function setAnswerTurns() {
+  if (!turnDetection) return;
+  const on = ui.answerTurns.checked;
+  send({ type: "session.update", session: { audio: { input: { turn_detection: {
+    type: turnDetection.type, create_response: on, interrupt_response: on } } } } });
 }
 
 function itemFor(id) {
@@ -340,4 +412,5 @@ $("connect").addEventListener("submit", (e) => { e.preventDefault(); start(); })
 ui.stop.addEventListener("click", stop);
 $("ask-form").addEventListener("submit", (e) => { e.preventDefault(); ask(); }); // the button and Enter
 ui.cancel.addEventListener("click", cancel);
+ui.answerTurns.addEventListener("change", setAnswerTurns);
 window.addEventListener("pagehide", teardown); // free the camera and the server's session at once
