@@ -238,3 +238,41 @@ async def test_cancel_clear_delete_and_a_refused_field_keep_the_session(turn_mod
             assert done["response"]["output"][0]["content"][0]["text"].startswith("hi->")
     finally:
         await stop(server, worker)
+
+
+async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped_models(tmp_path):
+    """The demo profile's real models (its FastConformer, SmolLM2-135M-Instruct, Silero VAD) behind the SDK: a
+    statement, then a spoken question; turn detection commits each and answers the question from the first."""
+    from runtime.config import load_profile
+    from runtime.loaded_models import load_models
+    from runtime.train.synthesizers import Voice, resample, synthesize
+
+    profile = load_profile("demo", overrides=["pipeline.metrics_interval_s=0"])
+    rng = np.random.default_rng(0)
+
+    def said(text: str) -> np.ndarray:
+        audio, rate, _ = synthesize(Voice("espeak", "en-us"), text, rng)
+        return np.concatenate([resample(audio, rate, 16_000), np.zeros(16_000, np.float32)])
+
+    with DeviceWorker() as worker:
+        models = load_models(profile, worker)
+        assert models.turns is not None
+        async with RealtimeServer(profile, models, worker, port=0) as server:
+            client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
+            async with client.realtime.connect(model="gpt-realtime") as connection:
+                talk = Conversation(connection)
+                await talk.next("session.created")
+                await connection.session.update(session={"audio": {"input": {"turn_detection": {
+                    "type": "server_vad", "create_response": False}}}})
+                await talk.next("session.updated")
+                await talk.send_audio(said("The meeting moved to Thursday at ten."))
+                statement = await talk.next("conversation.item.input_audio_transcription.completed")
+                await connection.session.update(session={"audio": {"input": {"turn_detection": {
+                    "type": "server_vad", "create_response": True}}}})
+                await talk.next("session.updated")
+                await talk.send_audio(said("When is the meeting?"))
+                done = await talk.next("response.done", timeout=120)
+    question = talk.of("conversation.item.input_audio_transcription.completed")[-1]["transcript"]
+    answer = done["response"]["output"][0]["content"][0]["text"]
+    assert "thursday" in statement["transcript"].lower() and "meeting" in question.lower(), (statement, question)
+    assert done["response"]["status"] in ("completed", "incomplete") and "thursday" in answer.lower(), answer
