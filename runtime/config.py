@@ -61,6 +61,7 @@ class LMConfig:
     backend: str = "generate"  # generate (plain transformers, the slice) | engine (sink KV, streaming prefill)
     model: str = "tiny:qwen2"
     max_new_tokens: int = 64
+    stop_repeats: bool = False  # end an answer that says the same phrase again and again (sampling.repeats_itself)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     # engine: fp32 | bf16 | int8 | int4 (weight-only, CPU kernels) | auto (the profile's dtype); see

@@ -14,6 +14,7 @@ from runtime.models.lm.sampling import (
     eos_ids,
     greedy_token,
     nucleus_probs,
+    repeats_itself,
     sampling_probs,
 )
 
@@ -103,3 +104,17 @@ def test_stop_rule_eos_stops_and_max_tokens_is_length() -> None:
     assert rule.take([0], generated) == "stop" and generated == [1, 2, 3]  # eos wins on the last slot too
     assert StopRule(frozenset(), 1).take([0], []) == "length"  # not an eos id: an ordinary token
     assert rule.take([], []) is None
+
+
+def test_an_answer_that_repeats_itself_stops_there() -> None:
+    assert repeats_itself([9, 1, 2, 1, 2, 1, 2])  # a two-token phrase three times
+    assert not repeats_itself([9, 1, 2, 1, 2])  # twice is still speech ("at ten, at ten")
+    assert repeats_itself([5, 5, 5, 5]) and not repeats_itself([5, 5, 5])  # one token: four times
+    sentence = list(range(10, 20))
+    assert repeats_itself([1, *sentence, *sentence]) and not repeats_itself([*sentence, *sentence[:-1]])
+    assert not repeats_itself(list(range(100)))
+    rule = StopRule(frozenset({0}), max_new_tokens=50, stop_repeats=True)
+    generated: list[int] = []
+    assert rule.take([7, 3, 4, 3, 4, 3, 4, 3, 4], generated) == "stop"
+    assert generated == [7, 3, 4, 3, 4, 3, 4]  # it ends at the third saying; what came after is dropped
+    assert StopRule(frozenset({0}), 50).take([3, 4] * 5, []) is None  # off unless asked (the profile's lm.stop_repeats)

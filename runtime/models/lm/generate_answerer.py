@@ -180,7 +180,8 @@ class GenerateAnswerer:
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return GenerateAnswer(
             model=self.model,
-            text=AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens))),
+            text=AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens),
+                                          self.cfg.stop_repeats)),
             sampler=self.sampler,
             prompt_ids=ids,
             cache=cache,

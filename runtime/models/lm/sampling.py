@@ -85,10 +85,13 @@ def eos_ids(generation_eos: int | Iterable[int] | None, tokenizer_eos: int | Non
 @dataclass(frozen=True)
 class StopRule:
     """When an answer ends: an end-of-sequence token ends it with "stop" (the token is not part of the answer);
-    the `max_new_tokens`-th answer token ends it with "length"."""
+    the `max_new_tokens`-th answer token ends it with "length". With `stop_repeats`, an answer that has started
+    saying the same thing over and over (`repeats_itself`) also ends with "stop": a small model, once in a loop,
+    never leaves it, and the rest of the budget would be the loop."""
 
     eos_ids: frozenset[int]
     max_new_tokens: int
+    stop_repeats: bool = False
 
     def take(self, tokens: Iterable[int], generated: list[int]) -> str | None:
         """Append `tokens` to `generated` in order until one ends the answer; returns the finish reason
@@ -99,8 +102,28 @@ class StopRule:
             generated.append(token)
             if len(generated) >= self.max_new_tokens:
                 return "length"
+            if self.stop_repeats and repeats_itself(generated):
+                return "stop"
         return None
 
     def room(self, generated: int) -> int:
         """How many more tokens the answer may take."""
         return self.max_new_tokens - generated
+
+
+LONGEST_REPEAT = 32  # tokens: the longest phrase whose repetition ends an answer
+
+
+def repeats_itself(tokens: list[int]) -> bool:
+    """Whether `tokens` end in one phrase said again and again: one token four times, a phrase of 2-7 tokens
+    three times, a longer one (a sentence) twice, back to back. Plain text rarely repeats itself so exactly
+    ("at ten at ten at ten", a sentence said twice), and a decoding loop always does."""
+    n = len(tokens)
+    for size in range(1, min(LONGEST_REPEAT, n // 2) + 1):
+        copies = 4 if size == 1 else 3 if size < 8 else 2
+        if n < copies * size:
+            continue
+        last = tokens[n - size:]
+        if all(tokens[n - (k + 1) * size : n - k * size] == last for k in range(1, copies)):
+            return True
+    return False
