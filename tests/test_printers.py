@@ -116,7 +116,8 @@ def test_a_transcript_line_cut_by_an_answer_goes_on_without_a_double_space() -> 
     printer.write(TranscriptionDelta(delta=" rolls", **item))
     printer.write(TranscriptionCompleted(transcript="the red ball rolls away", **item))  # ends the same line
     printer.close()
-    assert out.getvalue().splitlines() == ["[00:00.1] the", "Q: what?", "A: ", "[00:00.1] red ball rolls away"]
+    # the item's start is not repeated: the continuation is stamped where the printed words ended, marked "…"
+    assert out.getvalue().splitlines() == ["[00:00.1] the", "Q: what?", "A: ", "[00:01.0] … red ball rolls away"]
 
 
 def test_a_video_note_waits_for_the_transcript_line_in_progress() -> None:

@@ -68,6 +68,7 @@ class TextPrinter:
         self._tail = 0  # characters of dim unstable text at the end of the open line
         self._stable: dict[str, str] = {}  # item_id -> stable text printed so far
         self._starts: dict[str, float] = {}  # item_id -> media start, for the line prefix
+        self._heard: dict[str, float] = {}  # item_id -> media time its printed words reach (a continuation's stamp)
         self._answered: set[str] = set()  # responses whose text has been printed
         self._held: list[Event] = []  # transcript events that arrived while an answer was streaming
 
@@ -125,11 +126,15 @@ class TextPrinter:
         printed = self._stable.get(item, "")
         if not event.delta and not self.tty and self._line != f"item:{item}":
             return  # nothing stable to add, and an unstable tail is not shown off a terminal
-        opened = self._open(f"item:{item}", f"{timestamp(self._starts[item])} ")  # again, after an interruption
+        # An item cut by another line goes on on a new line, stamped where its printed words ended, marked "…"
+        prefix = f"{timestamp(self._heard[item])} … " if printed else f"{timestamp(self._starts[item])} "
+        opened = self._open(f"item:{item}", prefix)
         self._clear_tail()
         shown = event.delta.lstrip() if not printed or opened else event.delta  # no space after the prefix
         self._out(shown)
         self._stable[item] = printed + (event.delta if printed else shown)  # the item's text, not the line's
+        if self._stable[item]:
+            self._heard[item] = event.end
         if self.tty and event.unstable:
             unstable = event.unstable.lstrip() if not self._stable[item] or (opened and not shown) else event.unstable
             self._out(f"{DIM}{unstable}{RESET}")
@@ -138,6 +143,7 @@ class TextPrinter:
     def _transcript_done(self, event: TranscriptionCompleted) -> None:
         item = event.item_id
         start = self._starts.pop(item, event.start)
+        self._heard.pop(item, None)
         printed = self._stable.pop(item, "")
         final = event.transcript.strip()
         if printed and final.startswith(printed) and self._line == f"item:{item}":
