@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "plain, short, quote (default: all)")
     parser.add_argument("--profile", default=None, help="answers: the profile whose language model and ASR answer "
                         "(default: demo)")
+    parser.add_argument("--conversations", action="store_true", help="serve: N sessions each holding a "
+                        "multi-turn voice conversation with server VAD: turn latency, nothing lost, disconnects")
     parser.add_argument("--human", default=None, help="asr-quality, turns: a folder of human speech with "
                         "manifest.jsonl (default: ../shared/speech/dev beside the repository)")
 
@@ -92,6 +94,10 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
     name = BENCHES[args.name][0]
     if args.name == "llm" and args.model is not None:
         name = "runtime.bench.llm_model"  # a real model, not the shapes
+    if getattr(args, "conversations", False):
+        if args.name != "serve":
+            raise UserError(f"--conversations: {args.name} does not take it; it is a mode of `runtime bench serve`")
+        name = "runtime.bench.serve_conversations"
     module = importlib.import_module(name)
     result: dict[str, Any] = module.run(args, status)
     print(json.dumps(result, indent=None if args.json else 2, sort_keys=False))
