@@ -12,7 +12,10 @@ module only runs it: lifecycle, input, reporting.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
@@ -26,22 +29,40 @@ from runtime.events import (
     Metrics,
     SessionCreated,
     SessionUpdated,
+    TranscriptionCompleted,
     error_event,
     new_id,
 )
 from runtime.memory.conversation import Conversation, Item, Role
 from runtime.memory.video import VideoMemory
 from runtime.metrics import LoopLagMonitor
+from runtime.models.asr.base import ASRStream
 from runtime.pipeline import Emit
 from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.audio import MIN_COMMIT_S, AudioProcessor, BufferEnd
+from runtime.pipeline.input_buffer import BufferTranscript
 from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
 from runtime.pipeline.response_requests import ResponseRequests
 from runtime.pipeline.video import VideoProcessor
 from runtime.session_config import SessionConfig
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, SessionSettings, TransportStats
-from runtime.worker import DeviceWorker
+from runtime.worker import DeviceWorker, Priority
+
+
+def transcribe_whole(open_asr: Callable[[], ASRStream], samples: np.ndarray, chunk_ms: int) -> str:
+    """One utterance through an ASR stream of its own, in the session's chunks (on the worker)."""
+    stream = open_asr()
+    try:
+        buffer, chunk = BufferTranscript("whole", 0.0), SAMPLE_RATE * chunk_ms // 1000
+        for start in range(0, len(samples), chunk):
+            for update in stream.accept(AudioChunk(samples[start : start + chunk], start)):
+                buffer.fold(update)
+        for update in stream.finish():
+            buffer.fold(update)
+        return buffer.text
+    finally:
+        stream.close()
 
 
 class BufferTooSmall(ValueError):
@@ -265,6 +286,25 @@ class Session:
         previous = self.conversation.add(item, after=after)
         self.changes.mark()
         await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
+        await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
+        return item.item_id
+
+    async def add_spoken_item(self, samples: np.ndarray, *, item_id: str | None = None,
+                              after: str | None = None) -> str:
+        """A spoken user message sent whole (`conversation.item.create` with `input_audio`): transcribed by an ASR
+        stream of its own, beside the live input buffer, then added like a committed buffer's item."""
+        if item_id is not None and self.conversation.get(item_id) is not None:
+            raise ValueError(item_id)
+        item = Item(item_id or new_id("item"), self.media_time, self.media_time, status="in_progress")
+        previous = self.conversation.add(item, after=after)
+        await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
+        transcript = await self.worker.run(Priority.ASR, transcribe_whole, self.audio.open_asr, samples,
+                                           self.profile.pipeline.audio_chunk_ms)
+        item.stable, item.completed, item.status = transcript, True, "completed"
+        item.end = item.start + len(samples) / SAMPLE_RATE
+        self.changes.mark()
+        await self.emit(TranscriptionCompleted(item_id=item.item_id, transcript=transcript, start=item.start,
+                                               end=item.end, media_time=self.media_time))
         await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
         return item.item_id
 

@@ -276,3 +276,26 @@ async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped
     answer = done["response"]["output"][0]["content"][0]["text"]
     assert "thursday" in statement["transcript"].lower() and "meeting" in question.lower(), (statement, question)
     assert done["response"]["status"] in ("completed", "incomplete") and "thursday" in answer.lower(), answer
+
+
+async def test_a_spoken_message_sent_whole_is_transcribed_and_answered(turn_models):
+    server, worker, client = await start(turn_models)
+    try:
+        async with client.realtime.connect(model="gpt-realtime") as connection:
+            talk = Conversation(connection)
+            await talk.next("session.created")
+            first, _ = sentences()
+            audio = base64.b64encode(pcm24k(first[:16_000])).decode()  # one second
+            await connection.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]})
+            completed = await talk.next("conversation.item.input_audio_transcription.completed")
+            done = await talk.next("conversation.item.done")
+            # its own ASR stream, in the session's 100 ms chunks: the stand-in hears one word per chunk
+            assert completed["transcript"] == " ".join(f"w{i}" for i in range(10))
+            assert done["item"]["id"] == completed["item_id"]
+            assert done["item"]["content"] == [{"type": "input_audio", "transcript": completed["transcript"]}]
+            await connection.response.create()
+            answer = await talk.next("response.done")
+            assert answer["response"]["output"][0]["content"][0]["text"].startswith(completed["transcript"] + "->")
+    finally:
+        await stop(server, worker)

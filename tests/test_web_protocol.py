@@ -76,6 +76,9 @@ def test_other_commands():
     system = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "be brief"}]}
     assert parse_client_event(msg("conversation.item.create", item={**system, "id": "mine"},
                                   previous_item_id="root")) == CreateItem("c1", "system", "be brief", "mine", "root")
+    spoken = {"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": b64(b"\x01\x00")}]}
+    assert parse_client_event(msg("conversation.item.create", item=spoken)) == CreateItem("c1", "user",
+                                                                                         audio=b"\x01\x00")
     assert parse_client_event(msg("response.create")) == CreateResponse("c1")
     assert parse_client_event(msg("response.create", response={
         "instructions": "in French", "max_output_tokens": 5, "conversation": "none", "metadata": {"k": "v"},
@@ -112,7 +115,12 @@ def test_escaped_surrogate_pairs_and_plain_unicode_are_text():
     (msg("runtime.input_video_frame.append", image=b64(b"x"), timestamp=-1), "invalid_value"),
     (msg("runtime.input_video_frame.append", image=b64(b"x")), "missing_field"),
     (msg("conversation.item.create", item={"type": "message", "content": []}), "missing_field"),
-    (msg("conversation.item.create", item={"content": [{"type": "input_audio"}]}), "unsupported_content"),
+    (msg("conversation.item.create", item={"content": [{"type": "input_audio"}]}), "missing_field"),
+    (msg("conversation.item.create", item={"content": [{"type": "input_audio", "audio": "%%"}]}), "invalid_base64"),
+    (msg("conversation.item.create", item={"content": [{"type": "input_audio", "audio": "AAAA"},
+                                                       {"type": "input_text", "text": "x"}]}), "invalid_value"),
+    (msg("conversation.item.create", item={"content": [{"type": "input_image", "image_url": "x"}]}),
+     "unsupported_content"),
     (msg("conversation.item.create", item={"content": [{"type": "output_text", "text": "x"}]}), "invalid_value"),
     (msg("conversation.item.create", item={"role": "tool", "content": [{"type": "input_text", "text": "x"}]}),
      "invalid_value"),

@@ -267,7 +267,9 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     for content in ([{"type": "input_text", "text": 5}], ["what moved?"], [{"type": "input_text"}],
                     [{"type": "input_text", "text": "hi"}, None]):
         add({"type": item, "item": {"content": content}}, "invalid_value")
-    add({"type": item, "item": {"content": [{"type": "input_audio", "audio": "AAAA"}]}}, "unsupported_content")
+    add({"type": item, "item": {"content": [{"type": "input_audio", "audio": "AAAA"}]}}, "invalid_audio")  # 3 bytes
+    add({"type": item, "item": {"content": [{"type": "input_audio", "audio": b64(bytes(200))}]}}, "invalid_audio")
+    add({"type": item, "item": {"content": [{"type": "input_image", "image_url": "x"}]}}, "unsupported_content")
     add({"type": item, "item": {"role": "user", "content": [{"type": "input_text", "text": "x"}]},
          "previous_item_id": "item_nope"}, "item_not_found")
     for kind in ("conversation.item.delete", "conversation.item.retrieve"):

@@ -22,6 +22,7 @@ from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile
 from runtime.io.audio_formats import AudioDecoder
 from runtime.io.rechunk import AudioRechunker
+from runtime.pipeline.audio import MIN_COMMIT_S
 from runtime.session import BufferTooSmall, Session
 from runtime.session_config import ConfigFieldError, parse_update
 from runtime.session_state import TransportStats
@@ -223,15 +224,34 @@ class SessionDriver:
         await self.push_audio(samples)
 
     async def _create_item(self, command: CreateItem) -> None:
+        samples = self._whole(command.audio) if command.audio is not None else None
         try:
-            await self.session.add_item(command.role, command.text, item_id=command.item_id,  # type: ignore[arg-type]
-                                        after=command.previous_item_id)
+            if samples is not None:
+                await self.session.add_spoken_item(samples, item_id=command.item_id, after=command.previous_item_id)
+            else:
+                await self.session.add_item(command.role, command.text,  # type: ignore[arg-type]
+                                            item_id=command.item_id, after=command.previous_item_id)
         except KeyError:
             raise ProtocolError(f"previous_item_id {command.previous_item_id!r} is not in this conversation",
                                 code="item_not_found", param="previous_item_id") from None
         except ValueError:
             raise ProtocolError(f"item id {command.item_id!r} is already in this conversation",
                                 code="duplicate_item_id", param="item.id") from None
+
+    def _whole(self, audio: bytes) -> np.ndarray:
+        """A whole utterance in the session's format, decoded by a decoder of its own (not the live stream's)."""
+        decoder = AudioDecoder(self.session.settings.config.input_format)
+        try:
+            samples = np.concatenate([decoder.decode(audio), decoder.flush()])
+        except ValueError as e:
+            raise ProtocolError(f"item audio: {e}", code="invalid_audio", param="item.content") from None
+        if len(samples) < MIN_COMMIT_S * SAMPLE_RATE:
+            raise ProtocolError(f"item audio of {1000 * len(samples) / SAMPLE_RATE:.0f} ms is too short (at least "
+                                f"{MIN_COMMIT_S * 1000:.0f} ms)", code="invalid_audio", param="item.content")
+        if len(samples) > self.limits.max_audio_message_s * SAMPLE_RATE:
+            raise ProtocolError(f"item audio exceeds the {self.limits.max_audio_message_s:g} s burst "
+                                "(serve.audio_burst_s)", code="message_too_large", param="item.content")
+        return samples
 
     async def _create_response(self, command: CreateResponse) -> None:
         session = self.session

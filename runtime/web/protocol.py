@@ -84,6 +84,7 @@ class CreateItem(Command):
     text: str = ""
     item_id: str | None = None
     previous_item_id: str | None = None
+    audio: bytes | None = None  # a spoken user message (`input_audio` parts), in the session's input format
 
 
 @dataclass(frozen=True)
@@ -289,8 +290,25 @@ _TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "assistant": 
 
 def _item_create(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
     item = _field(data, "item", dict, "an object")
-    return CreateItem(event_id, *_message(item, "item"), item_id=_optional_id(item, "id", "item.id"),
-                      previous_item_id=_optional_id(data, "previous_item_id", "previous_item_id"))
+    ids = {"item_id": _optional_id(item, "id", "item.id"),
+           "previous_item_id": _optional_id(data, "previous_item_id", "previous_item_id")}
+    content = item.get("content")
+    if item.get("role", "user") == "user" and isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type") == "input_audio" for part in content):
+        return CreateItem(event_id, "user", audio=_spoken(content), **ids)
+    return CreateItem(event_id, *_message(item, "item"), **ids)
+
+
+def _spoken(content: list[Any]) -> bytes:
+    """A spoken user message: its `input_audio` parts' audio, in order (transcribed as one item)."""
+    audio = b""
+    for i, part in enumerate(content):
+        where = f"item.content[{i}]"
+        if not isinstance(part, dict) or part.get("type") != "input_audio":
+            raise ProtocolError(f"{where}: a spoken message holds only input_audio parts (send text as its own "
+                                "item)", code="invalid_value", param=where)
+        audio += _b64(part, "audio", "audio in the session's input format")
+    return audio
 
 
 def _message(item: dict[str, Any], where: str) -> tuple[str, str]:
@@ -311,10 +329,9 @@ def _message(item: dict[str, Any], where: str) -> tuple[str, str]:
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_audio", "input_image"):
-            raise ProtocolError(f"{where}.content[{i}]: {kind} parts are not taken here; send audio with "
-                                "input_audio_buffer.append and commit it, frames with "
-                                "runtime.input_video_frame.append", code="unsupported_content",
-                                param=f"{where}.content[{i}].type")
+            raise ProtocolError(f"{where}.content[{i}]: {kind} parts are not taken here (audio only in a user item "
+                                "of its own; frames with runtime.input_video_frame.append)",
+                                code="unsupported_content", param=f"{where}.content[{i}].type")
         if kind not in _TEXT_PARTS[role] or not isinstance(part.get("text"), str):
             raise ProtocolError(f"{where}.content[{i}] must be {{'type': '{_TEXT_PARTS[role][0]}', 'text': str}} "
                                 f"for a {role} message", code="invalid_value", param=f"{where}.content[{i}]")
