@@ -9,8 +9,7 @@ import pytest
 
 from runtime.client import encode_jpeg, pcm16_bytes
 from runtime.events import parse_event
-from runtime.web.protocol import (
-    MAX_MESSAGE_BYTES,
+from runtime.web.commands import (
     AppendAudio,
     AppendFrame,
     CancelResponse,
@@ -23,10 +22,8 @@ from runtime.web.protocol import (
     ProtocolError,
     RetrieveItem,
     UpdateSession,
-    binary_audio,
-    binary_frame,
-    parse_client_event,
 )
+from runtime.web.protocol import MAX_MESSAGE_BYTES, binary_audio, binary_frame, parse_client_event
 
 
 def msg(type_, **fields):

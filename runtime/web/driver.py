@@ -26,8 +26,7 @@ from runtime.pipeline.audio import MIN_COMMIT_S
 from runtime.session import BufferTooSmall, Session
 from runtime.session_config import ConfigFieldError, parse_update
 from runtime.session_state import TransportStats
-from runtime.web.limits import SessionLimits
-from runtime.web.protocol import (
+from runtime.web.commands import (
     AppendAudio,
     AppendFrame,
     CancelResponse,
@@ -41,8 +40,9 @@ from runtime.web.protocol import (
     ProtocolError,
     RetrieveItem,
     UpdateSession,
-    parse_client_event,
 )
+from runtime.web.limits import SessionLimits
+from runtime.web.protocol import parse_client_event
 
 log = logging.getLogger(__name__)
 
