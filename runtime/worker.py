@@ -147,6 +147,11 @@ class DeviceWorker:
             job()
 
     # -- metrics ---------------------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished."""
+        return self._pending
+
     def stats(self) -> dict[str, float | int | dict[str, int] | dict[str, float]]:
         return {
             "pending": self._pending,

@@ -20,6 +20,7 @@ import numpy as np
 
 from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile
+from runtime.events import Event
 from runtime.io.audio_formats import AudioDecoder
 from runtime.io.rechunk import AudioRechunker
 from runtime.pipeline.audio import MIN_COMMIT_S
@@ -52,9 +53,11 @@ Send = Callable[[str], Awaitable[None]]
 
 
 class SessionDriver:
-    def __init__(self, session: Session, profile: Profile, stats: TransportStats) -> None:
-        """`stats`: the transport's own, which `session` was built with: what the rate bounds cost goes there."""
-        self.session, self.profile = session, profile
+    def __init__(self, session: Session, profile: Profile, stats: TransportStats,
+                 observe: Callable[[Event], None] | None = None) -> None:
+        """`stats`: the transport's own, which `session` was built with: what the rate bounds cost goes there.
+        `observe`: sees every event as it is sent (the server's metrics count from it)."""
+        self.session, self.profile, self.observe = session, profile, observe
         self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
         self.limits = SessionLimits(profile.serve, counts=stats.rate_limited)
         self.decoder = AudioDecoder(session.settings.config.input_format)
@@ -123,6 +126,8 @@ class SessionDriver:
 
     async def _write(self, send: Send) -> None:
         async for event in self.session.events:
+            if self.observe is not None:
+                self.observe(event)
             await send(event.to_json())
 
     async def _read(self, messages: AsyncIterable[str | bytes], send: Send) -> None:

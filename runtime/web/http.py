@@ -107,6 +107,10 @@ def _with_type(response: Response, kind: str, cache: str) -> Response:
     return response
 
 
+def text_response(connection: ServerConnection, status: int, text: str, kind: str) -> Response:
+    return _with_type(connection.respond(status, text), kind, "no-store")
+
+
 def json_response(connection: ServerConnection, status: int, payload: object) -> Response:
     return _with_type(connection.respond(status, json.dumps(payload) + "\n"), "application/json", "no-store")
 

@@ -1,7 +1,8 @@
 """The server: one port for the demo page, `/healthz`, websocket sessions and WebRTC signalling.
 
 Routes (all in `_route`, websockets' `process_request`, so a refused request never costs a session):
-`GET /` and `GET /static/NAME` the browser demo page; `GET /healthz` JSON; `GET /v1/realtime` upgrades to a
+`GET /` and `GET /static/NAME` the browser demo page; `GET /healthz` JSON; `GET /readyz` (200 or 503, for a load
+balancer) and `GET /metrics` (Prometheus; observability.py); `GET /v1/realtime` upgrades to a
 websocket, one session per connection; `POST /v1/webrtc/offer` takes a browser's SDP offer and answers it, one
 session per peer (webrtc.py; `http.py` lets the websockets library read that POST). Either way the session is
 driven by a `SessionDriver` (driver.py): client events in, server events out, errors as `error` events.
@@ -9,8 +10,9 @@ driven by a `SessionDriver` (driver.py): client events in, server events out, er
 Who may connect: with a token set, every upgrade and offer must carry it (`Authorization: Bearer TOKEN` or
 `?token=TOKEN`), else 401. A request with an `Origin` header (a browser) must come from an allowed origin, else
 403, so a page on another site cannot drive the models through a visitor's browser; requests without one (the
-SDK, curl) pass. The page and `/healthz` are open. At `max_sessions` live sessions, websockets and WebRTC alike,
-the next gets `server_busy` (a websocket error event then close 1013; HTTP 503 for an offer).
+SDK, curl) pass. The page, `/healthz`, `/readyz` and `/metrics` are open. At `max_sessions` live sessions,
+websockets and WebRTC alike, the next gets `server_busy` (a websocket error event then close 1013; HTTP 503 for
+an offer).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
@@ -38,7 +41,15 @@ from runtime.session_builder import initial_config, open_session
 from runtime.session_state import TransportStats
 from runtime.web.broadcast import Broadcast
 from runtime.web.driver import SessionDriver
-from runtime.web.http import PostConnection, error_response, json_response, static_response, without_body
+from runtime.web.http import (
+    PostConnection,
+    error_response,
+    json_response,
+    static_response,
+    text_response,
+    without_body,
+)
+from runtime.web.observability import ServerMetrics
 from runtime.web.protocol import MAX_MESSAGE_BYTES, event_id_of
 from runtime.worker import DeviceWorker
 
@@ -78,6 +89,7 @@ class RealtimeServer:
         self.peers: set[asyncio.Task[None]] = set()  # one per WebRTC peer, cancelled by stop()
         self.local = local  # the terminal's own session (serve --camera/--source) that browsers may watch
         self.loop_lag = LoopLagMonitor(interval_s=0.01)  # the whole server's loop: every session shares it
+        self.metrics = ServerMetrics(self)  # /readyz and /metrics
         self._server: Server | None = None
 
     async def start(self) -> RealtimeServer:
@@ -133,7 +145,7 @@ class RealtimeServer:
 
     async def _answer(self, connection: ServerConnection, request: Request) -> Response | None:
         path, _, query = request.path.partition("?")
-        pages = path in ("/", "/index.html", "/healthz") or path.startswith("/static/")
+        pages = path in ("/", "/index.html", "/healthz", "/readyz", "/metrics") or path.startswith("/static/")
         allowed = "GET, HEAD" if pages else "POST" if path == OFFER_PATH else "GET" if path in (
             REALTIME_PATH, WATCH_PATH) else None  # None: no such path, whatever the method (404 below)
         if allowed is not None and request.method not in allowed.split(", "):
@@ -158,6 +170,12 @@ class RealtimeServer:
                 return connection.respond(400, "window must be a number of seconds\n")
             window = min(max(window, 0.1), 3600.0)
             return json_response(connection, 200, self.health(window))
+        if path == "/readyz":
+            ready, why = await self.metrics.ready()
+            return json_response(connection, 200 if ready else 503, {"status": "ready" if ready else "not_ready",
+                                                                     "reason": why})
+        if path == "/metrics":
+            return text_response(connection, 200, self.metrics.text().decode(), CONTENT_TYPE_LATEST)
         if path in ("/", "/index.html") or path.startswith("/static/"):
             page = static_response(connection, "index.html" if path in ("/", "/index.html") else path[8:])
             return page or connection.respond(404, f"no file {path}\n")
@@ -202,7 +220,7 @@ class RealtimeServer:
                                                    "try again later", "server_busy")
         stats = TransportStats()  # the peer's own measurements, which the session's metrics report
         session = await self._open(stats, answer_turns=False)  # the page captions; questions are typed
-        peer = WebRTCPeer(session, self.profile, stats)
+        peer = WebRTCPeer(session, self.profile, stats, observe=self.metrics.observe)
         try:
             answer = await peer.answer(offer["sdp"])
         except Exception as err:  # aiortc refuses an SDP it cannot use with ValueError and others
@@ -265,7 +283,8 @@ class RealtimeServer:
         stats = TransportStats()
         session = await self._open(stats, answer_turns=True)  # a Realtime client: each turn is answered
         try:
-            if await SessionDriver(session, self.profile, stats).run(ws, ws.send):  # finished and drained: goodbye
+            driver = SessionDriver(session, self.profile, stats, observe=self.metrics.observe)
+            if await driver.run(ws, ws.send):  # finished and drained: goodbye
                 with contextlib.suppress(ConnectionClosed):
                     await ws.close(1000, "session finished")
         finally:

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 import av
 import numpy as np
@@ -34,7 +34,7 @@ from aiortc.mediastreams import MediaStreamError
 
 from runtime.chunks import SAMPLE_RATE, VideoFrame
 from runtime.config import Profile
-from runtime.events import error_event
+from runtime.events import Event, error_event
 from runtime.io.file_source import scaled_size
 from runtime.session import Session
 from runtime.session_state import TransportStats
@@ -52,11 +52,13 @@ MAX_AUDIO_GAP_S = 3600.0  # a jump beyond this is taken for a broken timestamp, 
 
 
 class WebRTCPeer:
-    def __init__(self, session: Session, profile: Profile, stats: TransportStats) -> None:
-        """`stats`: this peer's own measurements (audio it buffers and drops), which `session` was built with."""
+    def __init__(self, session: Session, profile: Profile, stats: TransportStats,
+                 observe: Callable[[Event], None] | None = None) -> None:
+        """`stats`: this peer's own measurements (audio it buffers and drops), which `session` was built with.
+        `observe`: sees every event sent (the server's metrics)."""
         self.session, self.profile, self.stats = session, profile, stats
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # no STUN: host candidates only
-        self.driver = SessionDriver(session, profile, stats)
+        self.driver = SessionDriver(session, profile, stats, observe=observe)
         self.channel: RTCDataChannel | None = None
         self.channel_open = asyncio.Event()
         self.closed = asyncio.Event()
