@@ -125,6 +125,18 @@ class SpeechStopped(Event):
 
 @_register
 @dataclass(kw_only=True)
+class AudioBufferTimeout(Event):
+    """`idle_timeout_ms` passed with no speech since the last answer (`audio_start_ms` to `audio_end_ms`): the
+    buffer is committed and answered."""
+
+    type: ClassVar[str] = "input_audio_buffer.timeout_triggered"
+    item_id: str
+    audio_start_ms: int
+    audio_end_ms: int
+
+
+@_register
+@dataclass(kw_only=True)
 class ItemAdded(Event):
     """An item joined the conversation after `previous_item_id`; `item` as `Item.to_api` writes it."""
 

@@ -93,7 +93,7 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
     answers = QuestionProcessor(questions, models.answerer, worker, emit, conversation, heard, activity, changes,
                                 lm_stream=lm_stream, prefiller=prefiller)
     requests = ResponseRequests(questions, answers, activity, heard, settings, emit)
-    turns = TurnTaking(models.turns, settings) if models.turns is not None else None
+    turns = TurnTaking(models.turns, settings, activity) if models.turns is not None else None
     parts = SessionParts(
         audio_in=audio_in, video_in=video_in, questions=questions, events=events, emit=emit,
         sampler=FrameSampler(profile.video.fps), conversation=conversation, video_memory=video_memory,

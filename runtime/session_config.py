@@ -190,9 +190,9 @@ def turn_detection(value: object, param: str, current: TurnDetection | None) -> 
                 raise ConfigFieldError(p, f"{p} must be a number from 0 to 1")
             fields[name] = float(v)
         elif name == "idle_timeout_ms":
-            if v is not None:
-                raise ConfigFieldError(p, f"{p}: an idle timeout is not available on this server yet; send null",
-                                       code="unsupported_field")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 5_000 <= v <= 30_000):
+                raise ConfigFieldError(p, f"{p} must be null or milliseconds from 5000 to 30000")
+            fields[name] = v
         elif name in ("prefix_padding_ms", "silence_duration_ms"):
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not 0 <= v <= 60_000:
                 raise ConfigFieldError(p, f"{p} must be milliseconds from 0 to 60000")

@@ -73,6 +73,7 @@ class AnswerActivity:
 
     def __init__(self) -> None:
         self.open = 0
+        self.last_answer_end: float | None = None  # media seconds heard when the last answer ended (idle timeout)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -80,7 +81,10 @@ class AnswerActivity:
         self.open += 1
         self._idle.clear()
 
-    def ended(self) -> None:
+    def ended(self, at: float | None = None) -> None:
+        """A question's answer ended (`at`: the media time heard then, when it was answered)."""
+        if at is not None:
+            self.last_answer_end = at
         self.open = max(0, self.open - 1)
         if self.open == 0:
             self._idle.set()

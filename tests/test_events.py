@@ -7,6 +7,7 @@ import pytest
 from runtime.events import (
     AudioBufferCleared,
     AudioBufferCommitted,
+    AudioBufferTimeout,
     ContentPartAdded,
     ContentPartDone,
     ItemAdded,
@@ -37,6 +38,7 @@ SAMPLES = [
     SessionUpdated(session={"id": "sess_1", "output_modalities": ["text"]}),
     AudioBufferCommitted(item_id="item_1", previous_item_id=None, media_time=2.0),
     AudioBufferCleared(media_time=2.0),
+    AudioBufferTimeout(item_id="item_3", audio_start_ms=4000, audio_end_ms=10000),
     SpeechStarted(item_id="item_1", audio_start_ms=120),
     SpeechStopped(item_id="item_1", audio_end_ms=2100),
     ItemAdded(item={"id": "item_1", "type": "message", "role": "user", "content": []}, previous_item_id=None),

@@ -299,3 +299,27 @@ async def test_a_spoken_message_sent_whole_is_transcribed_and_answered(turn_mode
             assert answer["response"]["output"][0]["content"][0]["text"].startswith(completed["transcript"] + "->")
     finally:
         await stop(server, worker)
+
+
+async def test_silence_after_an_answer_triggers_the_idle_timeout_and_an_answer(turn_models):
+    server, worker, client = await start(turn_models)
+    try:
+        async with client.realtime.connect(model="gpt-realtime") as connection:
+            talk = Conversation(connection)
+            await talk.next("session.created")
+            await connection.session.update(session={"audio": {"input": {"turn_detection": {
+                "type": "server_vad", "idle_timeout_ms": 5000}}}})
+            await talk.next("session.updated")
+            first, _ = sentences()
+            await talk.send_audio(first)
+            await talk.next("response.done")  # the spoken turn, answered
+            await talk.send_audio(np.zeros(7 * 16_000, np.float32))  # then nobody speaks
+            timeout = await talk.next("input_audio_buffer.timeout_triggered")
+            committed = await talk.next("input_audio_buffer.committed")
+            done = await talk.next("response.done")
+            assert committed["item_id"] == timeout["item_id"]
+            assert 4_900 <= timeout["audio_end_ms"] - timeout["audio_start_ms"] <= 5_200
+            assert done["response"]["output"][0]["content"][0]["text"].startswith("(The user has said nothing")
+            assert len(talk.of("input_audio_buffer.timeout_triggered")) == 1  # once per answer
+    finally:
+        await stop(server, worker)

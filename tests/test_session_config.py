@@ -28,6 +28,8 @@ def test_ga_fields_apply_and_echo_in_the_apis_shape():
     assert api["max_output_tokens"] == 40 and api["type"] == "realtime"
     # "inf" and null turn detection; a semantic_vad keeps its eagerness and drops server_vad's fields
     assert parse_update(config, {"max_output_tokens": "inf"}).max_output_tokens is None
+    idle = parse_update(config, {"audio": {"input": {"turn_detection": {"idle_timeout_ms": 6000}}}})
+    assert idle.turn_detection.idle_timeout_ms == 6000 and idle.turn_detection.to_api()["idle_timeout_ms"] == 6000
     assert parse_update(config, {"audio": {"input": {"turn_detection": None}}}).turn_detection is None
     semantic = parse_update(config, {"audio": {"input": {"turn_detection": {"type": "semantic_vad",
                                                                             "eagerness": "high"}}}})
@@ -63,6 +65,8 @@ def test_an_update_changes_only_what_it_names():
      "session.audio.input.turn_detection.eagerness", "invalid_value"),
     ({"audio": {"input": {"turn_detection": {"volume": 1}}}}, "session.audio.input.turn_detection.volume",
      "unknown_parameter"),
+    ({"audio": {"input": {"turn_detection": {"idle_timeout_ms": 100}}}},
+     "session.audio.input.turn_detection.idle_timeout_ms", "invalid_value"),
     ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction",
      "unsupported_field"),
     ({"audio": {"input": {"transcription": {"model": "x", "delay": 1}}}}, "session.audio.input.transcription.delay",

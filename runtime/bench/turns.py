@@ -64,7 +64,7 @@ from runtime.models.turns.smart_turn import SmartTurn
 from runtime.pipeline.audio import Turns
 from runtime.pipeline.turn_taking import TurnModels, TurnTaking
 from runtime.session_config import SessionConfig, TurnDetection
-from runtime.session_state import SessionSettings
+from runtime.session_state import AnswerActivity, SessionSettings
 
 Status = Callable[[str], None]
 DEV_SPEECH = Path(__file__).resolve().parents[2].parent / "shared" / "speech" / "dev"
@@ -321,7 +321,7 @@ def run_config(name: str, streams: Sequence[Stream], vad: SileroVAD, smart_turn:
     outcomes = []
     started = time.process_time()
     for stream in streams:
-        outcomes.append(score(stream, play(TurnTaking(models, settings), stream.audio)))
+        outcomes.append(score(stream, play(TurnTaking(models, settings, AnswerActivity()), stream.audio)))
     cpu_s = time.process_time() - started
     return {**CONFIGS[name], **summarise(streams, outcomes, counted.calls, cpu_s)}
 

@@ -105,7 +105,7 @@ class QuestionProcessor:
                 self.current = None
                 self._cancelled.pop(question.response_id, None)
                 self.answered += 1
-                self.activity.ended()
+                self.activity.ended(at=self.heard.until)
                 question.answered.set()
 
     async def _answer(self, q: Question) -> None:

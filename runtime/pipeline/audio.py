@@ -24,6 +24,7 @@ from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.events import (
     AudioBufferCleared,
     AudioBufferCommitted,
+    AudioBufferTimeout,
     Event,
     ItemAdded,
     ItemDone,
@@ -62,10 +63,18 @@ class TurnEvent:
     sample: int
 
 
+@dataclass(frozen=True)
+class IdleTimeout:
+    """No speech from `start` (the last answer's end, or the buffer's start) to `end` (samples): `idle_timeout_ms`."""
+
+    start: int
+    end: int
+
+
 class Turns(Protocol):
     """Turn detection as the audio processor sees it (`turn_taking.TurnTaking`): `detect` runs on the worker."""
 
-    def detect(self, chunk: AudioChunk) -> list[TurnEvent]: ...
+    def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]: ...
 
     def reset(self, at_sample: int) -> None: ...
 
@@ -74,6 +83,8 @@ class TurnSink(Protocol):
     """What follows a turn (the session's `ResponseRequests`): a response, or cancelling one on barge-in."""
 
     async def turn_ended(self, item_id: str, at: float) -> None: ...
+
+    async def idle_timeout(self, item_id: str, at: float) -> None: ...
 
     def speech_started(self) -> None: ...
 
@@ -141,7 +152,7 @@ class AudioProcessor:
                 await self._turn(turn)
         await self.heard.advance(chunk.end)
 
-    async def _detect(self, chunk: AudioChunk) -> list[TurnEvent]:
+    async def _detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
         assert self.turns is not None
         try:
             return await self.worker.run(Priority.ASR, self.turns.detect, chunk)
@@ -151,10 +162,19 @@ class AudioProcessor:
                                         type="server_error", media_time=chunk.end))
             return []
 
-    async def _turn(self, turn: TurnEvent) -> None:
-        at_ms = round(turn.sample * 1000 / SAMPLE_RATE)
+    async def _turn(self, turn: TurnEvent | IdleTimeout) -> None:
         if self.buffer is None:
             return
+        if isinstance(turn, IdleTimeout):
+            item_id = self.buffer.item_id
+            await self.emit(AudioBufferTimeout(item_id=item_id, audio_start_ms=round(turn.start * 1000 / SAMPLE_RATE),
+                                               audio_end_ms=round(turn.end * 1000 / SAMPLE_RATE),
+                                               media_time=turn.end / SAMPLE_RATE))
+            await self._end(BufferEnd())
+            if self.sink is not None:
+                await self.sink.idle_timeout(item_id, self.audio_end)
+            return
+        at_ms = round(turn.sample * 1000 / SAMPLE_RATE)
         if turn.started:
             self.speaking = True
             await self.emit(SpeechStarted(item_id=self.buffer.item_id, audio_start_ms=at_ms,

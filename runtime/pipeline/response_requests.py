@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from runtime.channels import BlockingChannel, ChannelClosed
 from runtime.events import error_event
+from runtime.models.lm.prompt import IDLE_QUESTION
 from runtime.pipeline import Emit
 from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.session_state import AnswerActivity, HeardClock, SessionSettings
@@ -44,6 +45,12 @@ class ResponseRequests:
         if detection is not None and detection.create_response:
             await self.request(Question(None, at, at, commits=self.heard.commits, instructions=config.instructions,
                                         max_tokens=config.max_output_tokens))
+
+    async def idle_timeout(self, item_id: str, at: float) -> None:
+        """Nobody spoke for `idle_timeout_ms` after the last answer: the model speaks up (as the API's does)."""
+        config = self.settings.config
+        await self.request(Question(IDLE_QUESTION, at, at, commits=self.heard.commits, instructions=config.instructions,
+                                    max_tokens=config.max_output_tokens))
 
     def speech_started(self) -> None:
         """Barge-in: the user speaking again cuts the answer in progress short, when the session asks for that."""

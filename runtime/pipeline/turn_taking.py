@@ -16,10 +16,10 @@ import numpy as np
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.models.turns.silero_vad import WINDOW_SAMPLES, SileroVAD
 from runtime.models.turns.smart_turn import SmartTurn
-from runtime.pipeline.audio import TurnEvent
+from runtime.pipeline.audio import IdleTimeout, TurnEvent
 from runtime.pipeline.turn_detector import SpeechStarted, TurnDetector, VADSettings
 from runtime.session_config import TurnDetection
-from runtime.session_state import SessionSettings
+from runtime.session_state import AnswerActivity, SessionSettings
 
 RECENT_S = 8  # what Smart Turn reads: the last 8 s of the turn
 
@@ -33,8 +33,10 @@ class TurnModels:
 
 
 class TurnTaking:
-    def __init__(self, models: TurnModels, settings: SessionSettings) -> None:
-        self.models, self.settings = models, settings
+    def __init__(self, models: TurnModels, settings: SessionSettings, activity: AnswerActivity) -> None:
+        """`activity`: when the last answer ended, which an idle timeout counts from (read only)."""
+        self.models, self.settings, self.activity = models, settings, activity
+        self._timed_out_after: float | None = None  # the answer end an idle timeout already fired for
         self.vad = models.vad.open_stream()
         self._config: TurnDetection | None = None
         self._detector: TurnDetector | None = None
@@ -50,15 +52,32 @@ class TurnTaking:
         keep = max(0, self._recent_end - at_sample)
         self._recent = self._recent[len(self._recent) - min(keep, len(self._recent)):]
 
-    def detect(self, chunk: AudioChunk) -> list[TurnEvent]:
+    def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
         probs = self.vad.accept(chunk.samples)
         first = self.vad.windows_done - len(probs)
         self._remember(chunk)
         detector = self._current_detector()
         if detector is None:
             return []
-        return [TurnEvent(True, e.audio_start_sample) if isinstance(e, SpeechStarted)
-                else TurnEvent(False, e.audio_end_sample) for e in detector.push(probs.tolist(), first)]
+        events: list[TurnEvent | IdleTimeout] = [
+            TurnEvent(True, e.audio_start_sample) if isinstance(e, SpeechStarted)
+            else TurnEvent(False, e.audio_end_sample) for e in detector.push(probs.tolist(), first)]
+        idle = self._idle(chunk, detector)
+        return events + ([idle] if idle is not None else [])
+
+    def _idle(self, chunk: AudioChunk, detector: TurnDetector) -> IdleTimeout | None:
+        """An idle timeout, once per answer: no speech from the last answer's end (or the buffer's start, if
+        later) for the session's `idle_timeout_ms`, with no answer in progress."""
+        config, ended = self.settings.config.turn_detection, self.activity.last_answer_end
+        if config is None or not config.idle_timeout_ms or ended is None or ended == self._timed_out_after:
+            return None
+        if detector.speaking or self.activity.busy:
+            return None
+        since = max(round(ended * SAMPLE_RATE), self._buffer_start)
+        if chunk.end_sample - since < config.idle_timeout_ms * SAMPLE_RATE // 1000:
+            return None
+        self._timed_out_after = ended
+        return IdleTimeout(since, chunk.end_sample)
 
     def _current_detector(self) -> TurnDetector | None:
         config = self.settings.config.turn_detection

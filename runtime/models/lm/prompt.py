@@ -22,6 +22,8 @@ from transformers import PreTrainedTokenizerBase
 CUT_MARK = "... "  # prefixed to a context that was cut from the front
 EMPTY_CONTEXT = "(nothing yet)"  # the transcript before anything was heard
 NOTE_QUESTION = "In one short sentence, what happens in these video frames?"  # a closed video segment's note
+# what an answer after `idle_timeout_ms` of silence answers
+IDLE_QUESTION = "(The user has said nothing for a while.) In one short sentence, invite them to go on."
 MEMORY_INTRO = "\n\nVideo memory (times are m:ss of the stream):"  # opens the video-memory suffix
 HEADINGS = {  # one per kind of memory block, before the first block of that kind
     "temporal": "\nEarlier (consolidated):",
