@@ -164,6 +164,15 @@ class ItemDeleted(Event):
 
 @_register
 @dataclass(kw_only=True)
+class ItemTruncated(Event):
+    type: ClassVar[str] = "conversation.item.truncated"
+    item_id: str
+    content_index: int = 0
+    audio_end_ms: int = 0
+
+
+@_register
+@dataclass(kw_only=True)
 class ItemRetrieved(Event):
     type: ClassVar[str] = "conversation.item.retrieved"
     item: dict[str, Any]

@@ -26,6 +26,7 @@ from runtime.events import (
     ItemDeleted,
     ItemDone,
     ItemRetrieved,
+    ItemTruncated,
     Metrics,
     SessionCreated,
     SessionUpdated,
@@ -314,6 +315,21 @@ class Session:
         self.changes.mark()
         await self.emit(ItemDeleted(item_id=item_id, media_time=self.media_time))
         return True
+
+    async def truncate_item(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
+        """`conversation.item.truncate`: an assistant item's audio cut where the user stopped listening. Answers
+        here are text, so an assistant item holds 0 ms of audio: cutting at 0 is the one cut there is (its text
+        stays, since no audio stood for it); anything later is past its end. Raises ValueError saying why."""
+        item = self.conversation.get(item_id)
+        if item is None:
+            raise KeyError(item_id)
+        if item.role != "assistant" or content_index != 0:
+            raise ValueError(f"only an assistant item's content 0 can be truncated ({item_id} is a {item.role} item"
+                             f"{'' if content_index == 0 else f', content_index {content_index}'})")
+        if audio_end_ms > 0:
+            raise ValueError(f"audio content of 0 ms is already shorter than {audio_end_ms} ms: this server's answers "
+                             "are text, without audio")
+        await self.emit(ItemTruncated(item_id=item_id, content_index=0, audio_end_ms=0, media_time=self.media_time))
 
     async def retrieve_item(self, item_id: str) -> bool:
         item = self.conversation.get(item_id)

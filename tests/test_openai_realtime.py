@@ -223,6 +223,14 @@ async def test_cancel_clear_delete_and_a_refused_field_keep_the_session(turn_mod
             await talk.next("input_audio_buffer.cleared")
             await connection.send({"type": "input_audio_buffer.commit", "event_id": "empty"})
             assert (await talk.next("error"))["error"]["code"] == "input_audio_buffer_commit_empty"
+            # the cancelled answer is an assistant item of text: its audio is 0 ms long, so 0 is the only cut
+            answer_item = done["response"]["output"][0]["id"]
+            await connection.conversation.item.truncate(item_id=answer_item, content_index=0, audio_end_ms=0)
+            assert (await talk.next("conversation.item.truncated"))["item_id"] == answer_item
+            await connection.send({"type": "conversation.item.truncate", "event_id": "late", "item_id": answer_item,
+                                   "content_index": 0, "audio_end_ms": 1500})
+            late = (await talk.next("error"))["error"]
+            assert late["code"] == "invalid_value" and "0 ms" in late["message"]
             item_id = added["item"]["id"]
             await connection.conversation.item.retrieve(item_id=item_id)
             assert (await talk.next("conversation.item.retrieved"))["item"]["id"] == item_id

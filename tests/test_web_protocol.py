@@ -21,6 +21,7 @@ from runtime.web.commands import (
     FinishSession,
     ProtocolError,
     RetrieveItem,
+    TruncateItem,
     UpdateSession,
 )
 from runtime.web.protocol import MAX_MESSAGE_BYTES, binary_audio, binary_frame, parse_client_event
@@ -87,6 +88,8 @@ def test_other_commands():
     assert parse_client_event(msg("conversation.item.delete", item_id="i")) == DeleteItem("c1", "i")
     assert parse_client_event(msg("conversation.item.retrieve", item_id="i")) == RetrieveItem("c1", "i")
     assert parse_client_event(msg("runtime.session.finish")) == FinishSession("c1")
+    assert parse_client_event(msg("conversation.item.truncate", item_id="i", content_index=0,
+                                  audio_end_ms=0)) == TruncateItem("c1", "i", 0, 0)
     # the session's fields are checked against its config (test_session_config.py); here only the shape
     assert parse_client_event(msg("session.update", session={"instructions": "x"})) == UpdateSession(
         "c1", {"instructions": "x"})
@@ -125,7 +128,8 @@ def test_escaped_surrogate_pairs_and_plain_unicode_are_text():
     (msg("conversation.item.create", item={"content": [{"type": "input_text", "text": "x"}]}, previous_item_id=3),
      "invalid_value"),
     (msg("conversation.item.delete"), "missing_field"),
-    (msg("conversation.item.truncate", item_id="i", content_index=0, audio_end_ms=10), "unsupported_event"),
+    (msg("conversation.item.truncate", item_id="i", content_index=0), "missing_field"),
+    (msg("conversation.item.truncate", item_id="i", content_index=0, audio_end_ms=-1), "invalid_value"),
     (msg("session.update", session="x"), "invalid_value"),
     (msg("response.create", response={"max_output_tokens": 0}), "invalid_value"),
     (msg("response.create", response={"conversation": "other"}), "invalid_value"),

@@ -167,7 +167,7 @@ DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
     "invalid_base64", "invalid_audio", "invalid_image", "image_too_large", "unsupported_field", "unsupported_item",
     "message_too_large", "no_pending_item", "response_not_found", "session_finishing", "empty_question",
     "question_queue_full", "audio_from_track", "unknown_parameter", "unsupported_modality", "unsupported_content",
-    "unsupported_event", "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "no_input"}
+    "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "no_input"}
 
 
 def b64(raw: bytes) -> str:
@@ -275,7 +275,7 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     for kind in ("conversation.item.delete", "conversation.item.retrieve"):
         add({"type": kind, "item_id": "item_nope"}, "item_not_found")
     add({"type": "conversation.item.truncate", "item_id": "x", "content_index": 0, "audio_end_ms": 0},
-        "unsupported_event")
+        "item_not_found")
     add({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
     # Out of order: nothing to answer, nothing to cancel; a blank question is nothing to answer.
     add({"type": "response.create"}, "no_pending_item")

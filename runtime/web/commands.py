@@ -64,6 +64,15 @@ class RetrieveItem(Command):
 
 
 @dataclass(frozen=True)
+class TruncateItem(Command):
+    """Cut an assistant item's audio at `audio_end_ms` (what the user heard before interrupting)."""
+
+    item_id: str = ""
+    content_index: int = 0
+    audio_end_ms: int = 0
+
+
+@dataclass(frozen=True)
 class CreateResponse(Command):
     """`response.create`'s parameters; None: the session's. `input`: the request's own question (its text
     messages and the texts of the items it references), instead of the conversation's newest user turn."""

@@ -40,6 +40,7 @@ from runtime.web.commands import (
     FinishSession,
     ProtocolError,
     RetrieveItem,
+    TruncateItem,
     UpdateSession,
 )
 from runtime.web.limits import SessionLimits
@@ -198,6 +199,14 @@ class SessionDriver:
             if not found:
                 raise ProtocolError(f"no item {command.item_id!r} in this conversation", code="item_not_found",
                                     param="item_id")
+        elif isinstance(command, TruncateItem):
+            try:
+                await session.truncate_item(command.item_id, command.content_index, command.audio_end_ms)
+            except KeyError:
+                raise ProtocolError(f"no item {command.item_id!r} in this conversation", code="item_not_found",
+                                    param="item_id") from None
+            except ValueError as e:
+                raise ProtocolError(str(e), code="invalid_value") from None
         elif isinstance(command, CreateResponse):
             await self._create_response(command)
         elif isinstance(command, CancelResponse):

@@ -44,6 +44,7 @@ from runtime.web.commands import (
     FinishSession,
     ProtocolError,
     RetrieveItem,
+    TruncateItem,
     UpdateSession,
 )
 
@@ -341,8 +342,11 @@ def _response_cancel(data: dict[str, Any], event_id: str | None, _max_side: int)
 
 
 def _truncate(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
-    raise ProtocolError("conversation.item.truncate cuts the audio of an assistant item; this server's answers "
-                        "are text, so there is nothing to truncate", code="unsupported_event")
+    ms = _field(data, "audio_end_ms", int, "milliseconds >= 0")
+    if ms < 0:
+        raise ProtocolError("audio_end_ms must be >= 0", code="invalid_value", param="audio_end_ms")
+    return TruncateItem(event_id, _field(data, "item_id", str, "an item id"),
+                        _field(data, "content_index", int, "a content index"), ms)
 
 
 _PARSERS = {
