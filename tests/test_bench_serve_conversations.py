@@ -10,7 +10,7 @@ import numpy as np
 from cli_common import one_error_line, run_cli
 
 from runtime.bench import serve_conversations as conv
-from runtime.bench.serve_conversations import Ev, TurnMarks, account, summarize
+from runtime.bench.turn_accounting import Ev, TurnMarks, account, summarize
 
 
 def test_bench_serve_conversations_quick_json(capsys):
