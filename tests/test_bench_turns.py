@@ -5,14 +5,11 @@ through the real `TurnDetector`, with the answers worked out by hand in the comm
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
-import pytest
+from weights_common import packaged_or_skip
 
 from runtime.bench import turns
-from runtime.errors import CheckpointNotFound
-from runtime.models import packaged
 from runtime.pipeline.audio import TurnEvent
 from runtime.pipeline.turn_detector import SpeechStarted, TurnDetector, VADSettings
 
@@ -129,19 +126,9 @@ def test_streams_put_pauses_inside_the_speech():
     assert turns.build_stream("x", audio, [0.0] * 100, 300, 1, rng) is None  # no speech, no stream
 
 
-def _packaged_or_skip(name: str) -> None:
-    """Locally a missing weights package skips; in CI (which installs it) it fails."""
-    try:
-        packaged.packaged_checkpoint(name)
-    except CheckpointNotFound as err:
-        if os.environ.get("CI"):
-            pytest.fail(str(err), pytrace=False)
-        pytest.skip(str(err))
-
-
 def test_quick_bench_on_the_espeak_demo(monkeypatch, tmp_path, capsys):
-    _packaged_or_skip("silero-vad")
-    _packaged_or_skip("smart-turn-v3.2")
+    packaged_or_skip("silero-vad")
+    packaged_or_skip("smart-turn-v3.2")
     from runtime.cli import main
 
     missing = tmp_path / "no-speech-here"

@@ -6,13 +6,13 @@ espeak demo speech (four sentences with ~0.4 s pauses between them, then ~0.4 s 
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from importlib import resources
 
 import numpy as np
 import pytest
 import soundfile
+from weights_common import packaged_or_skip
 
 from runtime.errors import CheckpointNotFound
 from runtime.models import packaged
@@ -28,16 +28,6 @@ W = 512  # samples per window
 MS = 16  # samples per millisecond
 
 
-def _packaged_or_skip(name: str) -> None:
-    """Locally a missing weights package skips; in CI (which installs it) it fails."""
-    try:
-        packaged.packaged_checkpoint(name)
-    except CheckpointNotFound as err:
-        if os.environ.get("CI"):
-            pytest.fail(str(err), pytrace=False)
-        pytest.skip(str(err))
-
-
 @pytest.fixture(scope="module")
 def speech() -> np.ndarray:
     with resources.as_file(resources.files("runtime.io") / "assets" / "demo_speech.flac") as path:
@@ -48,7 +38,7 @@ def speech() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def vad():
-    _packaged_or_skip("silero-vad")
+    packaged_or_skip("silero-vad")
     from runtime.models.turns.silero_vad import SileroVAD
 
     return SileroVAD.load()
@@ -56,7 +46,7 @@ def vad():
 
 @pytest.fixture(scope="module")
 def smart_turn():
-    _packaged_or_skip("smart-turn-v3.2")
+    packaged_or_skip("smart-turn-v3.2")
     from runtime.models.turns.smart_turn import SmartTurn
 
     return SmartTurn.load()
@@ -277,7 +267,7 @@ def test_missing_package_is_one_line_naming_the_install(monkeypatch):
 
 
 def test_a_substituted_weight_file_is_refused(monkeypatch):
-    _packaged_or_skip("silero-vad")
+    packaged_or_skip("silero-vad")
     monkeypatch.setattr(packaged, "_verified", {})
     monkeypatch.setitem(packaged.PACKAGED, "silero-vad", replace(packaged.PACKAGED["silero-vad"], sha256="0" * 64))
     with pytest.raises(CheckpointNotFound, match="expected 000000000000"):
@@ -285,7 +275,7 @@ def test_a_substituted_weight_file_is_refused(monkeypatch):
 
 
 def test_finding_the_package_does_not_import_it():
-    _packaged_or_skip("silero-vad")
+    packaged_or_skip("silero-vad")
     import sys
 
     assert packaged.packaged_checkpoint("smart-turn-v3.2") is not None

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,30 +15,19 @@ import pytest
 import soundfile
 import torch
 from speech_dev import dev_clips, has_dev_clips
+from weights_common import packaged_or_skip
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
-from runtime.errors import CheckpointNotFound
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "runtime" / "io" / "assets" / "demo_speech.flac"
 TOL = 1e-4
 
 
-def _packaged_or_skip() -> Path:
-    from runtime.models.packaged import packaged_checkpoint
-
-    try:
-        return packaged_checkpoint("whisper-tiny.en")
-    except CheckpointNotFound as err:
-        if os.environ.get("CI"):
-            pytest.fail(str(err), pytrace=False)  # CI installs it (make install): missing there is a real failure
-        pytest.skip(str(err))
-
-
 @pytest.fixture(scope="module")
 def ct2_folder() -> Path:
-    return _packaged_or_skip()
+    return packaged_or_skip("whisper-tiny.en")
 
 
 @pytest.fixture(scope="module")
