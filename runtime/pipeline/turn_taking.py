@@ -9,6 +9,7 @@ not detection is on, so its windows stay on the session's sample grid; it costs 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,16 +42,16 @@ class TurnTaking:
         self._config: TurnDetection | None = None
         self._detector: TurnDetector | None = None
         self._buffer_start = 0
-        self._recent = np.zeros(0, np.float32)  # the newest audio of this buffer, at most RECENT_S
-        self._recent_end = 0  # session sample just after `_recent`
+        self._recent: deque[AudioChunk] = deque()  # the newest chunks, about RECENT_S (Smart Turn's input)
+        self._recent_samples = 0
 
     def reset(self, at_sample: int) -> None:
         """The input buffer now starts at `at_sample` (a commit or a clear): speech state and audio forgotten."""
         self._buffer_start = at_sample
         if self._detector is not None:
             self._detector.reset(at_sample)
-        keep = max(0, self._recent_end - at_sample)
-        self._recent = self._recent[len(self._recent) - min(keep, len(self._recent)):]
+        while self._recent and self._recent[0].end_sample <= at_sample:
+            self._recent_samples -= len(self._recent.popleft().samples)
 
     def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
         probs = self.vad.accept(chunk.samples)
@@ -94,11 +95,16 @@ class TurnTaking:
         return self._detector
 
     def _remember(self, chunk: AudioChunk) -> None:
-        self._recent = np.concatenate([self._recent, chunk.samples])[-RECENT_S * SAMPLE_RATE:]
-        self._recent_end = chunk.end_sample
+        """Keep the chunk by reference (no copy on the per-chunk path); joined only when Smart Turn asks."""
+        self._recent.append(chunk)
+        self._recent_samples += len(chunk.samples)
+        while self._recent_samples - len(self._recent[0].samples) >= RECENT_S * SAMPLE_RATE:
+            self._recent_samples -= len(self._recent.popleft().samples)
 
     def _end_of_turn(self, pause_start: int) -> float:
         """Smart Turn's judgement of the turn's audio so far, the pause included (as its authors feed it: the
         silence after the last word is part of what it learned to read)."""
         assert self.models.smart_turn is not None
-        return self.models.smart_turn.end_of_turn_probability(self._recent)
+        audio = np.concatenate([c.samples for c in self._recent]) if self._recent else np.zeros(0, np.float32)
+        since = self._buffer_start - self._recent[0].start_sample if self._recent else 0
+        return self.models.smart_turn.end_of_turn_probability(audio[max(0, since):])
