@@ -151,3 +151,13 @@ def test_video_notes_print_on_their_own_line_and_wait_for_an_answer() -> None:
     lines = out.getvalue().splitlines()
     assert lines[0].endswith("A ball")
     assert lines[-1] == f"{timestamp(0.0)} (video, to {timestamp(9.5)}) a red ball rolls"
+
+
+def test_an_item_without_words_prints_no_line() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, error_stream=io.StringIO())
+    printer.write(TranscriptionCompleted(item_id="a", transcript="one", start=0.0, end=1.0))
+    printer.write(TranscriptionCompleted(item_id="b", transcript="  ", start=1.0, end=2.0))  # silence, committed
+    printer.close()
+    assert out.getvalue().splitlines() == ["[00:00.0] one"]
+

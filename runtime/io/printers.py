@@ -146,6 +146,8 @@ class TextPrinter:
         self._heard.pop(item, None)
         printed = self._stable.pop(item, "")
         final = event.transcript.strip()
+        if not final and self._line != f"item:{item}":  # a buffer that held no words (silence before a commit)
+            return
         if printed and final.startswith(printed) and self._line == f"item:{item}":
             self._clear_tail()
             self._out(final[len(printed) :])
