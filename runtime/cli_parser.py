@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "print transcript events as they would appear live.")
     p.add_argument("file", type=Path, help="an audio or video file with an audio track (wav, mp3, mp4, ...)")
     _speed(p, 0.0, "as fast as possible")
-    _common(p)
+    _common(p, profile="whisper-tiny-en")  # real Whisper tiny.en, two-pass: right on a person's voice
 
     p = sub.add_parser("ask", help="stream a file and ask a question about it at a media time",
                        description="Stream a file, ask QUESTION when the media reaches --at SECONDS (default: "

@@ -41,6 +41,10 @@ class ASRConfig:
     reset_s: float = 30.0
     adapter: str = ""
     loop_repeats: int = 3  # a phrase said this many times running is a decoding loop and ends the block (0: off)
+    # causal-whisper: decode a committed item once more with all it heard (final_pass.py): none | decoder (its
+    # own decoder over all its block-causal frames) | offline (the checkpoint without adapter, full context).
+    final_pass: str = "none"
+    final_pass_dtype: str = ""  # the offline pass's weights: float32 | bfloat16 | float16 ("": the profile's dtype)
     # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
     lookahead_ms: int = 1040
     # fastconformer CTC decoding: greedy (each frame's argmax) | beam (prefix beam search scored with a word
@@ -270,6 +274,8 @@ def validate(profile: Profile) -> Profile:
     if profile.pipeline.audio_chunk_ms <= 0 or profile.pipeline.audio_queue_chunks <= 0:
         raise ConfigError("pipeline.audio_chunk_ms and pipeline.audio_queue_chunks must be > 0")
     asr = profile.asr
+    if asr.final_pass_dtype and asr.final_pass_dtype not in DTYPES:
+        raise ConfigError(f"asr.final_pass_dtype {asr.final_pass_dtype!r} is not one of {', '.join(DTYPES)}")
     if asr.decoder not in ("greedy", "beam"):
         raise ConfigError(f"asr.decoder={asr.decoder!r} is not greedy or beam")
     if asr.beam < 1 or min(asr.lm_weight, asr.oov_penalty, asr.commit_after_s) < 0:

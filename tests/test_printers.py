@@ -161,3 +161,58 @@ def test_an_item_without_words_prints_no_line() -> None:
     printer.close()
     assert out.getvalue().splitlines() == ["[00:00.0] one"]
 
+
+
+def render(text: str, columns: int) -> list[str]:
+    """What a terminal `columns` wide shows after `text` (the escapes the printer uses; colours ignored)."""
+    import re
+
+    rows, row, col = [[]], 0, 0
+    for token in re.findall(r"\x1b\[(\d*)([A-Za-z])|(\r)|(\n)|(.)", text, flags=re.S):
+        n, op, cr, nl, ch = token
+        if ch:
+            if col == columns:
+                row, col = row + 1, 0
+            while len(rows) <= row:
+                rows.append([])
+            rows[row][col:col + 1] = [ch]
+            col += 1
+        elif nl:
+            row, col = row + 1, 0
+            while len(rows) <= row:
+                rows.append([])
+        elif cr:
+            col = 0
+        elif op == "D":
+            col = max(0, col - int(n or 1))
+        elif op == "A":
+            row = max(0, row - int(n or 1))
+        elif op == "K":
+            del rows[row][col:]
+        elif op == "J":
+            del rows[row][col:]
+            del rows[row + 1 :]
+    return ["".join(r) for r in rows]
+
+
+def test_a_revised_final_transcript_replaces_its_line(monkeypatch) -> None:
+    import os
+    import shutil
+
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *a, **k: os.terminal_size((30, 24)))
+    item = dict(item_id="i", start=1.0, end=4.0)
+    events = [TranscriptionDelta(delta="Try again. Fair", unstable=" agai", **item),
+              TranscriptionDelta(delta=" again. Fair,", unstable=" bet", **item),
+              TranscriptionCompleted(transcript="Try again. Fail again. Fail better.", **item)]
+    out = Terminal()
+    printer = TextPrinter(out)
+    for event in events:
+        printer.write(event)
+    screen = render(out.getvalue(), 30)
+    assert "".join(screen) == "[00:01.0] Try again. Fail again. Fail better."  # wrapped over rows, nothing left over
+    log = io.StringIO()  # not a terminal: the revision is a new line with the same start
+    printer = TextPrinter(log)
+    for event in events:
+        printer.write(event)
+    assert log.getvalue().splitlines() == ["[00:01.0] Try again. Fair again. Fair,",
+                                           "[00:01.0] Try again. Fail again. Fail better."]

@@ -107,3 +107,22 @@ def test_transcript_stream_equals_offline_on_real_weights(causal) -> None:
     assert updates[-1].completed
     assert "".join(u.delta for u in updates) == offline
     assert offline.strip(), name
+
+
+def test_offline_final_pass_is_the_offline_transcript(ct2_folder, buffered) -> None:
+    """With the shipped adapter and `asr.final_pass = "offline"`, a committed clip's transcript is what the
+    full-context tiny.en says of it (the streamed deltas before it may differ)."""
+    from runtime.models.asr.registry import load_asr
+
+    cfg = ASRConfig(backend="causal-whisper", model="builtin:whisper-tiny.en", adapter="builtin:causal-whisper-tiny.en",
+                    chunk_ms=300, max_new_tokens=96, final_pass="offline")
+    asr = load_asr(cfg, device="cpu", dtype="float32")
+    for name, audio, _ in dev_clips():
+        stream = asr.open_stream()
+        updates = []
+        for pos in range(0, len(audio), 1600):
+            updates += stream.accept(AudioChunk(audio[pos : pos + 1600], pos))
+        updates += stream.finish()
+        done = [u for u in updates if u.completed]
+        assert len(done) == 1, name
+        assert done[0].transcript == buffered.text(buffered.hypothesis(audio)), name

@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "heldout.jsonl to score (default: the fixed held-out set, generated into the cache once); "
                         "answers: a question set in the format of tests/data/answer_set.json")
     parser.add_argument("--systems", default=None, help="asr-quality: which systems, comma-separated, of offline, "
-                        "causal, buffered, faster-whisper, fastconformer (default: all)")
+                        "causal, two-pass (causal with each final pass: decoder, offline), buffered, faster-whisper, "
+                        "fastconformer (default: all)")
     parser.add_argument("--whisper", default=None, help="asr-quality: the Whisper of the Whisper systems (default: "
                         "builtin:whisper-tiny.en)")
     parser.add_argument("--chunks", default=None, help="asr-quality: causal Whisper chunk sizes in ms (default: "

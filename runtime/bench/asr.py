@@ -30,6 +30,7 @@ from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, bloc
 from runtime.models.asr.fastconformer.cache_aware_encoder import CacheAwareEncoderStream
 from runtime.models.asr.fastconformer.model import FastConformerCTC
 from runtime.models.asr.fastconformer.tiny import build_fastconformer, fastconformer_114m_config
+from runtime.models.asr.whisper_buffered import CACHE_ARG
 from runtime.models.loading import configure_threads, torch_dtype
 
 Status = Callable[[str], None]
@@ -118,7 +119,7 @@ def decoder_token_ms(model: WhisperForConditionalGeneration, device: str, cross_
         steps = []
         for _ in range(8):
             out, seconds = timed(lambda p=past: model.model.decoder(input_ids=ids, encoder_hidden_states=enc,
-                                                                   past_key_values=p, use_cache=True), device)
+                                                                   use_cache=True, **{CACHE_ARG: p}), device)
             past = out.past_key_values
             steps.append(seconds)
     return round(float(np.median(steps[2:])) * 1000, 3)

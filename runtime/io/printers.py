@@ -6,6 +6,7 @@ Both take every event type and ignore what they do not show, so a new event neve
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from typing import TextIO
 
@@ -53,7 +54,9 @@ class TextPrinter:
     the transcript line in progress to end.
 
     On a terminal the unstable tail of the transcript is shown dim and replaced on the next update; on
-    anything else only stable text is written, so a log file never contains text that was later changed.
+    anything else only stable text is written, so a log file never contains text that was later changed, except
+    by the ASR's final pass (`asr.final_pass`): a completed transcript that revises the streamed words is printed
+    whole, on a terminal over its line, elsewhere as a new line with the same start time.
     While an answer streams, transcript events are held and printed after it, so neither is cut in half.
     """
 
@@ -66,6 +69,7 @@ class TextPrinter:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._line: str | None = None  # who owns the open (unterminated) line: "item:<id>" / "answer:<id>"
         self._tail = 0  # characters of dim unstable text at the end of the open line
+        self._column = 0  # characters printed on the open line (to rewrite it when a final pass revises it)
         self._stable: dict[str, str] = {}  # item_id -> stable text printed so far
         self._starts: dict[str, float] = {}  # item_id -> media start, for the line prefix
         self._heard: dict[str, float] = {}  # item_id -> media time its printed words reach (a continuation's stamp)
@@ -151,6 +155,10 @@ class TextPrinter:
         if printed and final.startswith(printed) and self._line == f"item:{item}":
             self._clear_tail()
             self._out(final[len(printed) :])
+        elif self.tty and self._line == f"item:{item}":  # a final pass revised the line: rewrite it in place
+            self._clear_tail()
+            self._erase_open_line()
+            self._out(f"{timestamp(start)} {final}")
         else:  # nothing shown yet, another line came between, or the final text differs: print it whole
             self._end_line()
             self._out(f"{timestamp(start)} {final}")
@@ -203,6 +211,16 @@ class TextPrinter:
             self._out(f"\x1b[{self._tail}D{ERASE_TO_END}")
             self._tail = 0
 
+    def _erase_open_line(self) -> None:
+        """Move back to the start of the open line, over the rows it wrapped onto, and erase from there."""
+        columns = shutil.get_terminal_size().columns
+        rows = max(0, self._column - 1) // max(1, columns)
+        self._out((f"\x1b[{rows}A" if rows else "") + "\r\x1b[J")
+        self._column = 0
+
     def _out(self, text: str) -> None:
         if text:
             self.stream.write(text)
+            if "\x1b" not in text:  # the open line's printed width (escape sequences move, not print)
+                line = text.rsplit("\n", 1)
+                self._column = len(line[-1]) if len(line) > 1 else self._column + len(text)

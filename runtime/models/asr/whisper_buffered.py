@@ -14,6 +14,7 @@ tiny test model do not all have, and it runs the whole policy-free search we do 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -26,6 +27,7 @@ from transformers import (
     WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
 )
+from transformers.models.whisper.modeling_whisper import WhisperDecoder
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
@@ -36,6 +38,8 @@ from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, 
 from runtime.models.loading import load_progress
 
 MAX_BUFFER_S = 30.0  # Whisper's encoder sees exactly 30 s
+# transformers 5.x renamed the decoder's `past_key_values` argument to `cache` (the old name warns on every call)
+CACHE_ARG = "cache" if "cache" in inspect.signature(WhisperDecoder.forward).parameters else "past_key_values"
 
 
 class Decoder(Protocol):
@@ -98,7 +102,7 @@ class WhisperBuffered:
 
     def _next_logits(self, ids: torch.Tensor, states: torch.Tensor, cache: EncoderDecoderCache | None) -> torch.Tensor:
         hidden = self.model.model.decoder(
-            input_ids=ids, encoder_hidden_states=states, past_key_values=cache, use_cache=cache is not None
+            input_ids=ids, encoder_hidden_states=states, use_cache=cache is not None, **{CACHE_ARG: cache}
         ).last_hidden_state
         logits = self.model.proj_out(hidden[:, -1])[0]
         if self.suppress:

@@ -27,19 +27,24 @@ carried: those emitted after `restart` may describe re-fed audio, so they become
 prompt (see `decoder.context_ids`). Carried tokens are context only, never emitted again. The new item's
 `start` is the previous item's end (items tile the timeline), and `end` never goes back over re-fed audio.
 
+At a commit (`finish`) the item can be decoded once more with all it heard (`asr.final_pass`, `final_pass.py`):
+the completed event then carries that second pass, which may revise the streamed deltas.
+
 `offline_transcript` is the exactness reference: one `forward_full` per segment, `RecomputeDecoder` (no
 caches, per-position cross-attention masks), the same rule, steps and resets.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase, WhisperForConditionalGeneration
+from transformers import PreTrainedTokenizerBase, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
@@ -49,8 +54,10 @@ from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder, Scorer, context_ids
 from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token
 from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_end, block_frames_for
+from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, check
+from runtime.models.asr.whisper_buffered import WhisperBuffered
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
-from runtime.models.loading import load_progress
+from runtime.models.loading import load_progress, torch_dtype
 
 FRAME_SAMPLES = SAMPLE_RATE // 50  # one 20 ms encoder frame
 RESTART_MARGIN_S = 0.5  # re-feed from this long before the last stable token's emission
@@ -94,12 +101,14 @@ class CausalWhisperASR:
     """A Whisper checkpoint (optionally with a merged LoRA adapter) read as a causal streaming model."""
 
     def __init__(self, model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, cfg: ASRConfig,
-                 *, name: str = "causal-whisper") -> None:
+                 *, name: str = "causal-whisper", final_pass: FinalPass | None = None) -> None:
+        """`final_pass` re-decodes each committed item (None: the streamed text is final)."""
         self.block_frames = block_frames_for(cfg.chunk_ms)
         if cfg.lookback_tokens < 0 or cfg.loop_repeats < 0:
             raise ConfigError(f"asr.lookback_tokens and asr.loop_repeats must be >= 0, got {cfg.lookback_tokens} "
                               f"and {cfg.loop_repeats}")
         self.model, self.tokenizer, self.cfg, self.name = model, tokenizer, cfg, name
+        self.final_pass = final_pass
         self.encoder = CausalWhisperEncoder(model, block_frames=self.block_frames)
         b = self.block_frames
         # The last block end whose emission fits the encoder's 30 s (1500 frames; frame 1500 needs flush).
@@ -125,9 +134,16 @@ class CausalWhisperASR:
     @classmethod
     def load(cls, cfg: ASRConfig, *, device: str, dtype: str,
              progress: Callable[[str], None] | None = None) -> CausalWhisperASR:
-        """Load model and tokenizer; a `cfg.adapter` LoRA is merged into the weights (no inference cost)."""
+        """Load model and tokenizer; a `cfg.adapter` LoRA is merged into the weights (no inference cost). The
+        `offline` final pass keeps the checkpoint as it was before the merge: full context needs no adapter."""
+        kind = check(cfg.final_pass)
         with load_progress(progress, "asr", cfg.model, device, dtype):
-            model, tokenizer, _ = load_whisper(cfg.model, dtype=dtype, progress=progress)
+            model, tokenizer, path = load_whisper(cfg.model, dtype=dtype, progress=progress)
+            final: FinalPass | None = DecoderPass() if kind == "decoder" else None
+            if kind == "offline":
+                own = cfg.adapter or cfg.final_pass_dtype not in ("", dtype)
+                final = OfflinePass(offline_decoder(copy.deepcopy(model) if own else model, tokenizer, path, cfg,
+                                                    device, cfg.final_pass_dtype or dtype))
             if cfg.adapter:
                 from runtime.models.asr.causal_whisper.lora import load_adapter
 
@@ -137,7 +153,7 @@ class CausalWhisperASR:
                     raise CheckpointNotFound(f"asr adapter {cfg.adapter!r} cannot be loaded ({err}); point "
                                              "--set asr.adapter= at a directory written by `runtime train`") from None
             model = model.to(device).eval()
-        return cls(model, tokenizer, cfg, name=cfg.model)
+        return cls(model, tokenizer, cfg, name=cfg.model, final_pass=final)
 
     def open_stream(self) -> CausalWhisperStream:
         return CausalWhisperStream(self)
@@ -171,6 +187,7 @@ class CausalWhisperASR:
         texts: list[str] = []
         history: list[Token] = []
         carry: Carry | None = None
+        item_from = 0  # absolute sample where the open item starts
         while True:
             start = carry.restart_frame * FRAME_SAMPLES if carry else 0
             seg = audio[start : start + emission_sample(self.reset_frame)]
@@ -187,10 +204,27 @@ class CausalWhisperASR:
             if not reset:
                 if len(frames):
                     item.step(frames[done:], final=True)
-                texts.append(self.text([t.id for t in item.tokens]))
+                texts.append(self.text(self.final_ids(item, audio[item_from:])))
                 return "".join(texts)
             texts.append(self.text([t.id for t in item.tokens[: item.stable]]))
+            item_from = (item.frame0 + done) * FRAME_SAMPLES
             carry = self.carry(history, item, done)
+
+
+    def final_ids(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
+        """The committed item's final ids: its stream's, or the final pass's when it heard any words."""
+        ids = [t.id for t in item.tokens]
+        if self.final_pass is None or not self.text(ids).strip():
+            return ids
+        return self.final_pass.revise(item, audio)
+
+
+def offline_decoder(model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, path: Path,
+                    cfg: ASRConfig, device: str, dtype: str) -> WhisperBuffered:
+    """Full-context greedy Whisper over the same checkpoint (the `offline` final pass), in `dtype`."""
+    model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
+    return WhisperBuffered(model, tokenizer, WhisperFeatureExtractor.from_pretrained(path),
+                           replace(cfg, backend="whisper-buffered"), name=cfg.model)
 
 
 class _Samples:
@@ -223,6 +257,7 @@ class CausalWhisperStream:
         self._history: list[Token] = []
         self._state = "open"
         self._item_start = 0.0
+        self._item_from = 0  # the open item's first sample in the segment's audio
         self._heard = 0.0
         self._open_segment(0, None, _Samples())
 
@@ -273,9 +308,11 @@ class CausalWhisperStream:
     def _reset(self) -> TranscriptUpdate:
         asr, item = self._asr, self._item
         carry = asr.carry(self._history, item, self._frames)
-        update = self._complete(item.tokens[: item.stable], end_frame=self._frames)
+        update = self._complete([t.id for t in item.tokens[: item.stable]], end_frame=self._frames)
         restart = (carry.restart_frame - item.frame0) * FRAME_SAMPLES
+        item_from = self._frames * FRAME_SAMPLES - restart  # the next item starts where this one ended
         self._open_segment(self._seg_start + restart, carry, _Samples(self._audio.view(restart)))
+        self._item_from = item_from
         return update
 
     def finish(self) -> list[TranscriptUpdate]:
@@ -288,7 +325,8 @@ class CausalWhisperStream:
         if self._frames + len(frames):
             self._item.step(frames, final=True)
         self._frames += len(frames)
-        return [self._complete(self._item.tokens, end_frame=None)]
+        ids = self._asr.final_ids(self._item, self._audio.view(self._item_from))
+        return [self._complete(ids, end_frame=None, revisable=self._asr.final_pass is not None)]
 
     def close(self) -> None:
         self._state = "closed"
@@ -318,11 +356,14 @@ class CausalWhisperStream:
         self._unstable = unstable
         return TranscriptUpdate(self._item_id, delta, unstable, self._item_start, self._time(self._frames))
 
-    def _complete(self, tokens: Sequence[Token], *, end_frame: int | None) -> TranscriptUpdate:
-        text = self._asr.text([t.id for t in tokens])
-        transcript = text if text.startswith(self._emitted) else self._emitted
+    def _complete(self, ids: Sequence[int], *, end_frame: int | None, revisable: bool = False) -> TranscriptUpdate:
+        """The item's completion: its text must extend the emitted deltas, unless a final pass `revisable`y
+        wrote it (the completed event then says what the item finally is, deltas notwithstanding)."""
+        text = self._asr.text(ids)
+        transcript = text if text.startswith(self._emitted) or revisable else self._emitted
         end = self._time(end_frame)
-        update = TranscriptUpdate(self._item_id, transcript[len(self._emitted) :], "", self._item_start, end,
-                                  completed=True, transcript=transcript)
+        delta = transcript[len(self._emitted) :] if transcript.startswith(self._emitted) else ""
+        update = TranscriptUpdate(self._item_id, delta, "", self._item_start, end, completed=True,
+                                  transcript=transcript)
         self._item_start = end
         return update

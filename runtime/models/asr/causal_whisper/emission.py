@@ -67,10 +67,12 @@ class ItemDecoder:
 
     def step(self, frames: torch.Tensor, *, final: bool = False) -> None:
         """Take a block of new encoder frames [n, d], re-check the tail, decode on."""
+        self.scorer.add_frames(frames)
+        if self.scorer.n_frames:
+            self._decode(final)
+
+    def _decode(self, final: bool) -> None:
         s = self.scorer
-        s.add_frames(frames)
-        if s.n_frames == 0:
-            return
         tail = self.tokens[self.stable :]
         ids = self.context + [t.id for t in self.tokens]
         anchor = len(self.context) + self.stable - 1  # the last context/stable position: predicts tail[0]
@@ -105,6 +107,16 @@ class ItemDecoder:
         logp = logp.clone()
         logp[:, self.suppress.to(logp.device)] = float("-inf")
         return logp
+
+    def redecode(self) -> None:
+        """Decode the whole item again from its context over every frame it has (the `decoder` final pass):
+        each position, the context's too, is fed again, so it sees the item's whole audio instead of the blocks
+        heard when it was first fed."""
+        self.tokens.clear()
+        self.stable = 0
+        self.scorer.truncate(0)
+        if self.scorer.n_frames:
+            self._decode(final=True)
 
     @property
     def full(self) -> bool:
