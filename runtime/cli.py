@@ -194,8 +194,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         source = _file_source(ensure_demo_file(), args.speed, profile)
         at = args.at if args.at is not None else round((source.duration or 0.0) * 0.6, 1)
         questions = [ScheduledQuestion(args.question, at)]
-    elif args.command in ("transcribe", "ask"):  # transcribe needs no frames: a file without audio is an error
-        source = _file_source(args.file, args.speed, profile, video=args.command == "ask")
+    elif args.command in ("transcribe", "ask"):  # transcribe takes frames only to read text on screen
+        source = _file_source(args.file, args.speed, profile, video=args.command == "ask" or profile.screen.read)
+        if args.command == "transcribe" and not getattr(source, "has_audio", True):
+            raise UserError(f"cannot read {args.file}: no audio stream to transcribe")
         if args.command == "ask":
             questions = [ScheduledQuestion(args.question, args.at)]
     else:  # serve

@@ -111,6 +111,19 @@ class VideoConfig:
 
 
 @dataclass(frozen=True)
+class ScreenConfig:
+    """Text on screen read into the session (runtime/pipeline/screen.py): slides, titles, shared screens."""
+
+    read: bool = False  # run PP-OCRv4 on the frames worth reading (needs video.max_side >= ~960 for small text)
+    model: str = "builtin:pp-ocrv4"
+    threshold: float = 0.004  # share of a 96x54 thumbnail's pixels that must change for a new read
+    min_interval_s: float = 2.0  # media seconds between reads at most (the bound under load)
+    refresh_s: float = 30.0  # a settled picture is read again after this long
+    min_confidence: float = 0.6  # lines read less surely are left out
+    max_screens: int = 64
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     audio_chunk_ms: int = 100  # sources cut audio into chunks of this length
     audio_queue_chunks: int = 20  # bounded; a full queue slows the source (audio is never dropped)
@@ -148,6 +161,7 @@ class Profile:
     asr: ASRConfig = field(default_factory=ASRConfig)
     lm: LMConfig = field(default_factory=LMConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
+    screen: ScreenConfig = field(default_factory=ScreenConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
 

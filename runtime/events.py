@@ -193,6 +193,21 @@ class VideoNote(Event):
 
 @_register
 @dataclass(kw_only=True)
+class ScreenText(Event):
+    """What is on screen (media seconds `start`-`end`, the span it has been seen), as lines read top to bottom;
+    ours, no Realtime equivalent. Sent when a screen first is read and when it changes (a line added or read
+    better); a new slide is a new `screen_id`."""
+
+    type: ClassVar[str] = "runtime.screen.text"
+    screen_id: str
+    text: str
+    lines: list[dict[str, Any]]
+    start: float
+    end: float
+
+
+@_register
+@dataclass(kw_only=True)
 class ResponseCreated(Event):
     type: ClassVar[str] = "response.created"
     response: dict[str, Any]

@@ -14,7 +14,8 @@ from runtime.models.asr.base import StreamingASR
 from runtime.models.asr.registry import load_asr
 from runtime.models.lm import AnswerBackend, NoAnswerer, load_answerer
 from runtime.models.lm.weights import is_vlm
-from runtime.models.loading import configure_threads, resolve_checkpoint
+from runtime.models.loading import configure_threads, load_progress, resolve_checkpoint
+from runtime.models.ocr.reader import TextReader
 from runtime.models.turns.silero_vad import SileroVAD
 from runtime.models.turns.smart_turn import SmartTurn
 from runtime.models.vlm.base import FrameEncoder
@@ -29,6 +30,14 @@ class Models:
     answerer: AnswerBackend
     vision: FrameEncoder | None = None  # the VLM's vision half, when the language model can see
     turns: TurnModels | None = None  # Silero VAD and Smart Turn (turn detection); None: commits by hand only
+    reader: TextReader | None = None  # PP-OCRv4, when the profile reads text on screen (screen.read)
+
+
+def load_reader(profile: Profile, progress: Callable[[str], None] | None = None) -> TextReader | None:
+    if not profile.screen.read:
+        return None
+    with load_progress(progress, "ocr", profile.screen.model, "cpu", "float32"):
+        return TextReader(profile.screen.model)
 
 
 def load_turn_models(progress: Callable[[str], None] | None = None) -> TurnModels | None:
@@ -51,8 +60,9 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
                       dtype=profile.dtype, progress=progress)
     turns = worker.call(Priority.CONTROL, load_turn_models, progress) if profile.pipeline.turn_detection != "none" \
         else None
+    reader = worker.call(Priority.CONTROL, load_reader, profile, progress)
     if not answers:
-        return Models(asr=asr, answerer=NoAnswerer(), turns=turns)
+        return Models(asr=asr, answerer=NoAnswerer(), turns=turns, reader=reader)
     answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, seed=profile.seed,
                            device=profile.device, dtype=profile.dtype, progress=progress)
     vision = None
@@ -68,4 +78,4 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
             check_memory_fits(profile)
             vision = worker.call(Priority.CONTROL, VisionEncoder.load, profile.lm.model, grid=profile.video.grid,
                                  device=profile.device, dtype=profile.dtype, progress=progress)
-    return Models(asr=asr, answerer=answerer, vision=vision, turns=turns)
+    return Models(asr=asr, answerer=answerer, vision=vision, turns=turns, reader=reader)

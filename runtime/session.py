@@ -361,6 +361,7 @@ class Session:
             "channels": {c.name: c.stats.to_dict() for c in (self.audio_in, self.video_in, self.questions,
                                                              self.events)},
             "video": self._video_metrics(),
+            "screen": self.video.screen.metrics() if self.video.screen is not None else {},
             "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.heard.until, 3),
                     "lag_s": round(self.received_until + t.audio_buffered_s - self.heard.until, 3),
                     "dropped_s": round(t.audio_dropped_s, 3)},

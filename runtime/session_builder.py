@@ -29,6 +29,7 @@ from runtime.pipeline.audio import AudioProcessor, BufferEnd
 from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
 from runtime.pipeline.response_requests import ResponseRequests
+from runtime.pipeline.screen import ScreenReader
 from runtime.pipeline.turn_taking import TurnTaking
 from runtime.pipeline.video import VideoProcessor
 from runtime.session import FrameSampler, Session, SessionParts
@@ -94,6 +95,9 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
                                 lm_stream=lm_stream, prefiller=prefiller)
     requests = ResponseRequests(questions, answers, activity, heard, settings, emit)
     turns = TurnTaking(models.turns, settings, activity) if models.turns is not None else None
+    screen = None
+    if models.reader is not None:
+        screen = ScreenReader(models.reader, profile.screen, worker, emit, conversation, changes)
     parts = SessionParts(
         audio_in=audio_in, video_in=video_in, questions=questions, events=events, emit=emit,
         sampler=FrameSampler(profile.video.fps), conversation=conversation, video_memory=video_memory,
@@ -102,7 +106,7 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
         audio=AudioProcessor(audio_in, models.asr.open_stream, worker, emit, conversation, heard, changes,
                              first_stream=asr_stream, turns=turns, sink=requests),
         video=VideoProcessor(video_in, worker, emit, changes, encoder=models.vision, memory=video_memory,
-                             notes=notes),
+                             notes=notes, screen=screen),
         answers=answers, prefiller=prefiller, notes=notes,
         describe=describe(profile, models, video_memory),
     )

@@ -18,6 +18,7 @@ from runtime.events import (
     ResponseDone,
     ResponseTextDelta,
     ResponseTextDone,
+    ScreenText,
     TranscriptionCompleted,
     TranscriptionDelta,
     VideoNote,
@@ -79,13 +80,16 @@ class TextPrinter:
     def write(self, event: Event) -> None:
         answering = self._line is not None and self._line.startswith("answer:")
         hearing = self._line is not None and self._line.startswith("item:")
-        if answering and isinstance(event, (TranscriptionDelta, TranscriptionCompleted, VideoNote)) or (
-                hearing and isinstance(event, VideoNote)):  # a note waits for the sentence it would cut
+        if answering and isinstance(event, (TranscriptionDelta, TranscriptionCompleted, VideoNote, ScreenText)) or (
+                hearing and isinstance(event, (VideoNote, ScreenText))):  # a note waits for the sentence it would cut
             self._held.append(event)
         elif isinstance(event, TranscriptionDelta):
             self._transcript_delta(event)
         elif isinstance(event, TranscriptionCompleted):
             self._transcript_done(event)
+        elif isinstance(event, ScreenText):
+            self._end_line()
+            self._out(f"{timestamp(event.start)} (on screen) {event.text}\n")
         elif isinstance(event, VideoNote):
             self._end_line()
             self._out(f"{timestamp(event.start)} (video, to {timestamp(event.end)}) {event.text}\n")

@@ -33,13 +33,14 @@ class Item:
     unstable: str = ""
     completed: bool = False  # audio: the transcript is final; assistant: the answer ended
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    label: str = ""  # the context's label instead of the role's ("On screen": text read off the video)
 
     @property
     def text(self) -> str:
         return (self.stable + self.unstable).strip()
 
     def line(self) -> str:
-        label = "" if self.audio else f"{_LABEL[self.role]}: "
+        label = "" if self.audio else f"{self.label or _LABEL[self.role]}: "
         return f"[{_stamp(self.start)}] {label}{self.text}"
 
     def to_api(self) -> dict[str, Any]:

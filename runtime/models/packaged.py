@@ -59,6 +59,20 @@ PACKAGED: dict[str, Packaged] = {
         sha256="2bb026316b14a660486a75b1733cd3fbab8c2fd0314dc9af7be49f8cca967e4f",
         license="BSD-2-Clause", what="Daily Smart Turn v3.2, ONNX for CPU (Whisper-tiny encoder, end-of-turn)",
     ),
+    # Screen text (runtime/models/ocr): PaddleOCR's PP-OCRv4 detection and recognition, ONNX, inside RapidOCR's
+    # wheel; RapidOCR's own pipeline code reads them (the `ocr` extra installs its imports).
+    "pp-ocrv4-det": Packaged(
+        dist="rapidocr-onnxruntime", version="1.4.4", module="rapidocr_onnxruntime", folder="models",
+        weight_file="ch_PP-OCRv4_det_infer.onnx",
+        sha256="d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9",
+        license="Apache-2.0", what="PaddleOCR PP-OCRv4 mobile text detection (DB), ONNX",
+    ),
+    "pp-ocrv4-rec": Packaged(
+        dist="rapidocr-onnxruntime", version="1.4.4", module="rapidocr_onnxruntime", folder="models",
+        weight_file="ch_PP-OCRv4_rec_infer.onnx",
+        sha256="48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b",
+        license="Apache-2.0", what="PaddleOCR PP-OCRv4 mobile text recognition (CTC, Chinese and English), ONNX",
+    ),
 }
 
 _verified: dict[Path, str] = {}  # weight file -> (size, mtime) key already hashed in this process

@@ -2,7 +2,8 @@
 
     video channel --> VideoProcessor --(worker, VISION: encode the queued frames as one batch, write memory)
                          |--> ContextChanges (the prefiller takes the new memory suffix)
-                         '--> closed segments --> a SegmentSink (the NoteWriter, notes.py)
+                         |--> closed segments --> a SegmentSink (the NoteWriter, notes.py)
+                         '--> the frames, once encoded --> a FrameSink (the ScreenReader, screen.py)
 
 The memory (`runtime.memory.video.VideoMemory`) is written only on the device worker and read through
 snapshots, so a question never waits for a frame and never sees half a write (Flash-VStream's frame handler
@@ -34,15 +35,23 @@ class SegmentSink(Protocol):
     def add(self, segments: list[Segment]) -> None: ...
 
 
+class FrameSink(Protocol):
+    """Takes frames after the memory has them (the screen reader: reads those worth reading)."""
+
+    async def take(self, frames: list[VideoFrame]) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
 class VideoProcessor:
     """Encodes frames in batches on the worker and writes them into the memory; without an encoder (a
     text-only model) it only keeps the newest frame."""
 
     def __init__(self, channel: LatestChannel[VideoFrame], worker: DeviceWorker, emit: Emit,
                  changes: ContextChanges, *, encoder: FrameEncoder | None = None, memory: VideoMemory | None = None,
-                 notes: SegmentSink | None = None) -> None:
+                 notes: SegmentSink | None = None, screen: FrameSink | None = None) -> None:
         self.channel, self.worker, self.emit, self.changes = channel, worker, emit, changes
-        self.encoder, self.memory, self.notes = encoder, memory, notes
+        self.encoder, self.memory, self.notes, self.screen = encoder, memory, notes, screen
         self.latest: VideoFrame | None = None
         self.frames = 0  # frames taken from the channel
         self.settled = 0  # of those, frames whose batch is done with (in memory, failed, or only counted)
@@ -69,6 +78,11 @@ class VideoProcessor:
             await self._progress.wait_for(lambda: self.settled >= frames)
 
     async def _take(self, batch: list[VideoFrame]) -> None:
+        await self._encode(batch)
+        if self.screen is not None:
+            await self.screen.take(batch)
+
+    async def _encode(self, batch: list[VideoFrame]) -> None:
         if self.encoder is None or self.memory is None:
             return
         try:

@@ -7,6 +7,7 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   token: $("token"), start: $("start"), stop: $("stop"), status: $("status"), preview: $("preview"),
   captions: $("captions"), captionsBox: $("captions-box"), unstable: $("unstable"), notes: $("notes"),
+  screen: $("screen"),
   question: $("question"), ask: $("ask"), cancel: $("cancel"), answer: $("answer"),
   answerStatus: $("answer-status"), latFirst: $("lat-first"), latAsr: $("lat-asr"), latLoop: $("lat-loop"),
   conversation: $("conversation"), answerTurns: $("answer-turns"),
@@ -276,6 +277,21 @@ const handlers = {
     li.append(time, " ", e.text || "");
     ui.notes.append(li);
     while (ui.notes.children.length > MAX_NOTES) ui.notes.firstElementChild.remove();
+    li.scrollIntoView({ block: "nearest" });
+  },
+
+  // Text read off the video: one entry per screen, updated in place when a line is added or read better.
+  "runtime.screen.text": (e) => {
+    let li = ui.screen.querySelector(`[data-screen="${CSS.escape(e.screen_id)}"]`);
+    if (!li) {
+      li = document.createElement("li");
+      li.dataset.screen = e.screen_id;
+      ui.screen.append(li);
+      while (ui.screen.children.length > MAX_NOTES) ui.screen.firstElementChild.remove();
+    }
+    const time = document.createElement("time");
+    time.textContent = clock(e.start);
+    li.replaceChildren(time, " ", e.text || "");
     li.scrollIntoView({ block: "nearest" });
   },
 

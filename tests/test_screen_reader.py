@@ -1,0 +1,59 @@
+"""The screen reader on real PP-OCRv4 weights: a rendered slide read exactly, and end to end through the CLI,
+a slide video's text in `runtime transcribe --json` and in the answer of `runtime ask`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from weights_common import packaged_or_skip
+
+from runtime.io.slides import Slide, render_slide, write_slide_video
+
+REPO = Path(__file__).resolve().parents[1]
+SLIDES = [Slide(5, "Budget review 2027", ["Office opens in Lisbon", "Hiring: 12 engineers by March"]),
+          Slide(5, "Roadmap", ["Launch in May", "Total cost: 4.2 million EUR"])]
+
+
+@pytest.fixture(scope="module")
+def reader():
+    packaged_or_skip("pp-ocrv4-det")
+    from runtime.models.ocr.reader import TextReader
+
+    return TextReader()
+
+
+def test_a_rendered_slide_reads_back_exactly(reader) -> None:
+    lines = reader.read(render_slide(SLIDES[0]))
+    assert [t.text for t in lines] == ["Budget review 2027", "- Office opens in Lisbon",
+                                       "- Hiring: 12 engineers by March"]
+    assert all(t.confidence > 0.9 for t in lines)
+    x0, y0, x1, y1 = lines[0].box
+    assert 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 0.25  # the title is at the top
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "runtime", *argv], capture_output=True, text=True, timeout=600,
+                            cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_slide_video_end_to_end(reader, tmp_path: Path) -> None:
+    video = write_slide_video(tmp_path / "talk.mp4", SLIDES)
+    events = [json.loads(line) for line in run("transcribe", str(video), "--json", "-q").stdout.splitlines()]
+    screens = [e for e in events if e["type"] == "runtime.screen.text"]
+    assert [s["text"] for s in screens] == ["Budget review 2027 | - Office opens in Lisbon | - Hiring: 12 engineers "
+                                            "by March", "Roadmap | - Launch in May | - Total cost: 4.2 million EUR"]
+    assert 0 < screens[0]["start"] < 5 <= screens[1]["start"] < 10  # read once each, soon after it appeared
+    metrics = [e for e in events if e["type"] == "runtime.metrics"][-1]["metrics"]["screen"]
+    assert metrics["reads"] <= 4 and metrics["screens"] == 2
+    answer = run("ask", str(video), "Which city does the office open in?", "--profile", "whisper-tiny-en", "-q",
+                 "--json").stdout
+    text = next(json.loads(line)["text"] for line in answer.splitlines()
+                if json.loads(line)["type"] == "response.output_text.done")
+    assert "Lisbon" in text
