@@ -356,12 +356,12 @@ class Session:
 
     def metrics(self) -> dict[str, object]:
         t = self.transport
+        screen = {"screen": self.video.screen.metrics()} if self.video.screen is not None else {}
         return {
             "loop_lag": self.lag.report(),
             "channels": {c.name: c.stats.to_dict() for c in (self.audio_in, self.video_in, self.questions,
                                                              self.events)},
             "video": self._video_metrics(),
-            "screen": self.video.screen.metrics() if self.video.screen is not None else {},
             "asr": {"pushed_until": round(self.pushed_until, 3), "heard_until": round(self.heard.until, 3),
                     "lag_s": round(self.received_until + t.audio_buffered_s - self.heard.until, 3),
                     "dropped_s": round(t.audio_dropped_s, 3)},
@@ -369,6 +369,7 @@ class Session:
                         "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0},
             "worker": self.worker.stats(),
             "rate_limited": dict(t.rate_limited),
+            **screen,  # when the profile reads text on screen
         }
 
     def _video_metrics(self) -> dict[str, float | int]:

@@ -22,6 +22,7 @@ from runtime.events import (
     ResponseDone,
     ResponseTextDelta,
     ResponseTextDone,
+    ScreenText,
     SessionCreated,
     SessionUpdated,
     SpeechStarted,
@@ -58,6 +59,8 @@ SAMPLES = [
     ResponseTextDone(response_id="resp_1", item_id="item_2", text="Hi"),
     ResponseDone(response={"id": "resp_1", "status": "completed"}),
     Metrics(metrics={"loop_lag": {"max_ms": 1.0}}),
+    ScreenText(screen_id="screen_0", text="Budget | - Lisbon", lines=[{"text": "Budget", "box": [0.1, 0.1, 0.4, 0.2],
+               "confidence": 0.98, "first_seen": 1.0, "last_seen": 3.0}], start=1.0, end=3.0, media_time=3.0),
     VideoNote(segment_id=3, text="a red ball rolls", start=10.0, end=20.0, media_time=20.0),
     error_event("bad", code="empty_question", param="text", client_event_id="evt_c"),
 ]
