@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime import bench, train
 from runtime.cli_parser import build_parser
@@ -30,6 +31,9 @@ from runtime.session import Session
 from runtime.session_builder import open_session
 from runtime.stop_signals import on_stop_signals, remove_stop_signals, terminate_like_ctrl_c
 from runtime.worker import DeviceWorker
+
+if TYPE_CHECKING:
+    from runtime.io.file_source import FileSource
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")  # where `serve` needs no token: only this machine can connect
 
@@ -174,7 +178,7 @@ def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[De
     return worker, models
 
 
-def _file_source(path: Path, speed: float, profile: Profile, video: bool = True) -> Source:
+def _file_source(path: Path, speed: float, profile: Profile, video: bool = True) -> FileSource:
     from runtime.io.file_source import FileSource
 
     return FileSource(path, chunk_ms=profile.pipeline.audio_chunk_ms, speed=speed, video=video,
@@ -195,9 +199,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         at = args.at if args.at is not None else round((source.duration or 0.0) * 0.6, 1)
         questions = [ScheduledQuestion(args.question, at)]
     elif args.command in ("transcribe", "ask"):  # transcribe takes frames only to read text on screen
-        source = _file_source(args.file, args.speed, profile, video=args.command == "ask" or profile.screen.read)
-        if args.command == "transcribe" and not getattr(source, "has_audio", True):
+        file = _file_source(args.file, args.speed, profile, video=args.command == "ask" or profile.screen.read)
+        if args.command == "transcribe" and not file.has_audio:
             raise UserError(f"cannot read {args.file}: no audio stream to transcribe")
+        source = file
         if args.command == "ask":
             questions = [ScheduledQuestion(args.question, args.at)]
     else:  # serve

@@ -207,3 +207,25 @@ def test_word_ends_fall_inside_the_speech():
     assert len(ends) >= 4
     times = [end for _, end in ends]
     assert times == sorted(times) and times[0] > 1.0 and times[-1] <= len(audio) / SAMPLE_RATE
+
+
+def test_two_pass_rows_end_where_the_offline_ceiling_does(capsys, tmp_path):
+    """The `two-pass` rows run the real stream with each final pass; the offline pass's transcripts are the
+    ceiling's, so its error rates equal the offline row's, and its targets are computed beside the others."""
+    _tiny_en_or_skip()
+    from runtime.io.sample import demo_script, demo_speech
+
+    soundfile.write(tmp_path / "a.flac", demo_speech()[: 4 * SAMPLE_RATE], SAMPLE_RATE, subtype="PCM_16")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"audio": "a.flac", "text": demo_script()}) + "\n")
+    code, out, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--json", "--threads", "1", "--data",
+                             str(tmp_path), "--systems", "offline,two-pass", "--chunks", "300", "--human",
+                             str(tmp_path / "none"), "--adapter", "builtin:causal-whisper-tiny.en")
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result["systems"]) == {"whisper-offline", "causal-whisper-300ms+decoder", "causal-whisper-300ms+offline"}
+    offline, second = (result["systems"][s]["synthetic"] for s in ("whisper-offline", "causal-whisper-300ms+offline"))
+    assert (second["wer"], second["cer"]) == (offline["wer"], offline["cer"])
+    assert second["word_latency_s"]["words_timed"] > 0
+    assert "bfloat16" in result["system_settings"]["causal-whisper-300ms+offline"]
+    assert {"causal_300ms+offline_human_wer_within_1.25x_offline",
+            "causal_300ms+decoder_compute_over_faster_whisper"} <= set(result["targets"])

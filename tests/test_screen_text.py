@@ -36,7 +36,7 @@ def run(detector: ChangeDetector, frames: list[np.ndarray], fps: float = 1.0) ->
     read = []
     for i, frame in enumerate(frames):
         if detector.due(i / fps, frame):
-            detector.read_done(i / fps, frame)
+            detector.read_done(i / fps)
             read.append(i)
     return read
 

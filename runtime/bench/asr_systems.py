@@ -182,7 +182,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         each(OFFLINE, lambda s: offline_row(s, [offline.text(i) for i in reference[s.name][0]],
                                             reference[s.name][1]))
     ends: dict[str, list[list[tuple[str, float]]]] = {}
-    if {"causal", "buffered", "fastconformer"} & set(kinds):
+    if {"causal", "two-pass", "buffered", "fastconformer"} & set(kinds):
         status("word end times: aligning the offline transcripts ...")
         aligner = Aligner(offline, whisper_path(ref))
         ends = {s.name: [aligner.word_ends(a, ids) for a, ids in zip(s.audios, reference[s.name][0], strict=True)]

@@ -64,7 +64,7 @@ class ScreenReader:
         lines = self.reader.read(frame.image)
         self.read_s += time.perf_counter() - began
         self.reads += 1
-        self.detector.read_done(frame.time, frame.image)
+        self.detector.read_done(frame.time)
         return self.screens.add(frame.time, lines)
 
     async def _publish(self, screen: Screen, now: float) -> None:

@@ -41,7 +41,7 @@ class ChangeDetector:
         self.offered = 0
 
     def due(self, time: float, image: np.ndarray) -> bool:
-        """Should the frame shown at media `time` be read? (Call `read_done` when it was.)"""
+        """Should the frame shown at media `time` be read? (Call `read_done` once it was.)"""
         self.offered += 1
         thumb = thumbnail(image)
         previous, self._previous = self._previous, thumb
@@ -51,5 +51,6 @@ class ChangeDetector:
         new = self._read is None or changed_fraction(thumb, self._read) > self.threshold
         return new or time - self._read_at >= self.refresh_s
 
-    def read_done(self, time: float, image: np.ndarray) -> None:
-        self._read, self._read_at = thumbnail(image), time
+    def read_done(self, time: float) -> None:
+        """The frame last offered (at media `time`) was read."""
+        self._read, self._read_at = self._previous, time

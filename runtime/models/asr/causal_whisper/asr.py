@@ -210,7 +210,6 @@ class CausalWhisperASR:
             item_from = (item.frame0 + done) * FRAME_SAMPLES
             carry = self.carry(history, item, done)
 
-
     def final_ids(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
         """The committed item's final ids: its stream's, or the final pass's when it heard any words."""
         ids = [t.id for t in item.tokens]
