@@ -28,12 +28,16 @@ BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("runtime.bench.serve", "server: N live SDK clients at real-time pace: event latency, loop lag, RSS"),
     "answers": ("runtime.bench.answers", "answer accuracy on the committed question set, from the scripted text "
                 "and from espeak-ng speech through the ASR, per prompt variant (needs trained weights)"),
+    "video-qa": ("runtime.bench.video_qa", "answers about what was shown and said, asked live at a media time on "
+                 "rendered slide talks with narration: accuracy per kind, latency, context tokens, OCR cost (needs "
+                 "trained weights)"),
     "turns": ("runtime.bench.turns", "turn detection, server_vad vs semantic_vad, on human speech with pauses inserted "
               "mid-utterance: false cut-offs, end-of-turn delay, Smart Turn calls, CPU"),
 }
 # the flags that pick a checkpoint or data set, per benchmark that takes them
 CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human"),
-                    "llm": ("model",), "answers": ("model", "data", "prompts", "profile"), "turns": ("human",)}
+                    "llm": ("model",), "answers": ("model", "data", "prompts", "profile"), "turns": ("human",),
+                    "video-qa": ("profile",)}
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
 
 

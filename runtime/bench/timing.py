@@ -41,6 +41,11 @@ def at_most(value: float | None, target: float) -> dict[str, Any]:
     return {"value": value, "target": f"<= {target:g}", "met": value is not None and value <= target}
 
 
+def at_least(value: float | None, target: float) -> dict[str, Any]:
+    """A target of the form `value >= target` (a missing value is not met)."""
+    return {"value": value, "target": f">= {target:g}", "met": value is not None and value >= target}
+
+
 def machine(device: str, dtype: str | None, threads: int) -> dict[str, Any]:
     """Where a result was measured: numbers are only comparable with the same hardware and library versions."""
     import transformers

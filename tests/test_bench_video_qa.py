@@ -1,0 +1,53 @@
+"""`runtime bench video-qa`: the scoring rule, the rendered talk, and one quick run end to end through the real
+models (its accuracy is reported, not asserted: the benchmark measures it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_common import run_cli
+from weights_common import packaged_or_skip
+
+from runtime.bench import video_qa
+
+NOT_KNOWN = json.loads(video_qa.SET.read_text())["not_known"]
+
+
+def test_scoring() -> None:
+    realtime = {"kind": "realtime", "expect": [["4.2"]]}
+    assert video_qa.score(realtime, "The budget is 4.2 million euros.", NOT_KNOWN)
+    assert not video_qa.score(realtime, "The budget is 42 million.", NOT_KNOWN)
+    not_yet = {"kind": "not_yet", "forbid": ["september"]}
+    assert video_qa.score(not_yet, "The release date has not been shown yet.", NOT_KNOWN)
+    assert not video_qa.score(not_yet, "It is not before September.", NOT_KNOWN)  # gives the future away
+    assert not video_qa.score(not_yet, "The release is on Monday.", NOT_KNOWN)  # a guess, not "not known"
+
+
+def test_the_set_asks_every_kind_inside_its_talks() -> None:
+    data = json.loads(video_qa.SET.read_text())
+    for talk in data["talks"]:
+        length = sum(s["seconds"] for s in talk["scenes"])
+        assert {q["kind"] for q in talk["questions"]} == set(video_qa.KINDS)
+        assert all(0 < q["at"] < length for q in talk["questions"])
+        assert all(q.get("expect") or q.get("forbid") for q in talk["questions"])
+
+
+def test_quick_run_end_to_end(capsys) -> None:
+    packaged_or_skip("pp-ocrv4-det")
+    packaged_or_skip("whisper-tiny.en")
+    packaged_or_skip("smollm2-135m-instruct")
+    code, out, err = run_cli(capsys, "bench", "video-qa", "--quick", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert len(result["questions"]) == 8 and all(isinstance(q["right"], bool) for q in result["questions"])
+    for kind, acc in result["accuracy"].items():
+        assert acc["asked"] == sum(q["kind"] == kind for q in result["questions"])
+        assert acc["rate"] == pytest.approx(acc["right"] / acc["asked"], abs=1e-3)
+    talk = result["talks"][0]
+    assert talk["screens"] == 4 and 4 <= talk["ocr_reads"] <= 8  # four slides, each read about once
+    assert "On screen: Budget | - Total budget: 4.2 million euros" in talk["context"]
+    assert 0 < talk["screen_tokens"] < talk["context_tokens"]
+    assert all(q["first_token_s"] is not None and q["first_token_s"] <= q["done_s"] for q in result["questions"])
+    assert set(result["targets"]) == {"realtime_accuracy", "backward_accuracy", "speech_screen_accuracy",
+                                      "not_yet_accuracy", "ocr_cpu_s_per_video_s"}
