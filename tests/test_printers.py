@@ -215,4 +215,4 @@ def test_a_revised_final_transcript_replaces_its_line(monkeypatch) -> None:
     for event in events:
         printer.write(event)
     assert log.getvalue().splitlines() == ["[00:01.0] Try again. Fair again. Fair,",
-                                           "[00:01.0] Try again. Fail again. Fail better."]
+                                           "[00:01.0] (revised) Try again. Fail again. Fail better."]

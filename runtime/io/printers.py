@@ -57,7 +57,7 @@ class TextPrinter:
     On a terminal the unstable tail of the transcript is shown dim and replaced on the next update; on
     anything else only stable text is written, so a log file never contains text that was later changed, except
     by the ASR's final pass (`asr.final_pass`): a completed transcript that revises the streamed words is printed
-    whole, on a terminal over its line, elsewhere as a new line with the same start time.
+    whole, on a terminal over its line, elsewhere as a new line with the same start time marked "(revised)".
     While an answer streams, transcript events are held and printed after it, so neither is cut in half.
     """
 
@@ -165,7 +165,8 @@ class TextPrinter:
             self._out(f"{timestamp(start)} {final}")
         else:  # nothing shown yet, another line came between, or the final text differs: print it whole
             self._end_line()
-            self._out(f"{timestamp(start)} {final}")
+            revised = "(revised) " if printed and not final.startswith(printed.strip()) else ""
+            self._out(f"{timestamp(start)} {revised}{final}")
         self._out("\n")
         self._line = None
         held, self._held = self._held, []  # video notes that waited for this line
