@@ -71,3 +71,16 @@ def test_items_read_as_the_api_writes_them():
     assert answer.to_api()["content"] == [{"type": "output_text", "text": "Yes."}]
     typed = Item("c", 1.0, 1.0, audio=False, stable="hi")
     assert typed.to_api()["content"] == [{"type": "input_text", "text": "hi"}]
+
+
+def test_the_runtimes_own_items_are_not_the_apis_previous_item() -> None:
+    from runtime.memory.conversation import Conversation, Item
+
+    c = Conversation()
+    c.add(Item("item_a", 0.0, 1.0, audio=False, stable="hello"))
+    before = c.add(Item("screen_0", 1.0, 2.0, role="system", audio=False, stable="Budget", label="On screen",
+                        in_api=False))
+    assert before == "item_a"
+    assert c.add(Item("item_b", 2.0, 3.0, audio=False, stable="next")) == "item_a"
+    assert c.previous_id("item_b") == "item_a" and c.previous_id("item_a") is None
+    assert "[00:01.0] On screen: Budget" in c.context()  # the answerer still reads it

@@ -50,6 +50,9 @@ def test_slide_video_end_to_end(reader, tmp_path: Path) -> None:
     assert [s["text"] for s in screens] == ["Budget review 2027 | - Office opens in Lisbon | - Hiring: 12 engineers "
                                             "by March", "Roadmap | - Launch in May | - Total cost: 4.2 million EUR"]
     assert 0 < screens[0]["start"] < 5 <= screens[1]["start"] < 10  # read once each, soon after it appeared
+    # the screens are the runtime's own items: no API event points at one as the item before it
+    assert all(not str(e.get("previous_item_id")).startswith("screen_") for e in events)
+    assert any(e["type"] == "input_audio_buffer.committed" for e in events)
     metrics = [e for e in events if e["type"] == "runtime.metrics"][-1]["metrics"]["screen"]
     assert metrics["reads"] <= 4 and metrics["screens"] == 2
     answer = run("ask", str(video), "Which city does the office open in?", "--profile", "whisper-tiny-en", "-q",

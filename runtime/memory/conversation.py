@@ -34,6 +34,7 @@ class Item:
     completed: bool = False  # audio: the transcript is final; assistant: the answer ended
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     label: str = ""  # the context's label instead of the role's ("On screen": text read off the video)
+    in_api: bool = True  # False: the runtime's own (a screen's text), in the context but not the API's conversation
 
     @property
     def text(self) -> str:
@@ -90,18 +91,18 @@ class Conversation:
             if index is None:
                 raise KeyError(after)
         self.items.insert(index, item)
-        return self.items[index - 1].item_id if index > 0 else None
+        return self._api_before(index)
 
     def get(self, item_id: str) -> Item | None:
         return next((it for it in reversed(self.items) if it.item_id == item_id), None)
 
     def previous_id(self, item_id: str) -> str | None:
+        """The id of the API item before `item_id` (the runtime's own items are skipped: clients never saw them)."""
         ids = [it.item_id for it in self.items]
-        i = ids.index(item_id) if item_id in ids else 0
-        return ids[i - 1] if i > 0 else None
+        return self._api_before(ids.index(item_id) if item_id in ids else 0)
 
-    def last_id(self) -> str | None:
-        return self.items[-1].item_id if self.items else None
+    def _api_before(self, index: int) -> str | None:
+        return next((it.item_id for it in reversed(self.items[:index]) if it.in_api), None)
 
     def delete(self, item_id: str) -> bool:
         item = self.get(item_id)

@@ -70,7 +70,8 @@ class ScreenReader:
     async def _publish(self, screen: Screen, now: float) -> None:
         item = self.conversation.get(screen.screen_id)
         if item is None:
-            item = Item(screen.screen_id, screen.start, screen.end, role="system", audio=False, label="On screen")
+            item = Item(screen.screen_id, screen.start, screen.end, role="system", audio=False, label="On screen",
+                        in_api=False)
             self.conversation.add(item)
         item.stable, item.end = screen.text, screen.end
         self.changes.mark()
