@@ -1,0 +1,318 @@
+"""A fleet: three `runtime serve` replicas (tiny profile: random weights, fast to load) behind Debian's HAProxy
+running the repository's own `deploy/haproxy.cfg`, all on 127.0.0.1 at free ports. Six sessions open through
+the proxy and spread two per replica (each replica's own /metrics says so, and HAProxy's X-Runtime-Replica
+header agrees). All six stream speech. Then one replica gets SIGTERM: its clients see a clean close (1001, going
+away), reconnect through the proxy, land on a live replica and hold a fresh turn there. Then another replica
+gets SIGKILL: its clients see the connection drop (1006, no close frame: a dead process says nothing), and
+reconnect the same way. The sessions on the replica that lives on lose nothing: their transcripts keep coming
+throughout, no error event, each answers a question at the end, and each finishes with a clean 1000 with its
+whole stream transcribed.
+
+Timeouts bound every wait; no duration is asserted (the machine is shared). Every process started here is
+stopped at the end, whatever happened. Under CI a missing haproxy fails the test (.ci/run installs it);
+elsewhere it skips."""
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosedError
+
+from runtime.client import AsyncRealtimeClient
+from runtime.events import Error, ResponseDone, TranscriptionCompleted, TranscriptionDelta
+from runtime.io.sample import demo_speech
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "deploy" / "haproxy.cfg"
+REPLICAS = ("r1", "r2", "r3")  # the server names in deploy/haproxy.cfg
+SESSIONS = 6
+MAX_SESSIONS = 8  # per replica: the last one standing holds every session
+CHUNK = 1600  # 100 ms at 16 kHz
+START_TIMEOUT_S = 120.0
+STEP_TIMEOUT_S = 90.0  # any one wait: a response, a close, a transcript event
+
+
+def haproxy_or_skip() -> str:
+    found = shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.path.exists(p)), None)
+    if found:
+        return found
+    reason = "haproxy not found: install Debian's haproxy (apt-get install haproxy) to run the fleet test"
+    if os.environ.get("CI"):
+        pytest.fail(reason, pytrace=False)  # CI installs it (.ci/run): missing there is a real failure
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+class Process:
+    """A child process with its stderr in a file (shown when something fails)."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.name, self.log = name, log
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                         env={**os.environ, **(env or {})})
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(15)
+
+
+class Replica(Process):
+    def __init__(self, name: str, folder: Path) -> None:
+        self.port = free_port()
+        super().__init__(name, [sys.executable, "-m", "runtime", "serve", "--profile", "tiny", "--port",
+                                str(self.port), "--max-sessions", str(MAX_SESSIONS), "--set", "threads=1"],
+                         folder / f"{name}.stderr")
+
+    def sessions(self) -> int:
+        """Live sessions, from the replica's own Prometheus gauge."""
+        status, text = get(f"http://127.0.0.1:{self.port}/metrics")
+        assert status == 200, text
+        line = next(x for x in text.splitlines() if x.startswith("runtime_sessions "))
+        return int(float(line.split()[1]))
+
+
+async def until(check, what: str, timeout_s: float = STEP_TIMEOUT_S, every_s: float = 0.1):
+    """Poll `check()` (run in a thread: it may block on HTTP) until it returns something truthy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError):
+            if result := await asyncio.to_thread(check):
+                return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        await asyncio.sleep(every_s)
+
+
+class Fleet:
+    def __init__(self, folder: Path, haproxy: str) -> None:
+        self.replicas = {name: Replica(name, folder) for name in REPLICAS}
+        self.port, stats = free_port(), free_port()
+        self.stats_url = f"http://127.0.0.1:{stats}/stats;csv"
+        env = {"FLEET_BIND": f"127.0.0.1:{self.port}", "FLEET_STATS": f"127.0.0.1:{stats}",
+               "FLEET_CHECK_INTER": "300ms", "FLEET_MAX_SESSIONS": str(MAX_SESSIONS),
+               **{f"REPLICA_{i}": f"127.0.0.1:{r.port}" for i, r in enumerate(self.replicas.values(), 1)}}
+        self.proxy = Process("haproxy", [haproxy, "-f", str(CONFIG), "-db"], folder / "haproxy.stderr", env)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    def live(self) -> dict[str, Replica]:
+        return {name: r for name, r in self.replicas.items() if r.proc.poll() is None}
+
+    def counts(self) -> dict[str, int]:
+        return {name: r.sessions() for name, r in self.live().items()}
+
+    def server_states(self) -> dict[str, str]:
+        status, text = get(self.stats_url)
+        assert status == 200, text
+        rows = [line.split(",") for line in text.splitlines() if line.startswith("replicas,")]
+        return {row[1]: row[17] for row in rows if row[1] in REPLICAS}  # svname -> status (UP, DOWN, ...)
+
+    def all_ready(self) -> bool:
+        for r in self.replicas.values():
+            if r.proc.poll() is not None:
+                raise AssertionError(f"{r.name} exited with {r.proc.returncode}:\n{r.tail()}")
+        if self.proxy.proc.poll() is not None:
+            raise AssertionError(f"haproxy exited with {self.proxy.proc.returncode}:\n{self.proxy.tail()}")
+        return all(get(f"http://127.0.0.1:{r.port}/readyz")[0] == 200 for r in self.replicas.values()) and \
+            self.server_states() == dict.fromkeys(REPLICAS, "UP")
+
+    def stop(self) -> None:
+        for p in (self.proxy, *self.replicas.values()):
+            p.stop()
+
+
+class Talker:
+    """One client session through the proxy: streams the demo speech (looped) in 100 ms chunks, collects
+    every event, and records how the connection ended."""
+
+    speech = demo_speech()
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.events: list[object] = []
+        self.sent_s = 0.0
+        self.ended: str | None = None  # None while open; "clean" (events() ended quietly) or the exception's name
+        self.replica = ""
+
+    async def open(self) -> "Talker":
+        """Connect and find the replica it landed on from the replicas' own session counts."""
+        before = await asyncio.to_thread(self.fleet.counts)
+        self.client = await AsyncRealtimeClient(self.fleet.url).connect()
+        assert self.client.created is not None and self.client.created.type == "session.created", self.client.created
+        self.header = self.client.ws.response.headers.get("X-Runtime-Replica")
+
+        def grown() -> str | None:
+            now = self.fleet.counts()
+            up = [name for name in now if now[name] > before.get(name, 0)]
+            return up[0] if len(up) == 1 else None
+
+        self.replica = await until(grown, "the new session on a replica's /metrics")
+        self.reader = asyncio.create_task(self._read())
+        self.sender = asyncio.create_task(self._send())
+        return self
+
+    async def _read(self) -> None:
+        try:
+            async for event in self.client.events():
+                self.events.append(event)
+            self.ended = "clean"
+        except ConnectionClosedError as e:
+            self.ended = type(e).__name__
+
+    async def _send(self) -> None:
+        with contextlib.suppress(ConnectionError, ConnectionClosedError):
+            k = 0
+            while self.ended is None:
+                start = k * CHUNK % (len(self.speech) - CHUNK)
+                await self.client.append_audio(self.speech[start : start + CHUNK])
+                self.sent_s += 0.1
+                k += 1
+                await asyncio.sleep(0.1)
+
+    def transcripts(self) -> list[TranscriptionDelta | TranscriptionCompleted]:
+        return [e for e in self.events if isinstance(e, (TranscriptionDelta, TranscriptionCompleted))]
+
+    def errors(self) -> list[Error]:
+        return [e for e in self.events if isinstance(e, Error)]
+
+    async def answer(self) -> ResponseDone:
+        """Ask a question; the response.done that ends its answer."""
+        seen = len(self.events)
+        await self.client.ask("what was said?")
+        done = await until(lambda: next((e for e in self.events[seen:] if isinstance(e, ResponseDone)), None),
+                           f"an answer on {self.replica}")
+        assert done.response["status"] in ("completed", "incomplete"), done.response  # tiny: 24 tokens, incomplete
+        return done
+
+    async def closed(self) -> str:
+        await asyncio.wait_for(asyncio.shield(self.reader), STEP_TIMEOUT_S)
+        self.sender.cancel()
+        await asyncio.gather(self.sender, return_exceptions=True)
+        assert self.ended is not None
+        return self.ended
+
+    async def finish(self) -> None:
+        """Stop streaming, finish, read to the server's 1000."""
+        self.sender.cancel()
+        await asyncio.gather(self.sender, return_exceptions=True)
+        await self.client.finish()
+        assert await self.closed() == "clean" and self.client.close_code == 1000
+
+    async def close(self) -> None:
+        for task in (getattr(self, "sender", None), getattr(self, "reader", None)):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if getattr(self, "client", None) is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.close(), 10)
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    haproxy = haproxy_or_skip()
+    fleet = Fleet(tmp_path, haproxy)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+async def reconnect_and_turn(fleet: Fleet, dead: set[str]) -> Talker:
+    """What a client does after its replica went away: connect again through the proxy (a real client would
+    back off between tries; the proxy's redispatch makes the first try land) and hold a fresh turn."""
+    talker = await Talker(fleet).open()
+    assert talker.replica not in dead and talker.header == talker.replica
+    await until(lambda: talker.transcripts(), f"transcripts on {talker.replica} after the reconnect")
+    await talker.answer()
+    assert talker.errors() == [] and talker.ended is None
+    return talker
+
+
+@pytest.mark.asyncio
+async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
+    talkers: list[Talker] = []
+    try:
+        await until(fleet.all_ready, "every replica ready and UP in haproxy", START_TIMEOUT_S, 0.25)
+        for _ in range(SESSIONS):  # one at a time, so each lands by least connections
+            talkers.append(await Talker(fleet).open())
+        assert await asyncio.to_thread(fleet.counts) == dict.fromkeys(REPLICAS, SESSIONS // len(REPLICAS))
+        assert all(t.header == t.replica for t in talkers)  # the proxy's word and the replicas' agree
+        for t in talkers:
+            await until(lambda t=t: t.transcripts(), f"transcripts on {t.replica}")
+
+        # SIGTERM: the replica closes its sessions (1001, going away) and exits 0.
+        r1 = fleet.replicas["r1"]
+        r1.proc.send_signal(signal.SIGTERM)
+        on_r1 = [t for t in talkers if t.replica == "r1"]
+        for t in on_r1:
+            assert await t.closed() == "clean" and t.client.close_code == 1001
+        assert await asyncio.to_thread(r1.proc.wait, STEP_TIMEOUT_S) == 0, r1.tail()
+        for _ in on_r1:
+            talkers.append(await reconnect_and_turn(fleet, {"r1"}))
+        moved = talkers[SESSIONS:]
+
+        # SIGKILL: no close frame from a dead process; haproxy drops the client's TCP connection (1006).
+        r2 = fleet.replicas["r2"]
+        on_r2 = [t for t in talkers if t.replica == "r2"]
+        marks = {id(t): len(t.transcripts()) for t in talkers[:SESSIONS] if t.replica == "r3"}
+        r2.proc.send_signal(signal.SIGKILL)
+        for t in on_r2:
+            assert await t.closed() == "ConnectionClosedError" and t.client.close_code == 1006
+        for _ in on_r2:
+            talkers.append(await reconnect_and_turn(fleet, {"r1", "r2"}))
+        moved = talkers[SESSIONS:]
+        assert all(t.replica == "r3" for t in moved if t.ended is None)
+
+        # The sessions that were on r3 all along lost nothing.
+        survivors = [t for t in talkers[:SESSIONS] if t.replica == "r3"]
+        assert len(survivors) == SESSIONS // len(REPLICAS)
+        for t in survivors:
+            await until(lambda t=t: len(t.transcripts()) > marks[id(t)], "transcripts on r3 after the SIGKILL")
+            await t.answer()
+            assert t.ended is None and t.errors() == []
+        for t in survivors + [m for m in moved if m.ended is None]:
+            await t.finish()
+            assert t.errors() == []
+        for t in survivors:  # every chunk sent arrived: the last completed transcript ends where the audio did
+            final = [e for e in t.transcripts() if isinstance(e, TranscriptionCompleted)]
+            assert final and np.isclose(max(e.end for e in final), t.sent_s, atol=0.01), (final[-1], t.sent_s)
+        assert await asyncio.to_thread(fleet.counts) == {"r3": 0}
+    finally:
+        for t in talkers:
+            await t.close()
