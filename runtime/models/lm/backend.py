@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -24,6 +24,7 @@ from runtime.models.lm.pieces import Piece
 from runtime.models.lm.sampling import StopRule
 
 DecodingStats = dict[str, float | int | list[float]]
+JsonSchema = dict[str, Any]  # a JSON Schema object, as `json.loads` gives it
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,15 @@ class AnswerBackend(Protocol):
         ...
 
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
-              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None) -> Answer:
+              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None,
+              schema: JsonSchema | None = None) -> Answer:
         """Open an answer to `question` about `context` (and a video-memory `suffix`), on `stream` when the
-        backend keeps streams; at most `max_tokens` (and never more than `lm.max_new_tokens`)."""
+        backend keeps streams; at most `max_tokens` (and never more than `lm.max_new_tokens`).
+
+        With `schema` (a JSON Schema object: a function's parameters) the answer's text is exactly one JSON
+        value valid under it, compact, nothing before or after: a small model then still makes a valid call.
+        The answer ends with "stop" as soon as the value is complete ("length" when `max_tokens` cuts it
+        first). A backend that cannot constrain raises `UserError`; None changes nothing."""
         ...
 
     def embed_text(self, text: str) -> torch.Tensor | None:
@@ -132,7 +139,8 @@ class NoAnswerer:
         return None
 
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
-              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None) -> Answer:
+              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None,
+              schema: JsonSchema | None = None) -> Answer:
         raise UserError("this session loaded no language model, so it answers no questions")
 
     def embed_text(self, text: str) -> None:
