@@ -62,8 +62,18 @@ class ASRConfig:
 
 @dataclass(frozen=True)
 class LMConfig:
-    backend: str = "generate"  # generate (plain transformers, the slice) | engine (sink KV, streaming prefill)
-    model: str = "tiny:qwen2"
+    # generate (plain transformers, the slice) | engine (sink KV, streaming prefill) | openai (any server speaking
+    # /v1/chat/completions: vLLM, SGLang, llama.cpp's server; models/lm/remote_answerer.py)
+    backend: str = "generate"
+    model: str = "tiny:qwen2"  # openai: the name the server knows the model by
+    # openai: the server's base URL (http://host:port/v1) and the environment variable holding its API key ("": none)
+    base_url: str = ""
+    api_key_env: str = ""
+    # openai: while the context grows, send a prefill-only request (max_tokens 1) at most this often, so the
+    # server's prefix cache holds the transcript when a question comes (0: never)
+    warm_interval_s: float = 2.0
+    connect_deadline_s: float = 10.0  # openai: connect errors are retried with backoff until this deadline
+    request_timeout_s: float = 60.0  # openai: no answer chunk for this long fails the answer
     max_new_tokens: int = 64
     stop_repeats: bool = False  # end an answer that says the same phrase again and again (sampling.repeats_itself)
     temperature: float = 0.0  # 0 = greedy
@@ -296,6 +306,12 @@ def validate(profile: Profile) -> Profile:
         raise ConfigError("asr.beam must be >= 1, asr.lm_weight, asr.oov_penalty and asr.commit_after_s >= 0")
     if profile.lm.max_new_tokens <= 0 or profile.asr.max_new_tokens <= 0:
         raise ConfigError("max_new_tokens must be > 0")
+    lm = profile.lm
+    if lm.backend == "openai" and not lm.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"lm.backend = openai needs lm.base_url, the server's http(s)://host:port/v1 (got "
+                          f"{lm.base_url!r})")
+    if min(lm.warm_interval_s, lm.connect_deadline_s) < 0 or lm.request_timeout_s <= 0:
+        raise ConfigError("lm.warm_interval_s and lm.connect_deadline_s must be >= 0, lm.request_timeout_s > 0")
     serve = profile.serve
     if min(serve.max_frames_per_s, serve.max_audio_speed, serve.audio_burst_s, serve.webrtc_audio_buffer_s) <= 0:
         raise ConfigError("serve.* bounds must be > 0")

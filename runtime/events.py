@@ -277,6 +277,31 @@ class ResponseTextDone(Event):
 
 @_register
 @dataclass(kw_only=True)
+class FunctionCallArgumentsDelta(Event):
+    """A piece of a function call's JSON arguments, streamed as the model writes them."""
+
+    type: ClassVar[str] = "response.function_call_arguments.delta"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    call_id: str
+    delta: str
+
+
+@_register
+@dataclass(kw_only=True)
+class FunctionCallArgumentsDone(Event):
+    type: ClassVar[str] = "response.function_call_arguments.done"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    call_id: str
+    name: str
+    arguments: str
+
+
+@_register
+@dataclass(kw_only=True)
 class ResponseDone(Event):
     """`response.status` is completed, cancelled, incomplete (token limit) or failed."""
 

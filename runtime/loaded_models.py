@@ -13,6 +13,7 @@ from runtime.errors import CheckpointNotFound
 from runtime.models.asr.base import StreamingASR
 from runtime.models.asr.registry import load_asr
 from runtime.models.lm import AnswerBackend, NoAnswerer, load_answerer
+from runtime.models.lm.remote_answerer import RemoteAnswerer
 from runtime.models.lm.weights import is_vlm
 from runtime.models.loading import configure_threads, load_progress, resolve_checkpoint
 from runtime.models.ocr.reader import TextReader
@@ -31,6 +32,7 @@ class Models:
     vision: FrameEncoder | None = None  # the VLM's vision half, when the language model can see
     turns: TurnModels | None = None  # Silero VAD and Smart Turn (turn detection); None: commits by hand only
     reader: TextReader | None = None  # PP-OCRv4, when the profile reads text on screen (screen.read)
+    remote: RemoteAnswerer | None = None  # lm.backend = openai: a server answers (`answerer` is then NoAnswerer)
 
 
 def load_reader(profile: Profile, progress: Callable[[str], None] | None = None) -> TextReader | None:
@@ -63,6 +65,9 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
     reader = worker.call(Priority.CONTROL, load_reader, profile, progress)
     if not answers:
         return Models(asr=asr, answerer=NoAnswerer(), turns=turns, reader=reader)
+    if profile.lm.backend == "openai":  # nothing to load: the server holds the model
+        return Models(asr=asr, answerer=NoAnswerer(), turns=turns, reader=reader,
+                      remote=RemoteAnswerer.load(profile.lm, progress))
     answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, seed=profile.seed,
                            device=profile.device, dtype=profile.dtype, progress=progress)
     vision = None

@@ -34,7 +34,8 @@ from runtime.events import (
     error_event,
     new_id,
 )
-from runtime.memory.conversation import Conversation, Item, Role
+from runtime.function_tools import ToolUse
+from runtime.memory.conversation import Conversation, Item, ItemType, Role
 from runtime.memory.video import VideoMemory
 from runtime.metrics import LoopLagMonitor
 from runtime.models.asr.base import ASRStream
@@ -44,6 +45,7 @@ from runtime.pipeline.audio import MIN_COMMIT_S, AudioProcessor, BufferEnd
 from runtime.pipeline.input_buffer import BufferTranscript
 from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
+from runtime.pipeline.prefix_warming import PrefixWarmer
 from runtime.pipeline.response_requests import ResponseRequests
 from runtime.pipeline.video import VideoProcessor
 from runtime.session_config import SessionConfig
@@ -112,6 +114,7 @@ class SessionParts:
     prefiller: ContextPrefiller | None
     notes: NoteWriter | None
     describe: dict[str, object]  # what `session.created` says about the models and settings
+    warmer: PrefixWarmer | None = None  # a remote answerer's prefix-cache warm-ups
 
 
 class Session:
@@ -122,7 +125,7 @@ class Session:
         self.questions, self.events, self.emit = parts.questions, parts.events, parts.emit
         self.sampler, self.conversation, self.video_memory = parts.sampler, parts.conversation, parts.video_memory
         self.audio, self.video, self.answers = parts.audio, parts.video, parts.answers
-        self.prefiller, self.notes = parts.prefiller, parts.notes
+        self.prefiller, self.notes, self.warmer = parts.prefiller, parts.notes, parts.warmer
         self.heard, self.activity, self.transport = parts.heard, parts.activity, parts.transport
         self.settings, self.requests, self.changes = parts.settings, parts.requests, parts.changes
         self.commits = 0  # commits asked for: a response waits for the transcripts of those before it
@@ -152,6 +155,8 @@ class Session:
             self._background.append(asyncio.create_task(self.prefiller.run(), name=f"{self.id}:prefill"))
         if self.notes is not None:
             self._background.append(asyncio.create_task(self.notes.run(), name=f"{self.id}:notes"))
+        if self.warmer is not None:
+            self._background.append(asyncio.create_task(self.warmer.run(), name=f"{self.id}:warm"))
         if self.profile.pipeline.metrics_interval_s > 0:
             self._background.append(asyncio.create_task(self._report_metrics(), name=f"{self.id}:metrics"))
         await self.emit(SessionCreated(session=self.describe()))
@@ -250,14 +255,17 @@ class Session:
 
     async def create_response(self, *, client_event_id: str | None = None, text: str | None = None,
                               instructions: str | None = None, max_tokens: int | None = None,
-                              in_conversation: bool = True, metadata: dict[str, object] | None = None) -> str | None:
+                              in_conversation: bool = True, metadata: dict[str, object] | None = None,
+                              tools: ToolUse | None = None) -> str | None:
         """`response.create`: answer what the user said or typed since the last answer (or `text`, a request's
-        own input), after every commit sent before it has its transcript."""
+        own input), after every commit sent before it has its transcript; it may call `tools` (None: the
+        session's)."""
         config = self.settings.config
         question = Question(text, self.media_time, self.pushed_until, client_event_id, commits=self.commits,
                             instructions=config.instructions if instructions is None else instructions,
                             max_tokens=config.max_output_tokens if max_tokens is None else max_tokens,
-                            in_conversation=in_conversation, metadata=metadata)
+                            in_conversation=in_conversation, metadata=metadata,
+                            tools=config.tools if tools is None else tools)
         return question.response_id if await self.requests.request(question) else None
 
     async def commit_audio(self, client_event_id: str | None = None) -> None:
@@ -276,14 +284,15 @@ class Session:
         await self.audio_in.put(BufferEnd(clear=True, client_event_id=client_event_id))
 
     # -- the conversation ------------------------------------------------------------------------------------
-    async def add_item(self, role: Role, text: str, *, item_id: str | None = None,
-                       after: str | None = None) -> str:
-        """A typed user or system message joins the conversation (`conversation.item.create`); raises KeyError
-        for an unknown `after`, ValueError for an id already in use."""
+    async def add_item(self, role: Role, text: str, *, item_id: str | None = None, after: str | None = None,
+                       kind: ItemType = "message", call_id: str = "", name: str = "") -> str:
+        """A typed user or system message, or a function call's output, joins the conversation
+        (`conversation.item.create`); raises KeyError for an unknown `after`, ValueError for an id already in
+        use."""
         if item_id is not None and self.conversation.get(item_id) is not None:
             raise ValueError(item_id)
         item = Item(item_id or new_id("item"), self.media_time, self.media_time, role=role, audio=False,
-                    stable=text, completed=True)
+                    stable=text, completed=True, type=kind, call_id=call_id, name=name)
         previous = self.conversation.add(item, after=after)
         self.changes.mark()
         await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
@@ -366,7 +375,9 @@ class Session:
                     "lag_s": round(self.received_until + t.audio_buffered_s - self.heard.until, 3),
                     "dropped_s": round(t.audio_dropped_s, 3)},
             "answers": {"answered": self.answers.answered,
-                        "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0},
+                        "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0,
+                        **({"warm_requests": self.warmer.sent, "warm_failures": self.warmer.failed}
+                           if self.warmer else {})},
             "worker": self.worker.stats(),
             "rate_limited": dict(t.rate_limited),
             **screen,  # when the profile reads text on screen

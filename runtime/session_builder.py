@@ -24,10 +24,13 @@ from runtime.loaded_models import Models
 from runtime.memory.conversation import Conversation
 from runtime.memory.video import VideoMemory
 from runtime.models.lm import NoAnswerer
+from runtime.models.lm.answering import Answering
 from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.audio import AudioProcessor, BufferEnd
+from runtime.pipeline.local_answers import OnWorker
 from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
+from runtime.pipeline.prefix_warming import PrefixWarmer
 from runtime.pipeline.response_requests import ResponseRequests
 from runtime.pipeline.screen import ScreenReader
 from runtime.pipeline.turn_taking import TurnTaking
@@ -91,8 +94,14 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
             notes = NoteWriter(models.answerer, worker, video_memory, emit, activity,
                                max_tokens=profile.video.note_tokens)
 
-    answers = QuestionProcessor(questions, models.answerer, worker, emit, conversation, heard, activity, changes,
-                                lm_stream=lm_stream, prefiller=prefiller)
+    warmer = None
+    answering: Answering = OnWorker(models.answerer, worker, lm_stream)
+    if models.remote is not None:  # a server answers: its prefix cache plays the prefiller's part
+        answering = models.remote
+        warmer = PrefixWarmer(models.remote, conversation, changes, activity,
+                              interval_s=profile.lm.warm_interval_s)
+    answers = QuestionProcessor(questions, answering, emit, conversation, heard, activity, changes,
+                                prefiller=prefiller)
     requests = ResponseRequests(questions, answers, activity, heard, settings, emit)
     turns = TurnTaking(models.turns, settings, activity) if models.turns is not None else None
     screen = None
@@ -107,7 +116,7 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
                              first_stream=asr_stream, turns=turns, sink=requests),
         video=VideoProcessor(video_in, worker, emit, changes, encoder=models.vision, memory=video_memory,
                              notes=notes, screen=screen),
-        answers=answers, prefiller=prefiller, notes=notes,
+        answers=answers, prefiller=prefiller, notes=notes, warmer=warmer,
         describe=describe(profile, models, video_memory),
     )
     return Session(profile, worker, parts)
@@ -117,8 +126,10 @@ def describe(profile: Profile, models: Models, video_memory: VideoMemory | None)
     """The models and settings a session runs with, as `session.created` reports them."""
     p = profile
     lm: dict[str, object] = {"backend": "none"}  # transcribe: no language model
-    if not isinstance(models.answerer, NoAnswerer):
+    if not isinstance(models.answerer, NoAnswerer) or models.remote is not None:
         lm = {"backend": p.lm.backend, "model": p.lm.model, "max_new_tokens": p.lm.max_new_tokens}
+        if models.remote is not None:
+            lm["base_url"] = p.lm.base_url
     return {
         "profile": p.name,
         "device": p.device,

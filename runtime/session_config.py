@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from runtime.function_tools import ToolError, ToolUse, checked, parse_choice, parse_tools
 from runtime.io.audio_formats import DEFAULT_FORMAT, AudioFormat, parse_audio_format
 
 EAGERNESS = ("low", "medium", "high", "auto")
@@ -64,6 +65,7 @@ class SessionConfig:
     transcription_model: str = ""  # reported; the profile's ASR transcribes whatever name is given
     transcription: dict[str, Any] = field(default_factory=dict)
     turn_detection: TurnDetection | None = TurnDetection()
+    tools: ToolUse = ToolUse()  # the functions answers may call, and the tool choice
 
     def to_api(self) -> dict[str, Any]:
         transcription = {**self.transcription, "model": self.transcription_model} if self.transcription_model \
@@ -77,8 +79,8 @@ class SessionConfig:
                                 "turn_detection": None if self.turn_detection is None
                                 else self.turn_detection.to_api(),
                                 "noise_reduction": None}},
-            "tools": [],
-            "tool_choice": "auto",
+            "tools": [t.to_api() for t in self.tools.tools],
+            "tool_choice": self.tools.choice_to_api(),
         }
 
 
@@ -103,11 +105,19 @@ def parse_update(config: SessionConfig, session: dict[str, Any]) -> SessionConfi
         elif key == "audio":
             changes.update(_audio(config, _typed(value, dict, param, "an object")))
         elif key in ("tools", "tool_choice"):
-            if value not in ([], "auto", "none"):
-                raise ConfigFieldError(param, f"{param}: function calling is not available on this server yet; "
-                                              "send [] or leave it out", code="unsupported_field")
+            tools = changes.get("tools", config.tools)
+            try:
+                changes["tools"] = replace(tools, tools=parse_tools(value, param)) if key == "tools" \
+                    else replace(tools, choice=parse_choice(value, param))
+            except ToolError as e:
+                raise ConfigFieldError(e.param, str(e)) from None
         elif key not in _IGNORED:
             raise ConfigFieldError(param, f"unknown session field {key!r}", code="unknown_parameter")
+    if "tools" in changes:
+        try:
+            checked(changes["tools"], "session.tool_choice")
+        except ToolError as e:
+            raise ConfigFieldError(e.param, str(e)) from None
     return replace(config, **changes)
 
 

@@ -14,6 +14,7 @@ from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.audio import AudioProcessor
+from runtime.pipeline.local_answers import OnWorker
 from runtime.pipeline.video import VideoProcessor
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 from runtime.worker import DeviceWorker
@@ -225,8 +226,8 @@ async def _answer_one(prefiller, question: Question) -> tuple[list, QuestionProc
     await channel.put(question)
     channel.close()
     with DeviceWorker() as worker:
-        answers = QuestionProcessor(channel, _OneWordModel(), worker, emit, Conversation(), heard, activity,
-                                    ContextChanges(), prefiller=prefiller)
+        answers = QuestionProcessor(channel, OnWorker(_OneWordModel(), worker), emit, Conversation(), heard,
+                                    activity, ContextChanges(), prefiller=prefiller)
         await answers.run()
     return emitted, answers, activity
 

@@ -218,7 +218,7 @@ async def test_transcript_is_prefilled_as_it_arrives(worker):
     events = asyncio.create_task(collect(session))
     for chunk in audio_chunks(8):
         await session.push_audio(chunk)
-    stream = session.answers.lm_stream
+    stream = session.answers.answering.stream
     for _ in range(500):  # idle: the prefiller catches up in the background, with no question asked
         if "w7" in session.conversation.context() and stream.prefilled == session.conversation.context():
             break

@@ -170,7 +170,7 @@ async def test_the_builder_sizes_the_channels_from_the_profile(worker):
     assert [(c.name, c.capacity) for c in channels] == [("audio", 3), ("video", 4), ("questions", 5), ("events", 6)]
     assert session.sampler.period == 1.0 and session.video_memory is None and session.notes is None
     assert session.prefiller is not None and session.answers.prefiller is session.prefiller
-    assert session.answers.lm_stream is session.prefiller.stream
+    assert session.answers.answering.stream is session.prefiller.stream
     await session.start()
     events = asyncio.create_task(collect(session))
     await session.finish()

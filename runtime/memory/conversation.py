@@ -19,6 +19,7 @@ from typing import Any, Literal
 from runtime.models.asr.base import TranscriptUpdate
 
 Role = Literal["user", "assistant", "system"]
+ItemType = Literal["message", "function_call", "function_call_output"]
 _LABEL = {"user": "User", "assistant": "Assistant", "system": "System"}
 
 
@@ -35,17 +36,36 @@ class Item:
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     label: str = ""  # the context's label instead of the role's ("On screen": text read off the video)
     in_api: bool = True  # False: the runtime's own (a screen's text), in the context but not the API's conversation
+    # function calling: a `function_call` (the model's; `stable` holds its JSON arguments) or a
+    # `function_call_output` (the client's; `stable` holds the output), tied by `call_id`
+    type: ItemType = "message"
+    call_id: str = ""
+    name: str = ""  # the function a call calls (an output's too: the call it answers names it)
 
     @property
     def text(self) -> str:
         return (self.stable + self.unstable).strip()
 
+    @property
+    def is_call(self) -> bool:
+        return self.type != "message"
+
     def line(self) -> str:
+        if self.type == "function_call":
+            return f"[{_stamp(self.start)}] Assistant called {self.name}({self.text})"
+        if self.type == "function_call_output":
+            return f"[{_stamp(self.start)}] Function {self.name or self.call_id} returned: {self.text}"
         label = "" if self.audio else f"{self.label or _LABEL[self.role]}: "
         return f"[{_stamp(self.start)}] {label}{self.text}"
 
     def to_api(self) -> dict[str, Any]:
         """The item as the Realtime API's `conversation.item.*` events carry it (no audio bytes)."""
+        common = {"id": self.item_id, "object": "realtime.item", "type": self.type, "status": self.status,
+                  "call_id": self.call_id}
+        if self.type == "function_call":
+            return {**common, "name": self.name, "arguments": self.stable}
+        if self.type == "function_call_output":
+            return {**common, "output": self.stable}
         if self.audio:
             part: dict[str, Any] = {"type": "input_audio", "transcript": self.text if self.completed else None}
         elif self.role == "assistant":
@@ -117,6 +137,8 @@ class Conversation:
         question)."""
         texts: list[str] = []
         for item in reversed(self.items):
+            if item.is_call:  # a call and its output belong to the exchange the user's message opened
+                continue
             if item.role == "assistant":
                 break
             if item.role == "user" and item.text:
@@ -124,6 +146,19 @@ class Conversation:
                 if item.audio:
                     break
         return " ".join(reversed(texts))
+
+    def calls_since_user(self) -> list[Item]:
+        """The function calls and outputs after the user's latest message: the exchange a response continues."""
+        tail: list[Item] = []
+        for item in reversed(self.items):
+            if not item.is_call:
+                break
+            tail.append(item)
+        return tail[::-1]
+
+    def call_name(self, call_id: str) -> str | None:
+        """The function a `call_id` called, or None when no call of this conversation has that id."""
+        return next((it.name for it in self.items if it.type == "function_call" and it.call_id == call_id), None)
 
     def context(self) -> str:
         """One line per item: `[mm:ss.s] text` (spoken) or `[mm:ss.s] Role: text`, in order; empty items left

@@ -1,40 +1,31 @@
 """Questions in, answers out: one at a time, each token streamed the moment it is decoded.
 
 An answer waits for the words spoken before its question (`HeardClock`), lets the prefiller finish the
-context (with the question choosing the video memory's segments), prefills itself as one worker job, then
-decodes one (speculative) step per job: ASR chunks overtake decoding between tokens, and a cancel lands within
-one step. What the answer reads is a `ContextSource`: today the transcript; the seam where a conversation of
-items will plug in.
+context (with the question choosing the video memory's segments), then asks its `Answering` for an answer and
+awaits one step at a time: a local backend runs each step as a worker job (ASR chunks overtake decoding between
+tokens), a remote one streams from its server. A cancel does not wait for the step in flight. What the answer
+reads is the conversation; what it says (text, function calls) becomes the response's items (`ResponseOutput`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from runtime.channels import BlockingChannel
-from runtime.events import (
-    ContentPartAdded,
-    ContentPartDone,
-    ItemAdded,
-    ItemDone,
-    OutputItemAdded,
-    OutputItemDone,
-    ResponseCreated,
-    ResponseDone,
-    ResponseTextDelta,
-    ResponseTextDone,
-    error_event,
-    new_id,
-)
+from runtime.events import ItemAdded, ItemDone, ResponseCreated, ResponseDone, error_event, new_id
+from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item
-from runtime.models.lm.backend import Answer, AnswerBackend, DecodingStats, LMStream
+from runtime.models.lm.answering import Answering, AnswerRequest, PastCall, RunningAnswer, Step
+from runtime.models.lm.backend import DecodingStats
+from runtime.models.lm.remote_answerer import RemoteError
 from runtime.pipeline import Emit
+from runtime.pipeline.response_output import ResponseOutput
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
-from runtime.worker import DeviceWorker, Priority
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +58,7 @@ class Question:
     in_conversation: bool = True  # False (`conversation: "none"`): the answer is not added to the conversation
     record_question: bool = False  # a question from a script or the terminal joins the conversation with its answer
     metadata: dict[str, object] | None = None
+    tools: ToolUse = field(default_factory=ToolUse)  # the functions it may call (the session's or the request's)
     response_id: str = field(default_factory=lambda: new_id("resp"))
     asked_wall: float = field(default_factory=time.perf_counter)
     answered: asyncio.Event = field(default_factory=asyncio.Event, compare=False)  # set once its answer ended
@@ -78,22 +70,23 @@ class Question:
 class QuestionProcessor:
     """Answers questions one at a time from the conversation so far, streaming each token as it is decoded."""
 
-    def __init__(self, channel: BlockingChannel[Question], answerer: AnswerBackend, worker: DeviceWorker,
-                 emit: Emit, conversation: Conversation, heard: HeardClock, activity: AnswerActivity,
-                 changes: ContextChanges, *, lm_stream: LMStream | None = None,
+    def __init__(self, channel: BlockingChannel[Question], answering: Answering, emit: Emit,
+                 conversation: Conversation, heard: HeardClock, activity: AnswerActivity, changes: ContextChanges, *,
                  prefiller: QuestionPrefill | None = None) -> None:
-        self.channel, self.answerer, self.worker, self.emit = channel, answerer, worker, emit
+        self.channel, self.answering, self.emit = channel, answering, emit
         self.conversation, self.heard, self.activity, self.changes = conversation, heard, activity, changes
-        self.lm_stream, self.prefiller = lm_stream, prefiller
+        self.prefiller = prefiller
         self.current: Question | None = None
         self._cancelled: dict[str, str] = {}  # response id -> why
+        self._cancel_signal = asyncio.Event()  # set while the current answer is cancelled
         self.answered = 0
 
     def cancel(self, response_id: str | None = None, reason: str = "client_cancelled") -> bool:
-        """Stop the current answer (or the named one) at its next decode step."""
+        """Stop the current answer (or the named one) now: a step in flight is dropped."""
         if self.current is None or response_id not in (None, self.current.response_id):
             return False
         self._cancelled.setdefault(self.current.response_id, reason)
+        self._cancel_signal.set()
         return True
 
     async def run(self) -> None:
@@ -104,12 +97,12 @@ class QuestionProcessor:
             finally:
                 self.current = None
                 self._cancelled.pop(question.response_id, None)
+                self._cancel_signal.clear()
                 self.answered += 1
                 self.activity.ended(at=self.heard.until)
                 question.answered.set()
 
     async def _answer(self, q: Question) -> None:
-        item = Item(new_id("item"), q.media_time, q.media_time, role="assistant", audio=False, status="in_progress")
         response: dict[str, object] = {
             "id": q.response_id, "object": "realtime.response", "status": "in_progress", "output": [],
             "conversation_id": "auto" if q.in_conversation else None, "output_modalities": ["text"],
@@ -120,17 +113,10 @@ class QuestionProcessor:
         await self.emit(ResponseCreated(response=dict(response), media_time=q.media_time))
         await self.heard.reached(q.hear_until, q.commits)
         question = q.text if q.text is not None else self.conversation.pending_user_text()
-        if q.in_conversation:
-            self.conversation.add(item)
-        previous = self.conversation.previous_id(item.item_id) if q.in_conversation else None
-        await self.emit(OutputItemAdded(response_id=q.response_id, item=item.to_api(), media_time=q.media_time))
-        if q.in_conversation:
-            await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=q.media_time))
-        await self.emit(ContentPartAdded(response_id=q.response_id, item_id=item.item_id,
-                                         part={"type": "text", "text": ""}, media_time=q.media_time))
-        parts: list[str] = []
+        calls = self.conversation.calls_since_user() if q.text is None else []
+        output = ResponseOutput(q.response_id, q.media_time, q.in_conversation, self.conversation, self.emit)
         status, details, first_token_s, tokens, steps, prompt_tokens = "completed", None, None, 0, 0, 0
-        answer: Answer | None = None
+        answer: RunningAnswer | None = None
         decoding: DecodingStats | None = None
         selected: list[tuple[float, float]] = []  # memory segments the question chose
         try:
@@ -139,28 +125,31 @@ class QuestionProcessor:
             if self.prefiller is not None:  # usually only the question's memory selection is left to prefill
                 await self.prefiller.catch_up(question)
                 selected = list(self.prefiller.selected)
-            answer = await self.worker.run(Priority.PREFILL, self.answerer.start, self.conversation.context(),
-                                           q.prompt(question), stream=self.lm_stream, max_tokens=q.max_tokens)
-            prompt_tokens = len(answer.prompt_ids)
+            context = self.conversation.context()
+            answer = await self.answering.start(AnswerRequest(
+                context, q.prompt(question), q.max_tokens, q.tools,
+                context_before_calls=context_before(context, calls), calls=past_calls(calls)))
+            prompt_tokens = answer.prompt_tokens
             while True:
-                if q.response_id in self._cancelled:
+                step = await self._step_or_cancel(answer, q.response_id)
+                if step is None:
                     status, details = "cancelled", {"type": "cancelled", "reason": self._cancelled[q.response_id]}
                     break
-                step = await self.worker.run(Priority.DECODE, answer.step)
                 tokens += step.tokens
                 steps += 1
                 if first_token_s is None:
                     first_token_s = time.perf_counter() - q.asked_wall
-                if step.delta:
-                    parts.append(step.delta)
-                    await self.emit(ResponseTextDelta(response_id=q.response_id, item_id=item.item_id,
-                                                      delta=step.delta, media_time=q.media_time))
+                if step.call is not None:
+                    await output.add_call(step.call)
+                if step.text:
+                    await output.add_text(step.text)
                 if step.done:
                     if step.finish_reason == "length":
                         status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
                     break
+            prompt_tokens = answer.prompt_tokens or prompt_tokens  # a server reports it with its last chunk
         except Exception as err:
-            if not isinstance(err, NothingToAnswer):
+            if not isinstance(err, NothingToAnswer | RemoteError):
                 log.exception("answer failed")
             code = "no_input" if isinstance(err, NothingToAnswer) else "response_failed"
             status, details = "failed", {"type": "failed", "error": {"type": "server_error", "code": code,
@@ -170,33 +159,25 @@ class QuestionProcessor:
                                         client_event_id=q.client_event_id, media_time=q.media_time))
         finally:
             if answer is not None:
-                decoding = await self.worker.run(Priority.CONTROL, answer.stats)
-                await self.worker.run(Priority.CONTROL, answer.release)
+                decoding = await answer.close()
             if self.prefiller is not None:
                 self.prefiller.end_question()
-        text = "".join(parts)
-        item.stable, item.completed = text, True
-        item.status = "completed" if status == "completed" else "incomplete"
+        if not output.items:  # every response has an output item, an empty message at least
+            await output.add_text("")
+        if q.in_conversation and q.record_question and question.strip():  # the question goes before its answer
+            previous = self.conversation.previous_id(output.items[0].item_id)
+            asked = Item(new_id("item"), q.media_time, q.media_time, audio=False, stable=question, completed=True)
+            before = self.conversation.add(asked, after=previous or "root")
+            for kind in (ItemAdded, ItemDone):
+                await self.emit(kind(item=asked.to_api(), previous_item_id=before, media_time=q.media_time))
+        items = await output.finish(completed=status == "completed")
         if q.in_conversation:
-            if q.record_question and question.strip():  # the question goes before its answer
-                asked = Item(new_id("item"), q.media_time, q.media_time, audio=False, stable=question, completed=True)
-                before = self.conversation.add(asked, after=previous or "root")
-                for kind in (ItemAdded, ItemDone):
-                    await self.emit(kind(item=asked.to_api(), previous_item_id=before, media_time=q.media_time))
             self.changes.mark()  # the answer (and its question) join the context
-        await self.emit(ResponseTextDone(response_id=q.response_id, item_id=item.item_id, text=text,
-                                         media_time=q.media_time))
-        await self.emit(ContentPartDone(response_id=q.response_id, item_id=item.item_id,
-                                        part={"type": "text", "text": text}, media_time=q.media_time))
-        await self.emit(OutputItemDone(response_id=q.response_id, item=item.to_api(), media_time=q.media_time))
-        if q.in_conversation:
-            await self.emit(ItemDone(item=item.to_api(), previous_item_id=self.conversation.previous_id(item.item_id),
-                                     media_time=q.media_time))
         total_s = time.perf_counter() - q.asked_wall
         response.update(
             status=status,
             status_details=details,
-            output=[item.to_api()],
+            output=[item.to_api() for item in items],
             usage={"total_tokens": prompt_tokens + tokens, "input_tokens": prompt_tokens, "output_tokens": tokens,
                    "decode_steps": steps},
             timing={"first_token_s": None if first_token_s is None else round(first_token_s, 4),
@@ -207,6 +188,40 @@ class QuestionProcessor:
         if self.prefiller is not None and self.prefiller.sees_video:
             response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in selected]}
         await self.emit(ResponseDone(response=response, media_time=q.media_time))
+
+    async def _step_or_cancel(self, answer: RunningAnswer, response_id: str) -> Step | None:
+        """The answer's next step, or None once the response is cancelled: a cancel does not wait for a step in
+        flight (a remote server may take its time), the step is dropped and the answer closed."""
+        if response_id in self._cancelled:
+            return None
+        step = asyncio.ensure_future(answer.step())
+        cancelled = asyncio.ensure_future(self._cancel_signal.wait())
+        try:
+            await asyncio.wait((step, cancelled), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+        if step.done():
+            return step.result()
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await step
+        return None
+
+
+def context_before(context: str, calls: list[Item]) -> str:
+    """The context without the trailing function calls and outputs (a remote server gets them as messages)."""
+    lines = context.split("\n")
+    tail = {item.line() for item in calls if item.text}
+    while lines and lines[-1] in tail:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def past_calls(items: list[Item]) -> tuple[PastCall, ...]:
+    """The calls since the user's last message, each with the output the client sent for it."""
+    outputs = {it.call_id: it.stable for it in items if it.type == "function_call_output"}
+    return tuple(PastCall(it.call_id, it.name, it.stable, outputs.get(it.call_id))
+                 for it in items if it.type == "function_call")
 
 
 class NothingToAnswer(ValueError):

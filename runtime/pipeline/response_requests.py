@@ -44,7 +44,7 @@ class ResponseRequests:
         detection = config.turn_detection
         if detection is not None and detection.create_response:
             await self.request(Question(None, at, at, commits=self.heard.commits, instructions=config.instructions,
-                                        max_tokens=config.max_output_tokens))
+                                        max_tokens=config.max_output_tokens, tools=config.tools))
 
     async def idle_timeout(self, item_id: str, at: float) -> None:
         """Nobody spoke for `idle_timeout_ms` after the last answer: the model speaks up (as the API's does)."""

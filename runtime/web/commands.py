@@ -10,6 +10,7 @@ from typing import Any
 
 from runtime.chunks import VideoFrame
 from runtime.events import Error, error_event
+from runtime.function_tools import FunctionTool
 
 
 class ProtocolError(ValueError):
@@ -51,6 +52,9 @@ class CreateItem(Command):
     item_id: str | None = None
     previous_item_id: str | None = None
     audio: bytes | None = None  # a spoken user message (`input_audio` parts), in the session's input format
+    kind: str = "message"  # message | function_call | function_call_output
+    call_id: str = ""  # function calling: the call an item makes or answers
+    name: str = ""  # function_call: the function called (`text` holds its JSON arguments)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class CreateResponse(Command):
     input_text: str | None = None
     input_refs: tuple[str, ...] = ()
     metadata: dict[str, Any] | None = None
+    tools: tuple[FunctionTool, ...] | None = None  # this response's tools (None: the session's)
+    tool_choice: str | None = None  # this response's tool choice (None: the session's)
 
 
 @dataclass(frozen=True)

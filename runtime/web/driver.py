@@ -21,6 +21,7 @@ import numpy as np
 from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile
 from runtime.events import Event
+from runtime.function_tools import ToolError, ToolUse, checked
 from runtime.io.audio_formats import AudioDecoder
 from runtime.io.rechunk import AudioRechunker
 from runtime.pipeline.audio import MIN_COMMIT_S
@@ -242,6 +243,8 @@ class SessionDriver:
         try:
             if samples is not None:
                 await self.session.add_spoken_item(samples, item_id=command.item_id, after=command.previous_item_id)
+            elif command.kind != "message":
+                await self._create_call_item(command)
             else:
                 await self.session.add_item(command.role, command.text,  # type: ignore[arg-type]
                                             item_id=command.item_id, after=command.previous_item_id)
@@ -251,6 +254,17 @@ class SessionDriver:
         except ValueError:
             raise ProtocolError(f"item id {command.item_id!r} is already in this conversation",
                                 code="duplicate_item_id", param="item.id") from None
+
+    async def _create_call_item(self, command: CreateItem) -> None:
+        name = command.name
+        if command.kind == "function_call_output":
+            name = self.session.conversation.call_name(command.call_id) or ""
+            if not name:
+                raise ProtocolError(f"item.call_id {command.call_id!r} names no function_call in this conversation",
+                                    code="item_not_found", param="item.call_id")
+        await self.session.add_item("assistant" if command.kind == "function_call" else "user", command.text,
+                                    item_id=command.item_id, after=command.previous_item_id,
+                                    kind=command.kind, call_id=command.call_id, name=name)  # type: ignore[arg-type]
 
     def _whole(self, audio: bytes) -> np.ndarray:
         """A whole utterance in the session's format, decoded by a decoder of its own (not the live stream's)."""
@@ -280,9 +294,18 @@ class SessionDriver:
         if text is None and session.commits == session.heard.commits and not session.conversation.pending_user_text():
             raise ProtocolError("nothing to answer: no user message since the last answer; create one "
                                 "(conversation.item.create) or commit audio first", code="no_pending_item")
+        tools = session.settings.config.tools
+        if command.tools is not None or command.tool_choice is not None:
+            tools = ToolUse(tools.tools if command.tools is None else command.tools,
+                            tools.choice if command.tool_choice is None else command.tool_choice)
+            try:
+                checked(tools, "response.tool_choice")
+            except ToolError as e:
+                raise ProtocolError(str(e), code="invalid_value", param=e.param) from None
         await self.session.create_response(client_event_id=command.event_id, text=text,
                                            instructions=command.instructions, max_tokens=command.max_tokens,
-                                           in_conversation=command.in_conversation, metadata=command.metadata)
+                                           in_conversation=command.in_conversation, metadata=command.metadata,
+                                           tools=tools)
 
     async def _update(self, command: UpdateSession) -> None:
         session = self.session

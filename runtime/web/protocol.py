@@ -23,12 +23,14 @@ import io
 import json
 import re
 import struct
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import av
 import numpy as np
 
 from runtime.chunks import VideoFrame
+from runtime.function_tools import ToolError, parse_choice, parse_tools
 from runtime.io.file_source import scaled_size
 from runtime.session_config import ConfigFieldError, max_tokens
 from runtime.web.commands import (
@@ -221,11 +223,24 @@ def _item_create(data: dict[str, Any], event_id: str | None, _max_side: int) -> 
     item = _field(data, "item", dict, "an object")
     ids = {"item_id": _optional_id(item, "id", "item.id"),
            "previous_item_id": _optional_id(data, "previous_item_id", "previous_item_id")}
+    if item.get("type") in ("function_call", "function_call_output"):
+        return _call_item(item, event_id, ids)
     content = item.get("content")
     if item.get("role", "user") == "user" and isinstance(content, list) and any(
             isinstance(part, dict) and part.get("type") == "input_audio" for part in content):
         return CreateItem(event_id, "user", audio=_spoken(content), **ids)
     return CreateItem(event_id, *_message(item, "item"), **ids)
+
+
+def _call_item(item: dict[str, Any], event_id: str | None, ids: dict[str, str | None]) -> Command:
+    """A `function_call_output` (the client ran a call: its output goes back into the conversation) or a
+    `function_call` (a client replaying a call into the history)."""
+    call_id = _field(item, "call_id", str, "the id of the call")
+    if item["type"] == "function_call_output":
+        return CreateItem(event_id, "user", _field(item, "output", str, "a string"), kind="function_call_output",
+                          call_id=call_id, **ids)
+    return CreateItem(event_id, "assistant", _field(item, "arguments", str, "a JSON string"), kind="function_call",
+                      call_id=call_id, name=_field(item, "name", str, "a function name"), **ids)
 
 
 def _spoken(content: list[Any]) -> bytes:
@@ -243,8 +258,8 @@ def _spoken(content: list[Any]) -> bytes:
 def _message(item: dict[str, Any], where: str) -> tuple[str, str]:
     """A message item's (role, text): text content parts joined; audio content is refused, naming the way in."""
     if item.get("type", "message") != "message":
-        raise ProtocolError(f"{where}.type {item.get('type')!r} is not supported: this server takes message items "
-                            "(function calling is not available yet)", code="unsupported_item",
+        raise ProtocolError(f"{where}.type {item.get('type')!r} is not supported here: send message items (a "
+                            "function_call_output goes in conversation.item.create)", code="unsupported_item",
                             param=f"{where}.type")
     role = item.get("role", "user")
     if role not in _TEXT_PARTS:
@@ -309,13 +324,20 @@ def _response_create(data: dict[str, Any], event_id: str | None, _max_side: int)
             out["metadata"] = value
         elif key == "input":
             out.update(_response_input(value, param))
-        elif key in ("tools", "tool_choice"):
-            if value not in ([], "auto", "none"):
-                raise ProtocolError(f"{param}: function calling is not available on this server yet",
-                                    code="unsupported_field", param=param)
+        elif key == "tools":
+            out["tools"] = _tool_error(parse_tools, value, param)
+        elif key == "tool_choice":
+            out["tool_choice"] = _tool_error(parse_choice, value, param)
         elif key not in ("audio", "prompt"):
             raise ProtocolError(f"unknown response field {key!r}", code="unknown_parameter", param=param)
     return CreateResponse(event_id, **out)
+
+
+def _tool_error(parse: Callable[[object, str], K], value: object, param: str) -> K:
+    try:
+        return parse(value, param)
+    except ToolError as e:
+        raise ProtocolError(str(e), code="invalid_value", param=e.param) from None
 
 
 def _response_input(value: object, param: str) -> dict[str, Any]:

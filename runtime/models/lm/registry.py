@@ -10,7 +10,7 @@ from runtime.errors import ConfigError
 from runtime.models.lm.backend import AnswerBackend
 from runtime.models.lm.generate_answerer import GenerateAnswerer
 
-BACKENDS = ("generate", "engine")
+BACKENDS = ("generate", "engine", "openai")
 
 
 def load_answerer(
@@ -27,4 +27,7 @@ def load_answerer(
         from runtime.models.lm.engine_answerer import EngineAnswerer  # lazy: imports the engine's own model
 
         return EngineAnswerer.load(cfg, device=device, dtype=dtype, seed=seed, progress=progress)
+    if cfg.backend == "openai":
+        raise ConfigError("lm.backend = openai answers from a server, on the event loop: load it with "
+                          "RemoteAnswerer.load (runtime.loaded_models does)")
     raise ConfigError(f"unknown lm.backend {cfg.backend!r} (known: {', '.join(BACKENDS)})")

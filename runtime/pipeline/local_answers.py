@@ -1,0 +1,94 @@
+"""A local backend's answers through the async seam (`models/lm/answering.py`): each call a device-worker job.
+
+Function calls on a local model: a call is forced (`tool_choice` names a function, or is `required`) and its
+arguments are decoded under the function's JSON Schema (the backend's `schema=`), so the call is valid JSON even
+from a 135M model. Under `required` with several tools the model first chooses the name, decoded under an enum
+of the names, then writes that function's arguments. With `auto` a local model answers in text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from runtime.events import new_id
+from runtime.function_tools import ToolUse, arguments_schema, names_schema, tools_prompt
+from runtime.models.lm.answering import AnswerRequest, CallDelta, RunningAnswer, Step
+from runtime.models.lm.backend import Answer, AnswerBackend, AnswerStep, DecodingStats, LMStream
+from runtime.worker import DeviceWorker, Priority
+
+
+class OnWorker:
+    """A local backend's answers, each call a job on the device worker (model compute never runs on the loop)."""
+
+    def __init__(self, backend: AnswerBackend, worker: DeviceWorker, stream: LMStream | None = None) -> None:
+        self.backend, self.worker, self.stream = backend, worker, stream
+
+    async def start(self, request: AnswerRequest) -> RunningAnswer:
+        use = request.tools
+        if not use.active or (use.forced is None and use.choice != "required"):
+            answer = await self._open(request.context, request.question, request.max_tokens)
+            return WorkerAnswer(answer, self.worker)
+        name = use.forced or await self._choose(request, use)
+        question = (f"{request.question}\n\n{tools_prompt(use)}\n"
+                    f"Call {name}: write its arguments as one JSON object.")
+        answer = await self._open(request.context, question, request.max_tokens,
+                                  schema=arguments_schema(use.tool(name)))
+        return WorkerAnswer(answer, self.worker, call=CallDelta(0, new_id("call"), name, ""))
+
+    async def _open(self, context: str, question: str, max_tokens: int | None,
+                    schema: dict[str, object] | None = None) -> Answer:
+        if schema is None:
+            return await self.worker.run(Priority.PREFILL, self.backend.start, context, question, stream=self.stream,
+                                         max_tokens=max_tokens)
+        return await self.worker.run(Priority.PREFILL, self.backend.start, context, question, stream=self.stream,
+                                     max_tokens=max_tokens, schema=schema)
+
+    async def _choose(self, request: AnswerRequest, use: ToolUse) -> str:
+        """`required` among several tools: the model names one, decoded under an enum of the names."""
+        question = f"{request.question}\n\n{tools_prompt(use)}\nWhich function answers this? Give its name."
+        answer = await self._open(request.context, question, 32, schema=names_schema(use))
+        running = WorkerAnswer(answer, self.worker)
+        text = ""
+        try:
+            while not (step := await running.step()).done:
+                text += step.text
+            text += step.text
+        finally:
+            await running.close()
+        try:
+            name = json.loads(text)
+        except json.JSONDecodeError:
+            name = None
+        if not isinstance(name, str) or all(t.name != name for t in use.tools):
+            raise ValueError(f"the model chose no declared function ({text!r})")
+        return name
+
+
+@dataclass(eq=False)
+class WorkerAnswer:
+    """A local answer: each step a worker job. With `call`, its text is that call's arguments."""
+
+    answer: Answer
+    worker: DeviceWorker
+    call: CallDelta | None = None
+    closed: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.answer.prompt_ids)
+
+    async def step(self) -> Step:
+        step: AnswerStep = await self.worker.run(Priority.DECODE, self.answer.step)
+        if self.call is None:
+            return Step(text=step.delta, done=step.done, finish_reason=step.finish_reason, tokens=step.tokens)
+        piece = CallDelta(self.call.index, self.call.call_id, self.call.name, step.delta)
+        return Step(call=piece, done=step.done, finish_reason=step.finish_reason, tokens=step.tokens)
+
+    async def close(self) -> DecodingStats | None:
+        if self.closed:
+            return None
+        self.closed = True
+        stats = await self.worker.run(Priority.CONTROL, self.answer.stats)
+        await self.worker.run(Priority.CONTROL, self.answer.release)
+        return stats

@@ -1,0 +1,58 @@
+"""Think while reading, on a remote server: keep its prefix cache holding the conversation as it grows.
+
+The local engine prefills the context into its own KV as it streams in (`prefill.py`). A remote server has its
+own prefix cache instead (vLLM, SGLang, llama.cpp), and this processor fills it: whenever the conversation
+changed, at most once per `interval_s`, it sends the answerer's prefill-only request for the context so far.
+When a question comes, the server finds the transcript cached and prefills only the question.
+
+Bounded by construction: one request in flight per session, none while an answer streams (the server's slot is
+the answer's then), and changes coalesce (`ContextChanges`), so a burst of transcript deltas costs one request.
+A failed warm-up is counted and otherwise ignored: it only costs the next question its cache, and the answer
+itself reports a server that is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+from runtime.memory.conversation import Conversation
+from runtime.session_state import AnswerActivity, ContextChanges
+
+log = logging.getLogger(__name__)
+
+
+class Warming(Protocol):
+    async def warm(self, context: str) -> None: ...
+
+
+class PrefixWarmer:
+    def __init__(self, remote: Warming, conversation: Conversation, changes: ContextChanges,
+                 activity: AnswerActivity, *, interval_s: float) -> None:
+        self.remote, self.conversation, self.changes, self.activity = remote, conversation, changes, activity
+        self.interval_s = interval_s
+        self.sent = 0
+        self.failed = 0
+        self._warmed = ""  # the context the server last cached
+        self._last = -float("inf")  # monotonic time of the last request
+
+    async def run(self) -> None:
+        if self.interval_s <= 0:
+            return
+        while True:
+            await self.changes.wait()
+            await asyncio.sleep(max(0.0, self._last + self.interval_s - time.monotonic()))
+            await self.activity.idle()  # the answer's own prompt refreshes the cache; wait for it to end
+            context = self.conversation.context()
+            if not context or context == self._warmed:
+                continue
+            self._last = time.monotonic()
+            self.sent += 1
+            try:
+                await self.remote.warm(context)
+                self._warmed = context
+            except Exception as err:  # noqa: BLE001 (a warm-up never fails the session)
+                self.failed += 1
+                log.debug("warm-up failed: %s", err)
