@@ -14,6 +14,7 @@ elsewhere it skips."""
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_common import run_cli
 from websockets.exceptions import ConnectionClosedError
 
 from runtime.client import AsyncRealtimeClient
@@ -96,12 +98,14 @@ class Replica(Process):
                                 str(self.port), "--max-sessions", str(MAX_SESSIONS), "--set", "threads=1"],
                          folder / f"{name}.stderr")
 
-    def sessions(self) -> int:
-        """Live sessions, from the replica's own Prometheus gauge."""
+    def metric(self, name: str) -> float:
+        """One sample of the replica's own Prometheus metrics."""
         status, text = get(f"http://127.0.0.1:{self.port}/metrics")
         assert status == 200, text
-        line = next(x for x in text.splitlines() if x.startswith("runtime_sessions "))
-        return int(float(line.split()[1]))
+        return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[-1])
+
+    def sessions(self) -> int:
+        return int(self.metric("runtime_sessions"))
 
 
 async def until(check, what: str, timeout_s: float = STEP_TIMEOUT_S, every_s: float = 0.1):
@@ -294,6 +298,7 @@ async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
         r2.proc.send_signal(signal.SIGKILL)
         for t in on_r2:
             assert await t.closed() == "ConnectionClosedError" and t.client.close_code == 1006
+        assert await asyncio.to_thread(r2.proc.wait, STEP_TIMEOUT_S) == -signal.SIGKILL
         for _ in on_r2:
             talkers.append(await reconnect_and_turn(fleet, {"r1", "r2"}))
         moved = talkers[SESSIONS:]
@@ -316,3 +321,20 @@ async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
     finally:
         for t in talkers:
             await t.close()
+
+
+def test_bench_serve_url_through_the_proxy(capsys, fleet):
+    """`runtime bench serve --url` pointed at the proxy: three conversations at once land on three replicas
+    (each replica's own counters show its share), with every turn answered and no error."""
+    asyncio.run(until(fleet.all_ready, "every replica ready and UP in haproxy", START_TIMEOUT_S, 0.25))
+    code, out, err = run_cli(capsys, "bench", "serve", "--url", f"ws://127.0.0.1:{fleet.port}/v1", "--quick",
+                             "--sessions", str(len(REPLICAS)), "--json", "-q")
+    assert code == 0, err
+    result = json.loads(out)
+    m = result["per_m"][str(len(REPLICAS))]
+    assert m["turns_spoken"] == m["turns_answered"] == 2 * len(REPLICAS) and m["lost"] == 0
+    assert m["errors"] == 0 and m["sessions_failed"] == 0
+    assert 0 < m["turn_latency_ms"]["p50"] <= m["turn_latency_ms"]["p95"]
+    assert result["probe"]["replica"] in REPLICAS  # the proxy's header reached the bench
+    for r in fleet.replicas.values():  # the phase's sessions were open together: one per replica, 2 turns each
+        assert r.metric("runtime_turns_committed_total") >= 2, r.name

@@ -31,13 +31,15 @@ BENCHES: dict[str, tuple[str, str]] = {
     "video-qa": ("runtime.bench.video_qa", "answers about what was shown and said, asked live at a media time on "
                  "rendered slide talks with narration: accuracy per kind, latency, context tokens, OCR cost (needs "
                  "trained weights)"),
+    "grammar": ("runtime.bench.grammar", "constrained decoding (JSON schemas): xgrammar vs llguidance on the real "
+                "tokenizer: schema compile time, per-token mask, consume and rollback, mask application"),
     "turns": ("runtime.bench.turns", "turn detection, server_vad vs semantic_vad, on human speech with pauses inserted "
               "mid-utterance: false cut-offs, end-of-turn delay, Smart Turn calls, CPU"),
 }
 # the flags that pick a checkpoint or data set, per benchmark that takes them
 CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human"),
                     "llm": ("model",), "answers": ("model", "data", "prompts", "profile"), "turns": ("human",),
-                    "video-qa": ("profile",)}
+                    "video-qa": ("profile",), "grammar": ("model",)}
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
 
 
@@ -45,6 +47,17 @@ def _count(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
     return int(text)
+
+
+def _sessions(text: str) -> tuple[int, ...]:
+    """`--sessions 1,2,4`: the concurrent conversations of each phase of `serve --url`, in order."""
+    try:
+        ns = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ns = ()
+    if not ns or min(ns) < 1:
+        raise argparse.ArgumentTypeError(f"must be whole numbers >= 1 separated by commas, e.g. 1,2,4; got {text!r}")
+    return ns
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="asr-quality: the FastConformer checkpoint to score "
                         "(default: builtin:demo-fastconformer); llm: a real language model (builtin:smollm2-135m-"
                         "instruct, a GGUF file, a checkpoint folder) measured per weight format against "
-                        "transformers and llama.cpp, with the speculative-decoding table")
+                        "transformers and llama.cpp, with the speculative-decoding table; grammar: the tokenizer "
+                        "whose vocabulary is masked (default: builtin:smollm2-135m-instruct)")
     parser.add_argument("--data", default=None, help="asr-quality: a `runtime train synth-speech` folder whose "
                         "heldout.jsonl to score (default: the fixed held-out set, generated into the cache once); "
                         "answers: a question set in the format of tests/data/answer_set.json")
@@ -77,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: demo)")
     parser.add_argument("--conversations", action="store_true", help="serve: N sessions each holding a "
                         "multi-turn voice conversation with server VAD: turn latency, nothing lost, disconnects")
+    parser.add_argument("--url", default=None, metavar="URL", help="serve: drive the conversations through a "
+                        "server already running, a fleet's proxy or one replica (ws://HOST:PORT/v1), instead of "
+                        "starting one: turn latency and errors per number of sessions (docs/fleet.md)")
+    parser.add_argument("--sessions", type=_sessions, default=None, metavar="M,M,...", help="serve --url: the "
+                        "concurrent conversations of each phase (default: 1,2,4; --quick: 1,2)")
     parser.add_argument("--human", default=None, help="asr-quality, turns: a folder of human speech with "
                         "manifest.jsonl (default: ../shared/speech/dev beside the repository)")
 
@@ -99,7 +118,13 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
     name = BENCHES[args.name][0]
     if args.name == "llm" and args.model is not None:
         name = "runtime.bench.llm_model"  # a real model, not the shapes
-    if getattr(args, "conversations", False):
+    if getattr(args, "sessions", None) is not None and getattr(args, "url", None) is None:
+        raise UserError("--sessions: only with runtime bench serve --url URL")
+    if getattr(args, "url", None) is not None:
+        if args.name != "serve":
+            raise UserError(f"--url: {args.name} does not take it; it is a mode of `runtime bench serve`")
+        name = "runtime.bench.serve_url"
+    elif getattr(args, "conversations", False):
         if args.name != "serve":
             raise UserError(f"--conversations: {args.name} does not take it; it is a mode of `runtime bench serve`")
         name = "runtime.bench.serve_conversations"
