@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from runtime.config import LMConfig
-from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, LMStream, token_limit
+from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, JsonSchema, LMStream, token_limit
 from runtime.models.lm.drafter_choice import make_drafter
 from runtime.models.lm.drafters import MODEL_DRAFTERS, Drafter
 from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.json_constraint import JsonGrammars
 from runtime.models.lm.layer_skip import layer_skip_view
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.sampling import Sampler, StopRule
@@ -106,6 +107,7 @@ class EngineAnswerer:
         self.sampler = Sampler(self.cfg.temperature, self.cfg.top_p)
         self.eos_ids = frozenset(engine.eos_ids)
         self._idle: list[StreamLM] = []
+        self._grammars: JsonGrammars | None = None  # built on the first schema: plain answers never import it
 
     @classmethod
     def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,
@@ -132,12 +134,21 @@ class EngineAnswerer:
         if len(self._idle) < self.max_idle_streams:
             self._idle.append(stream)
 
+    def grammars(self) -> JsonGrammars:
+        """The schema compiler for this tokenizer (made once: reading the vocabulary takes about 0.5 s)."""
+        if self._grammars is None:
+            self._grammars = JsonGrammars(self.tokenizer, self.engine.model.args.vocab_size, self.eos_ids)
+        return self._grammars
+
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
-              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None) -> EngineAnswer:
+              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None,
+              schema: JsonSchema | None = None) -> EngineAnswer:
         """Open an answer. With `stream` (the pipeline's, from `open_stream`) the suffix it was last given is
-        kept unless `suffix` replaces it; without one, a pooled stream gets `suffix` or none."""
+        kept unless `suffix` replaces it; without one, a pooled stream gets `suffix` or none. With `schema`
+        the answer is one JSON value under it (`json_constraint`), still decoded speculatively."""
         if stream is not None and not isinstance(stream, StreamLM):
             raise TypeError(f"an engine answer needs a stream from EngineAnswerer.open_stream, not {type(stream)}")
+        constraint = None if schema is None else self.grammars().constraint(schema)  # a bad schema fails first
         pooled = stream is None
         lm = stream if stream is not None else (self._idle.pop() if self._idle else self.open_stream())
         lm.set_context(context, () if pooled and suffix is None else suffix)
@@ -151,7 +162,7 @@ class EngineAnswerer:
                                    draft_fed=lm.draft_session.answer_ids(), generator=generator)
         decoder = SpeculativeDecoder(lm.session, drafter, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                      max_draft_tokens=self.cfg.max_draft_tokens, generator=generator,
-                                     stop_ids=self.eos_ids)
+                                     stop_ids=self.eos_ids, constraint=constraint)
         prompt = lm.session.answer_ids()
         first = decoder.start(lm.session.next_logits(), prompt)
         cache = lm.session.cache

@@ -22,8 +22,9 @@ from transformers import (
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
-from runtime.models.lm.backend import AnswerStep, AnswerText, LMStream, token_limit
+from runtime.models.lm.backend import AnswerStep, AnswerText, JsonSchema, LMStream, token_limit
 from runtime.models.lm.gguf_checkpoint import gguf_file
+from runtime.models.lm.json_constraint import JsonConstraint, JsonGrammars
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.prompt import CUT_MARK, prompt_text
 from runtime.models.lm.sampling import Sampler, StopRule, eos_ids
@@ -44,6 +45,7 @@ class GenerateAnswer:
     generator: torch.Generator | None  # sampling only; seeded per answer
     context_tokens: int = 0  # tokens of context kept in the prompt
     context_cut: bool = False  # True when the context was cut from the front to fit
+    constraint: JsonConstraint | None = None  # a JSON schema's grammar: tokens chosen from masked logits
     done: bool = False
 
     @torch.inference_mode()
@@ -51,8 +53,15 @@ class GenerateAnswer:
         """Choose one token, stream its text, and run the forward that prepares the next one."""
         if self.done or self.next_logits is None:
             return AnswerStep("", True, self.text.finish_reason, 0)
-        token = self.sampler.choose(self.next_logits, self.generator)
-        step = self.text.take([token])
+        if self.constraint is None:
+            tokens = [self.sampler.choose(self.next_logits, self.generator)]
+        else:
+            tokens = [self.sampler.choose(self.constraint.mask(self.next_logits), self.generator)]
+            self.constraint.consume(tokens[0])
+            if self.constraint.finished and tokens[0] not in self.constraint.stop_ids:
+                tokens.append(self.constraint.stop)  # a complete value: the end needs no forward
+        token = tokens[0]
+        step = self.text.take(tokens)
         if step.done:
             self.release()
         else:
@@ -106,6 +115,7 @@ class GenerateAnswerer:
         self.seed = seed
         self.sampler = Sampler(cfg.temperature, cfg.top_p)
         self.eos_ids = eos_ids(model.generation_config.eos_token_id, tokenizer.eos_token_id)
+        self._grammars: JsonGrammars | None = None  # built on the first schema
 
     @classmethod
     def load(
@@ -169,11 +179,19 @@ class GenerateAnswerer:
         return None
 
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
-              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None) -> GenerateAnswer:
+              suffix: Sequence[Piece] | None = None, max_tokens: int | None = None,
+              schema: JsonSchema | None = None) -> GenerateAnswer:
         """Build and prefill the prompt; the first token is chosen by the first `step()`. `stream` is always
-        None here (`open_stream` opens none); a text model reads no video memory, so `suffix` must be empty."""
+        None here (`open_stream` opens none); a text model reads no video memory, so `suffix` must be empty.
+        With `schema` each token is chosen under the schema's grammar (`json_constraint`)."""
         if suffix:
             raise UserError(f"lm.backend = generate reads no video memory ({self.name} is a text model)")
+        constraint = None
+        if schema is not None:
+            if self._grammars is None:
+                vocab = self.model.get_output_embeddings().weight.shape[0]
+                self._grammars = JsonGrammars(self.tokenizer, vocab, self.eos_ids)
+            constraint = self._grammars.constraint(schema)
         ids, kept, cut = self.build_prompt(context, question)
         cache = DynamicCache(config=self.model.config)
         input_ids = torch.tensor([ids], device=self.model.device)
@@ -189,6 +207,7 @@ class GenerateAnswerer:
             generator=self.sampler.generator(self.seed if seed is None else seed),
             context_tokens=kept,
             context_cut=cut,
+            constraint=constraint,
         )
 
     @torch.inference_mode()

@@ -96,12 +96,14 @@ class StopRule:
     def take(self, tokens: Iterable[int], generated: list[int]) -> str | None:
         """Append `tokens` to `generated` in order until one ends the answer; returns the finish reason
         ("stop" | "length") or None when the answer goes on. Tokens after the end are dropped."""
-        for token in tokens:
+        tokens = list(tokens)
+        for i, token in enumerate(tokens):
             if token in self.eos_ids:
                 return "stop"
             generated.append(token)
-            if len(generated) >= self.max_new_tokens:
-                return "length"
+            if len(generated) >= self.max_new_tokens:  # an end that came with the last token is still an end: a
+                # JSON value completed by the budget's last token ends "stop" (its forced end arrives with it)
+                return "stop" if i + 1 < len(tokens) and tokens[i + 1] in self.eos_ids else "length"
             if self.stop_repeats and repeats_itself(generated):
                 return "stop"
         return None

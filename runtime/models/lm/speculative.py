@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from runtime.models.lm.drafters import Drafter
+from runtime.models.lm.json_constraint import JsonConstraint
 from runtime.models.lm.sampling import Sampler, draw, greedy_token
 from runtime.models.lm.target import Target
 
@@ -161,7 +162,9 @@ class SpeculativeDecoder:
 
     `stop_ids`: tokens that end the answer; an accepted draft token in it ends the step there and is not
     committed (it stays pending, like any last token). `cost_model(nodes) -> seconds` replaces measured costs in
-    the depth choice (tests, or a per-device table).
+    the depth choice (tests, or a per-device table). `constraint`: every token is chosen from the target's logits
+    masked by it (a JSON schema), drafts are checked against it before the forward, and once it is finished the
+    answer ends with its stop token, without a forward.
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class SpeculativeDecoder:
         adapt: bool = True,
         stop_ids: Collection[int] = (),
         cost_model: Callable[[int], float] | None = None,
+        constraint: JsonConstraint | None = None,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.temperature, self.top_p = temperature, top_p
@@ -183,6 +187,7 @@ class SpeculativeDecoder:
         self.max_draft_tokens = max(0, max_draft_tokens) if drafter is not None else 0
         self.generator, self.adapt = generator, adapt
         self.stop_ids = frozenset(stop_ids)
+        self.constraint = constraint
         self.controller = DraftController(max(1, self.max_draft_tokens), cost_model)
         self.stats = SpecStats()
         self.context: list[int] = []  # prompt/context ids + emitted tokens, without the pending one
@@ -205,7 +210,11 @@ class SpeculativeDecoder:
         these committed if a draft-model drafter mirrors it."""
         first_logits = first_logits.reshape(-1)
         self.context = list(context)
-        self.pending = self._choose(first_logits)
+        if self.constraint is None:
+            self.pending = self._choose(first_logits)
+        else:
+            self.pending = self._choose(self.constraint.mask(first_logits))
+            self.constraint.consume(self.pending)
         self.done = self.pending in self.stop_ids
         if self.drafter is not None and self.context:
             self.drafter.observe([self.context[-1]], [-1], first_logits[None])
@@ -241,6 +250,16 @@ class SpeculativeDecoder:
             tokens.append(int(tok))
             parents.append(where[par])
             qs.append(dq[i])
+        if self.constraint is not None and len(tokens) > 1:
+            # a node the grammar rejects is never the masked target's choice: drop it before the forward. A sampled
+            # node (q given) stays when sampling: rejecting it also shapes the residual its later siblings see.
+            removable = [self.greedy or q is None for q in qs]
+            keep = self.constraint.keep_tree(tokens, parents, removable)
+            if len(keep) < len(tokens):
+                new = {old: i for i, old in enumerate(keep)}
+                tokens = [tokens[i] for i in keep]
+                parents = [-1] + [new[parents[i]] for i in keep[1:]]
+                qs = [qs[i] for i in keep]
         return tokens, parents, qs
 
     def _accept(self, p: torch.Tensor, tokens: list[int], kids: list[int], qs: list) -> int | None:
@@ -277,6 +296,10 @@ class SpeculativeDecoder:
             raise RuntimeError("SpeculativeDecoder.step() after a stop token")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        constraint = self.constraint
+        if constraint is not None and constraint.finished:  # only the end may follow: no forward to learn it
+            self.pending, self.done = constraint.stop, True
+            return [constraint.stop]
         k = self._depth(max_tokens)
         t0 = time.perf_counter()
         tokens, parents, qs = self._draft(k)
@@ -290,17 +313,22 @@ class SpeculativeDecoder:
 
         path, out, node, stopped = [0], [], 0, False
         while True:
+            row = logits[node] if constraint is None else constraint.mask(logits[node])
             if self.greedy:
-                want = argmax[node]
+                want = argmax[node] if constraint is None else greedy_token(row)
                 nxt = next((c for c in kids[node] if tokens[c] == want), None)
                 residual = None
             else:
-                residual = self.sampler.probs(logits[node])
+                residual = self.sampler.probs(row)
                 nxt = self._accept(residual, tokens, kids[node], qs)
             if nxt is None:
-                out.append(argmax[node] if residual is None else draw(residual, self.generator))
+                out.append(want if residual is None else draw(residual, self.generator))
+                if constraint is not None:
+                    constraint.consume(out[-1])
                 break
             out.append(tokens[nxt])
+            if constraint is not None:
+                constraint.consume(tokens[nxt])
             if tokens[nxt] in self.stop_ids:  # stop inside the draft: emit it as pending, commit what precedes
                 stopped = True
                 break
@@ -311,9 +339,11 @@ class SpeculativeDecoder:
             self.drafter.observe(tokens, parents, logits)
 
         self.context.extend(tokens[n] for n in path)
+        accepted = len(out) if stopped else len(out) - 1
+        if constraint is not None and constraint.finished and out[-1] not in self.stop_ids:
+            out.append(constraint.stop)  # the value is complete: the answer ends with this step's text
         self.pending = out[-1]
         self.done = self.pending in self.stop_ids
-        accepted = len(out) if stopped else len(out) - 1
         s = self.stats
         s.steps += 1
         s.drafted += len(tokens) - 1
