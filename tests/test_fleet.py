@@ -46,7 +46,7 @@ STEP_TIMEOUT_S = 90.0  # any one wait: a response, a close, a transcript event
 
 
 def haproxy_or_skip() -> str:
-    found = shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.path.exists(p)), None)
+    found = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
     if found:
         return found
     reason = "haproxy not found: install Debian's haproxy (apt-get install haproxy) to run the fleet test"
