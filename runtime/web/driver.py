@@ -240,11 +240,17 @@ class SessionDriver:
 
     async def _create_item(self, command: CreateItem) -> None:
         samples = self._whole(command.audio) if command.audio is not None else None
+        name = command.name
+        if command.kind == "function_call_output":  # the call it answers names the function
+            name = self.session.conversation.call_name(command.call_id) or ""
+            if not name:
+                raise ProtocolError(f"item.call_id {command.call_id!r} names no function_call in this conversation",
+                                    code="item_not_found", param="item.call_id")
         try:
             if samples is not None:
                 await self.session.add_spoken_item(samples, item_id=command.item_id, after=command.previous_item_id)
             elif command.kind != "message":
-                await self._create_call_item(command)
+                await self._create_call_item(command, name)
             else:
                 await self.session.add_item(command.role, command.text,  # type: ignore[arg-type]
                                             item_id=command.item_id, after=command.previous_item_id)
@@ -255,13 +261,7 @@ class SessionDriver:
             raise ProtocolError(f"item id {command.item_id!r} is already in this conversation",
                                 code="duplicate_item_id", param="item.id") from None
 
-    async def _create_call_item(self, command: CreateItem) -> None:
-        name = command.name
-        if command.kind == "function_call_output":
-            name = self.session.conversation.call_name(command.call_id) or ""
-            if not name:
-                raise ProtocolError(f"item.call_id {command.call_id!r} names no function_call in this conversation",
-                                    code="item_not_found", param="item.call_id")
+    async def _create_call_item(self, command: CreateItem, name: str) -> None:
         await self.session.add_item("assistant" if command.kind == "function_call" else "user", command.text,
                                     item_id=command.item_id, after=command.previous_item_id,
                                     kind=command.kind, call_id=command.call_id, name=name)  # type: ignore[arg-type]
