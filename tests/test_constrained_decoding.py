@@ -246,3 +246,16 @@ def test_mask_application_is_exact() -> None:
     assert allowed_tokens(mask, vocab).tolist() == allowed
     assert torch.equal(out[allowed], logits[allowed]) and torch.isinf(out).sum() == vocab - len(allowed)
     assert not torch.isinf(logits).any()  # the caller's logits are left as they were
+
+
+def test_grammar_bench_reports_both_libraries() -> None:
+    """`runtime bench grammar --quick` on the tiny tokenizer: every schema compiled and walked by llguidance, and
+    xgrammar measured too or a row saying how to install it."""
+    import argparse
+
+    from runtime.bench import grammar
+
+    out = grammar.run(argparse.Namespace(model="tiny:qwen2", quick=True, threads=1), lambda _: None)
+    assert set(out["llguidance"]["schemas"]) == set(grammar.SCHEMAS) and "decode" not in out
+    assert all(row["mask_us_mean"] > 0 for row in out["llguidance"]["schemas"].values())
+    assert "schemas" in out["xgrammar"] or "pip install" in out["xgrammar"]["error"]
