@@ -75,7 +75,7 @@ class _Deaf:
 
 def _profile(url: str, model: str, warm: bool) -> Profile:
     lm = {"backend": "openai", "base_url": url, "model": model, "max_new_tokens": 8, "warm_interval_s":
-          WARM_INTERVAL_S if warm else 0.0, "request_timeout_s": 120.0}
+          WARM_INTERVAL_S if warm else 0.0, "request_timeout_s": 600.0}
     return with_overrides(load_profile("tiny"), lm=lm, pipeline={"metrics_interval_s": 0.0})
 
 
@@ -96,18 +96,20 @@ async def _run(url: str, model: str, lines: list[str], warm: bool, worker: Devic
                 await asyncio.sleep(0.05)
         asked = time.perf_counter()
         rid = await session.create_response(text=QUESTION)
-        first = None
+        first, error = None, None
         while True:
             event = await asyncio.wait_for(session.events.get(), 300)
             if event is None:
                 raise RuntimeError("the session ended before its answer")
+            if event.type == "error":
+                error = event.error["message"]
             if event.type == "response.output_text.delta" and first is None:
                 first = time.perf_counter() - asked
             if event.type == "response.done" and event.response["id"] == rid:
                 status = event.response["status"]
                 break
         return {"ttft_s": None if first is None else round(first, 4), "status": status,
-                "warm_requests": session.warmer.sent if session.warmer else 0}
+                "warm_requests": session.warmer.sent if session.warmer else 0, **({"error": error} if error else {})}
     finally:
         await session.stop()
 
