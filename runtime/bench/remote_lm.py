@@ -91,7 +91,7 @@ async def _run(url: str, model: str, lines: list[str], warm: bool, worker: Devic
             await asyncio.sleep(LINE_GAP_S)
         if warm:  # the transcript has stopped: the warmer's last request lands, then the question comes
             deadline = time.monotonic() + 120
-            while session.warmer is not None and session.warmer._warmed != session.conversation.context() \
+            while session.warmer is not None and not session.warmer.caught_up \
                     and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
         asked = time.perf_counter()

@@ -38,6 +38,11 @@ class PrefixWarmer:
         self._warmed = ""  # the context the server last cached
         self._last = -float("inf")  # monotonic time of the last request
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether the server's cache holds the conversation as it is now (the last warm-up sent all of it)."""
+        return bool(self._warmed) and self._warmed == self.conversation.context()
+
     async def run(self) -> None:
         if self.interval_s <= 0:
             return
@@ -53,6 +58,6 @@ class PrefixWarmer:
             try:
                 await self.remote.warm(context)
                 self._warmed = context
-            except Exception as err:  # noqa: BLE001 (a warm-up never fails the session)
+            except Exception as err:  # a warm-up never fails the session
                 self.failed += 1
                 log.debug("warm-up failed: %s", err)
