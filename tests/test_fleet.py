@@ -1,21 +1,27 @@
-"""A fleet: three `runtime serve` replicas (tiny profile: random weights, fast to load) behind Debian's HAProxy
-running the repository's own `deploy/haproxy.cfg`, all on 127.0.0.1 at free ports. Six sessions open through
-the proxy and spread two per replica (each replica's own /metrics says so, and HAProxy's X-Runtime-Replica
-header agrees). All six stream speech. Then one replica gets SIGTERM: its clients see a clean close (1001, going
-away), reconnect through the proxy, land on a live replica and hold a fresh turn there. Then another replica
-gets SIGKILL: its clients see the connection drop (1006, no close frame: a dead process says nothing), and
-reconnect the same way. The sessions on the replica that lives on lose nothing: their transcripts keep coming
-throughout, no error event, each answers a question at the end, and each finishes with a clean 1000 with its
-whole stream transcribed.
+"""A fleet: three `runtime serve` replicas behind Debian's HAProxy running the repository's own
+`deploy/haproxy.cfg`, sharing ONE LM server: llama.cpp's OpenAI-compatible server (llama-cpp-python, serving
+the shipped SmolLM2-135M-Instruct GGUF), all on 127.0.0.1 at free ports. Each replica runs the tiny profile's ASR
+(random weights, fast to load) with `lm.backend = openai` pointed at that server, so it loads no language model
+of its own. Six sessions open through the proxy and spread two per replica (each replica's own /metrics says
+so, and HAProxy's X-Runtime-Replica header agrees). All six stream speech, and one question through each
+replica is answered with text by the shared server: its own access log holds a `POST /v1/chat/completions`
+from that replica's process (the client port is one of the replica's sockets). Then one replica gets SIGTERM:
+its clients see a clean close (1001, going away), reconnect through the proxy, land on a live replica and hold
+a fresh turn there. Then another replica gets SIGKILL: its clients see the connection drop (1006, no close
+frame: a dead process says nothing), and reconnect the same way. The sessions on the replica that lives on lose
+nothing: their transcripts keep coming throughout, no error event, each answers a question at the end, and
+each finishes with a clean 1000 with its whole stream transcribed. Every answer in the test has text and came
+from the shared server, through a socket of the replica that asked.
 
 Timeouts bound every wait; no duration is asserted (the machine is shared). Every process started here is
-stopped at the end, whatever happened. Under CI a missing haproxy fails the test (.ci/run installs it);
-elsewhere it skips."""
+stopped at the end, whatever happened. Under CI a missing haproxy or llama-cpp-python[server] fails the test
+(.ci/run installs both); elsewhere it skips."""
 
 import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,10 +35,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_common import run_cli
+from llama_server import LlamaServer
 from websockets.exceptions import ConnectionClosedError
 
+from runtime.bench.llama_server import LlamaServer as LlamaServerProcess
 from runtime.client import AsyncRealtimeClient
-from runtime.events import Error, ResponseDone, TranscriptionCompleted, TranscriptionDelta
+from runtime.events import Error, ResponseDone, ResponseTextDelta, TranscriptionCompleted, TranscriptionDelta
 from runtime.io.sample import demo_speech
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +51,10 @@ MAX_SESSIONS = 8  # per replica: the last one standing holds every session
 CHUNK = 1600  # 100 ms at 16 kHz
 START_TIMEOUT_S = 120.0
 STEP_TIMEOUT_S = 90.0  # any one wait: a response, a close, a transcript event
+# What turns each replica's answerer into a client of the one LM server (the tiny profile's ASR stays). Short
+# answers keep the test's time on 2 cores: every answer of every replica queues on the server's single slot.
+REMOTE_LM = ("lm.backend=openai", "lm.base_url={base_url}", "lm.model=smollm2", "lm.max_new_tokens=16")
+CHAT_POST = re.compile(r"127\.0\.0\.1:(\d+) - \"POST /v1/chat/completions ")  # uvicorn's access log line
 
 
 def haproxy_or_skip() -> str:
@@ -91,11 +103,33 @@ class Process:
                 self.proc.wait(15)
 
 
+def lm_ports(pid: int, server_port: int) -> set[int]:
+    """The local ports of the TCP connections process `pid` holds open to 127.0.0.1:`server_port` (from /proc:
+    its socket inodes, matched against the kernel's TCP table)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                local, remote, inode = fields[1], fields[2], fields[9]
+                if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == server_port:
+                    ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
 class Replica(Process):
-    def __init__(self, name: str, folder: Path) -> None:
+    def __init__(self, name: str, folder: Path, lm: LlamaServerProcess | None) -> None:
+        """`lm`: the LM server every replica answers from; None: the tiny profile's own random answerer."""
         self.port = free_port()
+        remote = [x for s in REMOTE_LM for x in ("--set", s.format(base_url=lm.base_url))] if lm else []
         super().__init__(name, [sys.executable, "-m", "runtime", "serve", "--profile", "tiny", "--port",
-                                str(self.port), "--max-sessions", str(MAX_SESSIONS), "--set", "threads=1"],
+                                str(self.port), "--max-sessions", str(MAX_SESSIONS), "--set", "threads=1", *remote],
                          folder / f"{name}.stderr")
 
     def metric(self, name: str) -> float:
@@ -121,8 +155,9 @@ async def until(check, what: str, timeout_s: float = STEP_TIMEOUT_S, every_s: fl
 
 
 class Fleet:
-    def __init__(self, folder: Path, haproxy: str) -> None:
-        self.replicas = {name: Replica(name, folder) for name in REPLICAS}
+    def __init__(self, folder: Path, haproxy: str, lm: LlamaServerProcess | None) -> None:
+        self.lm = lm
+        self.replicas = {name: Replica(name, folder, lm) for name in REPLICAS}
         self.port, stats = free_port(), free_port()
         self.stats_url = f"http://127.0.0.1:{stats}/stats;csv"
         env = {"FLEET_BIND": f"127.0.0.1:{self.port}", "FLEET_STATS": f"127.0.0.1:{stats}",
@@ -154,6 +189,13 @@ class Fleet:
             raise AssertionError(f"haproxy exited with {self.proxy.proc.returncode}:\n{self.proxy.tail()}")
         return all(get(f"http://127.0.0.1:{r.port}/readyz")[0] == 200 for r in self.replicas.values()) and \
             self.server_states() == dict.fromkeys(REPLICAS, "UP")
+
+    def lm_log_size(self) -> int:
+        return len(self.lm.log()) if self.lm else 0
+
+    def lm_requests(self, since: int = 0) -> list[int]:
+        """The client port of each chat completion the LM server logged after offset `since` of its log."""
+        return [int(m.group(1)) for m in CHAT_POST.finditer(self.lm.log()[since:])] if self.lm else []
 
     def stop(self) -> None:
         for p in (self.proxy, *self.replicas.values()):
@@ -215,12 +257,22 @@ class Talker:
         return [e for e in self.events if isinstance(e, Error)]
 
     async def answer(self) -> ResponseDone:
-        """Ask a question; the response.done that ends its answer."""
-        seen = len(self.events)
+        """Ask a question; the response.done that ends its answer, which has text, from the shared LM server:
+        the server logged a chat completion from one of this replica's sockets since the question was asked."""
+        seen, logged = len(self.events), self.fleet.lm_log_size()
         await self.client.ask("what was said?")
         done = await until(lambda: next((e for e in self.events[seen:] if isinstance(e, ResponseDone)), None),
                            f"an answer on {self.replica}")
-        assert done.response["status"] in ("completed", "incomplete"), done.response  # tiny: 24 tokens, incomplete
+        # completed, or incomplete at lm.max_new_tokens; a failed answer's reason is in its status_details
+        assert done.response["status"] in ("completed", "incomplete"), done.response
+        text = "".join(e.delta for e in self.events[seen:] if isinstance(e, ResponseTextDelta))
+        assert text.strip(), done.response
+        if self.fleet.lm is None:
+            return done
+        replica = self.fleet.replicas[self.replica]
+        # The answer's connection is still open (kept alive for the next request): its port is this replica's.
+        ours = await asyncio.to_thread(lm_ports, replica.proc.pid, self.fleet.lm.port)
+        assert set(self.fleet.lm_requests(logged)) & ours, (self.replica, ours, self.fleet.lm.log()[logged:][-2000:])
         return done
 
     async def closed(self) -> str:
@@ -248,9 +300,30 @@ class Talker:
 
 
 @pytest.fixture
-def fleet(tmp_path):
+def fleet(tmp_path, monkeypatch):
+    """Three replicas sharing one llama.cpp server, behind the proxy."""
     haproxy = haproxy_or_skip()
-    fleet = Fleet(tmp_path, haproxy)
+    lm = LlamaServer(n_ctx=4096)  # skips (fails in CI) without llama-cpp-python[server]
+    # llama-cpp-python's server by default ends a streaming answer ([DONE], no finish reason) whenever another
+    # request arrives; with several sessions asking and warming at once, answers would be cut. Queue instead
+    # (the setting of its --interrupt_requests False, read from the environment the server inherits).
+    monkeypatch.setenv("INTERRUPT_REQUESTS", "false")
+    fleet = None
+    try:
+        lm.start()
+        fleet = Fleet(tmp_path, haproxy, lm)
+        yield fleet
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        lm.stop()
+        lm.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def local_fleet(tmp_path):
+    """Three replicas with the tiny profile's own answerer, behind the proxy."""
+    fleet = Fleet(tmp_path, haproxy_or_skip(), None)
     try:
         yield fleet
     finally:
@@ -273,12 +346,19 @@ async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
     talkers: list[Talker] = []
     try:
         await until(fleet.all_ready, "every replica ready and UP in haproxy", START_TIMEOUT_S, 0.25)
+        for r in fleet.replicas.values():  # each loaded its ASR and no language model: the server holds that
+            said = r.log.read_text(errors="replace")
+            assert f"on the server at {fleet.lm.base_url}" in said and "loading lm" not in said, r.tail()
         for _ in range(SESSIONS):  # one at a time, so each lands by least connections
             talkers.append(await Talker(fleet).open())
         assert await asyncio.to_thread(fleet.counts) == dict.fromkeys(REPLICAS, SESSIONS // len(REPLICAS))
         assert all(t.header == t.replica for t in talkers)  # the proxy's word and the replicas' agree
         for t in talkers:
             await until(lambda t=t: t.transcripts(), f"transcripts on {t.replica}")
+        # One question through each replica: every one answered by the one LM server.
+        for name in REPLICAS:
+            await next(t for t in talkers if t.replica == name).answer()
+        assert all(t.errors() == [] for t in talkers)
 
         # SIGTERM: the replica closes its sessions (1001, going away) and exits 0.
         r1 = fleet.replicas["r1"]
@@ -323,16 +403,22 @@ async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
             await t.close()
 
 
-def test_bench_serve_url_through_the_proxy(capsys, fleet):
+def test_bench_serve_url_through_the_proxy(capsys, local_fleet):
     """`runtime bench serve --url` pointed at the proxy: three conversations at once land on three replicas
-    (each replica's own counters show its share), with every turn answered and no error."""
+    (each replica's own counters show its share), with every turn answered and no error.
+
+    The replicas answer locally here, not from the shared server: a voice turn whose answer is slow to open (a
+    remote server's single slot queuing three sessions on 2 cores: seconds) has its assistant item placed after
+    the next input buffer's in-progress user item, which the random ASR opens with deltas during the silence,
+    so that turn's response finds no user message since the last answer and fails with no_input."""
+    fleet = local_fleet
     asyncio.run(until(fleet.all_ready, "every replica ready and UP in haproxy", START_TIMEOUT_S, 0.25))
     code, out, err = run_cli(capsys, "bench", "serve", "--url", f"ws://127.0.0.1:{fleet.port}/v1", "--quick",
                              "--sessions", str(len(REPLICAS)), "--json", "-q")
     assert code == 0, err
     result = json.loads(out)
     m = result["per_m"][str(len(REPLICAS))]
-    assert m["turns_spoken"] == m["turns_answered"] == 2 * len(REPLICAS) and m["lost"] == 0
+    assert m["turns_spoken"] == m["turns_answered"] == 2 * len(REPLICAS) and m["lost"] == 0, result
     assert m["errors"] == 0 and m["sessions_failed"] == 0
     assert 0 < m["turn_latency_ms"]["p50"] <= m["turn_latency_ms"]["p95"]
     assert result["probe"]["replica"] in REPLICAS  # the proxy's header reached the bench
