@@ -54,7 +54,7 @@ class LlamaServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llama_cpp.server", "--model", self.model, "--host", "127.0.0.1",
              "--port", str(self.port), "--n_ctx", str(self.n_ctx), "--n_threads", str(self.threads),
-             "--n_threads_batch", str(self.threads),
+             "--n_threads_batch", str(self.threads), "--interrupt_requests", "False",
              "--chat_format", "chatml-function-calling", "--model_alias", "smollm2"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

@@ -114,7 +114,8 @@ class QuestionProcessor:
         await self.heard.reached(q.hear_until, q.commits)
         question = q.text if q.text is not None else self.conversation.pending_user_text()
         calls = self.conversation.calls_since_user() if q.text is None else []
-        output = ResponseOutput(q.response_id, q.media_time, q.in_conversation, self.conversation, self.emit)
+        output = ResponseOutput(q.response_id, q.media_time, q.in_conversation, self.conversation, self.emit,
+                                anchor=self.conversation.items[-1].item_id if self.conversation.items else None)
         status, details, first_token_s, tokens, steps, prompt_tokens = "completed", None, None, 0, 0, 0
         answer: RunningAnswer | None = None
         decoding: DecodingStats | None = None

@@ -3,8 +3,9 @@
 Why its own object: a response does not know what it will produce until the model says it (text, or a call's
 arguments, from a remote server possibly several calls), so each output item is opened when its first piece
 arrives (`output_item.added`, `conversation.item.added`, then the deltas) and all are closed together at the end
-(`.done` events in order). A response that produced nothing still closes with an empty message, as the API's
-does, so every response has an output item.
+(`.done` events in order). The items go where the answer began, not where the conversation ends by the time the
+first token comes: speech that started meanwhile is the next turn. A response that produced nothing still closes
+with an empty message, as the API's does, so every response has an output item.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class ResponseOutput:
     in_conversation: bool
     conversation: Conversation
     emit: Emit
+    # where the output goes: after the item that was last when the answer began (None: first). Items opened later
+    # still land there, so a user turn that started while the model thought stays after the answer to the one before.
+    anchor: str | None = None
     items: list[Item] = field(default_factory=list)  # in output order
     message: Item | None = None
     calls: dict[int, Item] = field(default_factory=dict)  # by the model's call index
@@ -99,10 +103,14 @@ class ResponseOutput:
         return self.items
 
     async def _open(self, item: Item) -> Item:
+        after = self.items[-1].item_id if self.items else (self.anchor or "root")
         self.items.append(item)
         previous = None
         if self.in_conversation:
-            self.conversation.add(item)
+            try:
+                self.conversation.add(item, after=after)
+            except KeyError:  # the anchor was deleted meanwhile: the end is the place left
+                self.conversation.add(item)
             previous = self.conversation.previous_id(item.item_id)
         await self.emit(OutputItemAdded(response_id=self.response_id, output_index=self._index(item),
                                         item=item.to_api(), media_time=self.media_time))
