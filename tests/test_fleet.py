@@ -300,14 +300,12 @@ class Talker:
 
 
 @pytest.fixture
-def fleet(tmp_path, monkeypatch):
+def fleet(tmp_path):
     """Three replicas sharing one llama.cpp server, behind the proxy."""
     haproxy = haproxy_or_skip()
     lm = LlamaServer(n_ctx=4096)  # skips (fails in CI) without llama-cpp-python[server]
-    # llama-cpp-python's server by default ends a streaming answer ([DONE], no finish reason) whenever another
-    # request arrives; with several sessions asking and warming at once, answers would be cut. Queue instead
-    # (the setting of its --interrupt_requests False, read from the environment the server inherits).
-    monkeypatch.setenv("INTERRUPT_REQUESTS", "false")
+    # (LlamaServer turns llama-cpp-python's interrupt_requests off: by default a new request ends another
+    # session's stream, and several sessions ask and warm at once here)
     fleet = None
     try:
         lm.start()
@@ -318,16 +316,6 @@ def fleet(tmp_path, monkeypatch):
             fleet.stop()
         lm.stop()
         lm.log_path.unlink(missing_ok=True)
-
-
-@pytest.fixture
-def local_fleet(tmp_path):
-    """Three replicas with the tiny profile's own answerer, behind the proxy."""
-    fleet = Fleet(tmp_path, haproxy_or_skip(), None)
-    try:
-        yield fleet
-    finally:
-        fleet.stop()
 
 
 async def reconnect_and_turn(fleet: Fleet, dead: set[str]) -> Talker:
@@ -403,15 +391,11 @@ async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
             await t.close()
 
 
-def test_bench_serve_url_through_the_proxy(capsys, local_fleet):
+def test_bench_serve_url_through_the_proxy(capsys, fleet):
     """`runtime bench serve --url` pointed at the proxy: three conversations at once land on three replicas
-    (each replica's own counters show its share), with every turn answered and no error.
-
-    The replicas answer locally here, not from the shared server: a voice turn whose answer is slow to open (a
-    remote server's single slot queuing three sessions on 2 cores: seconds) has its assistant item placed after
-    the next input buffer's in-progress user item, which the random ASR opens with deltas during the silence,
-    so that turn's response finds no user message since the last answer and fails with no_input."""
-    fleet = local_fleet
+    (each replica's own counters show its share), answered by the one shared server, with every turn answered and
+    no error. (A voice turn whose answer is slow to open, queued on the server's single slot, once had its item
+    placed after the next turn's in-progress user item; that turn then found no user message: no_input.)"""
     asyncio.run(until(fleet.all_ready, "every replica ready and UP in haproxy", START_TIMEOUT_S, 0.25))
     code, out, err = run_cli(capsys, "bench", "serve", "--url", f"ws://127.0.0.1:{fleet.port}/v1", "--quick",
                              "--sessions", str(len(REPLICAS)), "--json", "-q")
