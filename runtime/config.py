@@ -131,6 +131,12 @@ class ScreenConfig:
     refresh_s: float = 30.0  # a settled picture is read again after this long
     min_confidence: float = 0.6  # lines read less surely are left out
     max_screens: int = 64
+    # The screens' lines in the conversation stay within this many tokens however long the stream: older screens
+    # are cut to their title line, then to a one-line index (memory/screen_notes.py); 0: no budget.
+    max_note_tokens: int = 256
+    # A question that points at screens no longer whole in the context gets their full text, within this many
+    # tokens (the engine takes at most 256 question tokens, instructions included).
+    selected_tokens: int = 128
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from runtime.errors import ConfigError
 from runtime.events import Event
 from runtime.loaded_models import Models
 from runtime.memory.conversation import Conversation
+from runtime.memory.screen_notes import ScreenNotes, token_counter
 from runtime.memory.video import VideoMemory
 from runtime.models.lm import NoAnswerer
 from runtime.models.lm.answering import Answering
@@ -32,7 +33,7 @@ from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
 from runtime.pipeline.prefix_warming import PrefixWarmer
 from runtime.pipeline.response_requests import ResponseRequests
-from runtime.pipeline.screen import ScreenReader
+from runtime.pipeline.screen import NotesWithQuestion, ScreenReader
 from runtime.pipeline.turn_taking import TurnTaking
 from runtime.pipeline.video import VideoProcessor
 from runtime.session import FrameSampler, Session, SessionParts
@@ -100,13 +101,17 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
         answering = models.remote
         warmer = PrefixWarmer(models.remote, conversation, changes, activity,
                               interval_s=profile.lm.warm_interval_s)
+    screen = None
+    if models.reader is not None:  # screen notes in the context within a budget; a question gets the ones it names
+        screen_notes = ScreenNotes(conversation, max_tokens=profile.screen.max_note_tokens,
+                                   selected_tokens=profile.screen.selected_tokens, keep=profile.screen.max_screens,
+                                   count=token_counter(getattr(models.answerer, "tokenizer", None)))
+        screen = ScreenReader(models.reader, profile.screen, worker, emit, screen_notes, changes)
+        answering = NotesWithQuestion(answering, screen_notes)
     answers = QuestionProcessor(questions, answering, emit, conversation, heard, activity, changes,
                                 prefiller=prefiller)
     requests = ResponseRequests(questions, answers, activity, heard, settings, emit)
     turns = TurnTaking(models.turns, settings, activity) if models.turns is not None else None
-    screen = None
-    if models.reader is not None:
-        screen = ScreenReader(models.reader, profile.screen, worker, emit, conversation, changes)
     parts = SessionParts(
         audio_in=audio_in, video_in=video_in, questions=questions, events=events, emit=emit,
         sampler=FrameSampler(profile.video.fps), conversation=conversation, video_memory=video_memory,

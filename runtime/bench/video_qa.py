@@ -11,8 +11,9 @@ an answer runs, so every machine answers from the same stream.
 Per question kind (realtime, backward, speech_screen, not_yet): accuracy by expected keywords (`answers.is_right`;
 a not_yet answer is right when it says the answer is not known and does not give it). Per talk: answer latency
 (response created to first token and to done, wall seconds), the context the answerer holds at the end (tokens,
-and those of the "On screen" lines), and cost: screen reads, their CPU seconds per video second, and the whole
-process's CPU seconds per video minute. `--quick`: the first talk.
+and those of the "On screen" lines; the screen notes' budget, consolidations and selections), and cost: screen
+reads, their CPU seconds per video second, and the whole process's CPU seconds per video minute.
+`--quick`: the first talk.
 """
 
 from __future__ import annotations
@@ -184,6 +185,9 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
                 "context_tokens": len(tokenizer(context)["input_ids"]) if tokenizer else None,
                 "screen_tokens": len(tokenizer(screen_lines)["input_ids"]) if tokenizer else None,
                 "screens": screen.get("screens"), "ocr_reads": screen.get("reads"),
+                # the screen notes' budget: what fills it, batches that rewrote older lines, screens given to questions
+                "screen_notes": {k: screen.get(k) for k in ("context_tokens", "budget_tokens", "consolidations",
+                                                              "recut_tokens", "selected")},
                 "ocr_cpu_s_per_video_s": round(screen.get("read_s", 0.0) / seconds, 4) if seconds else None,
                 "cpu_s_per_video_min": round(cpu / seconds * 60, 1) if seconds else None,
                 "context": context})  # what the last answer read: the transcript and the screens, in order

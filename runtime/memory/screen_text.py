@@ -5,8 +5,8 @@ A read continues the current screen when it holds at least two thirds of the scr
 slide read again, or a slide building up bullet by bullet); matching lines keep their first sighting and take
 the better-read text, new ones join in reading order. Otherwise the current screen closes and a new one opens;
 a read with no text closes it (a scene without text). Lines below `min_confidence` are left out. The screens
-kept are bounded (`max_screens`, oldest dropped): the language model's context holds them as items, and its
-window, not this list, bounds what an answer reads.
+kept are bounded (`max_screens`, oldest dropped); what the language model's context holds of them, within a
+token budget, is the screen notes' business (`screen_notes.py`).
 """
 
 from __future__ import annotations

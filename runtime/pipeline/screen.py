@@ -3,8 +3,12 @@ show joins the conversation and goes to the client.
 
     video frames --> ScreenReader.take --(worker: ChangeDetector says due? -> TextReader.read -> ScreenText.add)
                        |--> `runtime.screen.text` event (a screen opened or changed)
-                       '--> the conversation: one "On screen" item per screen, so answers read it in time order,
-                            beside what was said (the prefiller takes the change)
+                       '--> the screen notes (memory/screen_notes.py): one "On screen" item per screen in the
+                            conversation, so answers read it in time order beside what was said (the prefiller
+                            takes the change), older screens consolidated within `screen.max_note_tokens`
+
+    a question --> NotesWithQuestion.start: the screens it points at that the context no longer holds whole are
+                   given with it (the answerer's question text), so the prefilled context stays as it is
 
 The video processor hands each frame over after its own work, so a frame is read (or skipped) before the next
 one is taken: reading bounds itself. While a read runs, newer frames wait in the video channel, which keeps the
@@ -16,14 +20,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from typing import Any
 
 from runtime.chunks import VideoFrame
 from runtime.config import ScreenConfig
 from runtime.events import ScreenText as ScreenTextEvent
 from runtime.events import error_event
-from runtime.memory.conversation import Conversation, Item
+from runtime.memory.screen_notes import ScreenNotes
 from runtime.memory.screen_text import Screen, ScreenText
+from runtime.models.lm.answering import Answering, AnswerRequest, RunningAnswer
 from runtime.models.ocr.reader import TextReader
 from runtime.pipeline import Emit
 from runtime.pipeline.screen_change import ChangeDetector
@@ -35,9 +41,9 @@ log = logging.getLogger(__name__)
 
 class ScreenReader:
     def __init__(self, reader: TextReader, cfg: ScreenConfig, worker: DeviceWorker, emit: Emit,
-                 conversation: Conversation, changes: ContextChanges) -> None:
+                 notes: ScreenNotes, changes: ContextChanges) -> None:
         self.reader, self.worker, self.emit = reader, worker, emit
-        self.conversation, self.changes = conversation, changes
+        self.notes, self.changes = notes, changes
         self.detector = ChangeDetector(threshold=cfg.threshold, min_interval_s=cfg.min_interval_s,
                                        refresh_s=cfg.refresh_s)
         self.screens = ScreenText(min_confidence=cfg.min_confidence, max_screens=cfg.max_screens)
@@ -68,18 +74,26 @@ class ScreenReader:
         return self.screens.add(frame.time, lines)
 
     async def _publish(self, screen: Screen, now: float) -> None:
-        item = self.conversation.get(screen.screen_id)
-        if item is None:
-            item = Item(screen.screen_id, screen.start, screen.end, role="system", audio=False, label="On screen",
-                        in_api=False)
-            self.conversation.add(item)
-        item.stable, item.end = screen.text, screen.end
+        self.notes.publish(screen.screen_id, screen.start, screen.end, [line.text for line in screen.lines])
         self.changes.mark()
         lines = [{**asdict(line), "box": list(line.box)} for line in screen.lines]
         await self.emit(ScreenTextEvent(screen_id=screen.screen_id, text=screen.text, lines=lines,
                                         start=screen.start, end=screen.end, media_time=now))
 
-    def metrics(self) -> dict[str, float]:
-        """Frames offered, reads, worker seconds reading, screens kept (`runtime.metrics` under `screen`)."""
+    def metrics(self) -> dict[str, Any]:
+        """Frames offered, reads, worker seconds reading, screens kept, and the notes' budget and selections
+        (`runtime.metrics` under `screen`)."""
         return {"frames_offered": self.detector.offered, "reads": self.reads, "read_s": round(self.read_s, 3),
-                "screens": len(self.screens.screens)}
+                "screens": len(self.screens.screens), **self.notes.metrics()}
+
+
+class NotesWithQuestion:
+    """An `Answering` that gives each question the screens it points at (`ScreenNotes.with_question`), around
+    the session's answerer, local or remote: the question is the part of the prompt made per answer, so the
+    prefilled context (and a server's prefix cache) stays valid."""
+
+    def __init__(self, inner: Answering, notes: ScreenNotes) -> None:
+        self.inner, self.notes = inner, notes
+
+    async def start(self, request: AnswerRequest) -> RunningAnswer:
+        return await self.inner.start(replace(request, question=self.notes.with_question(request.question)))
