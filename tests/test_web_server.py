@@ -220,8 +220,9 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
         add({"type": "session.update", "session": session}, "invalid_value")
     for session in ({"voice": "alloy"}, {"modalities": ["text"]}, {"input_audio_format": "pcm16"}):
         add({"type": "session.update", "session": session}, "unknown_parameter")
-    for session in ({"tools": [{"type": "function", "name": "f"}]}, {"audio": {"input": {"noise_reduction": {}}}}):
-        add({"type": "session.update", "session": session}, "unsupported_field")
+    add({"type": "session.update", "session": {"audio": {"input": {"noise_reduction": {}}}}}, "unsupported_field")
+    for session in ({"tools": [{"type": "function", "name": "no spaces"}]}, {"tool_choice": "required"}):
+        add({"type": "session.update", "session": session}, "invalid_value")
     add({"type": "session.update", "session": {"output_modalities": ["audio"]}}, "unsupported_modality")
     for fmt in ("g711_ulaw_x", None, 16000, {"type": "audio/pcm", "rate": 44100}, {"type": "audio/opus"}):
         add({"type": "session.update", "session": {"audio": {"input": {"format": fmt}}}}, "invalid_value")
@@ -260,7 +261,11 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     add({"type": item}, "missing_field")
     for value in ("what moved?", [], None):
         add({"type": item, "item": value}, "invalid_value")
-    for value in ({"type": "function_call"}, {"type": "function_call_output"}):
+    for value in ({"type": "function_call"}, {"type": "function_call_output"}, {"type": "function_call_output",
+                                                                              "call_id": "call_1"}):
+        add({"type": item, "item": value}, "missing_field")
+    add({"type": item, "item": {"type": "function_call_output", "call_id": "call_1", "output": "x"}}, "item_not_found")
+    for value in ({"type": "mcp_call"}, {"type": "mcp_approval_response"}):
         add({"type": item, "item": value}, "unsupported_item")
     for value in ({}, {"content": []}, {"content": "what moved?"}, {"role": "assistant"}, {"role": "system"}):
         add({"type": item, "item": value}, "missing_field")
