@@ -83,3 +83,37 @@ class LlamaServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    """`python -m runtime.bench.llama_server [--port 8000]`: serve the shipped SmolLM2 until Ctrl-C, for
+    `lm.backend = openai` (docs/remote_lm.md) without finding the GGUF file by hand."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--n-ctx", type=int, default=8192, help="the server's context in tokens")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    reason = installed()
+    if reason is not None:
+        raise SystemExit(f"runtime: error: {reason}")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, systemd, `timeout`: stop the server too, as Ctrl-C does
+    server = LlamaServer(args.port, n_ctx=args.n_ctx, threads=args.threads).start()
+    print(f"serving {server.model} at {server.base_url} as model 'smollm2' (log: {server.log_path}); Ctrl-C stops it",
+          flush=True)
+    try:
+        while server.proc is not None and server.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
