@@ -5,6 +5,7 @@ client's `function_call_output` going back in, and the answer that continues fro
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -38,86 +39,79 @@ def engine():
         yield profile, worker, answerer
 
 
-async def _connect(engine):
+@contextlib.asynccontextmanager
+async def talking(engine):
+    """A server on the engine and one SDK connection to it, past its `session.created`."""
     profile, worker, answerer = engine
     server = await RealtimeServer(profile, Models(WordASR(per_item=1000), answerer), worker, port=0).start()
-    return server, AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
+    try:
+        async with client.realtime.connect(model="gpt-realtime") as connection:
+            talk = Conversation(connection)
+            await talk.next("session.created")
+            yield connection, talk
+    finally:
+        await server.stop()
+
+
+async def say(connection, text: str) -> None:
+    await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": text}]})
 
 
 async def test_a_forced_call_is_valid_json_and_its_output_continues_the_conversation(engine):
-    server, client = await _connect(engine)
-    try:
-        async with client.realtime.connect(model="gpt-realtime") as connection:
-            talk = Conversation(connection)
-            await talk.next("session.created")
-            await connection.session.update(session={"type": "realtime", "tools": [WEATHER],
-                                                     "tool_choice": {"type": "function", "name": "get_weather"}})
-            updated = await talk.next("session.updated")
-            assert [t["name"] for t in updated["session"]["tools"]] == ["get_weather"]
-            await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "What's the weather in Paris, in celsius?"}]})
-            await connection.response.create()
-            done = await talk.next("response.done", timeout=120)
-            assert done["response"]["status"] == "completed", done["response"]
-            call = done["response"]["output"][0]
-            assert call["type"] == "function_call" and call["name"] == "get_weather"
-            arguments = json.loads(call["arguments"])  # valid JSON under the schema, from a 135M model
-            assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
-            assert "paris" in arguments["city"].lower()
-            deltas = "".join(e["delta"] for e in talk.of("response.function_call_arguments.delta"))
-            finished = talk.of("response.function_call_arguments.done")[-1]
-            assert deltas == finished["arguments"] == call["arguments"] and finished["call_id"] == call["call_id"]
-            # the client ran it: the output goes back in, and a text answer continues from it
-            await connection.conversation.item.create(item={"type": "function_call_output",
-                                                            "call_id": call["call_id"], "output": "21 degrees, sunny"})
-            added = await talk.next("conversation.item.done")
-            assert added["item"]["type"] == "function_call_output" and added["previous_item_id"] == call["id"]
-            await connection.response.create(response={"tool_choice": "none"})
-            done = await talk.next("response.done", timeout=120)
-            assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
-            text = done["response"]["output"][0]["content"][0]["text"]
-            assert text.strip()
-            assert "21" in text or "sunny" in text.lower(), text  # it read the function's output
-    finally:
-        await server.stop()
+    async with talking(engine) as (connection, talk):
+        await connection.session.update(session={"type": "realtime", "tools": [WEATHER],
+                                                 "tool_choice": {"type": "function", "name": "get_weather"}})
+        updated = await talk.next("session.updated")
+        assert [t["name"] for t in updated["session"]["tools"]] == ["get_weather"]
+        await say(connection, "What's the weather in Paris, in celsius?")
+        await connection.response.create()
+        done = await talk.next("response.done", timeout=120)
+        assert done["response"]["status"] == "completed", done["response"]
+        call = done["response"]["output"][0]
+        assert call["type"] == "function_call" and call["name"] == "get_weather"
+        arguments = json.loads(call["arguments"])  # valid JSON under the schema, from a 135M model
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+        assert "paris" in arguments["city"].lower()
+        deltas = "".join(e["delta"] for e in talk.of("response.function_call_arguments.delta"))
+        finished = talk.of("response.function_call_arguments.done")[-1]
+        assert deltas == finished["arguments"] == call["arguments"] and finished["call_id"] == call["call_id"]
+        # the client ran it: the output goes back in, and a text answer continues from it
+        await connection.conversation.item.create(item={"type": "function_call_output",
+                                                        "call_id": call["call_id"], "output": "21 degrees, sunny"})
+        added = await talk.next("conversation.item.done")
+        assert added["item"]["type"] == "function_call_output" and added["previous_item_id"] == call["id"]
+        await connection.response.create(response={"tool_choice": "none"})
+        done = await talk.next("response.done", timeout=120)
+        assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
+        text = done["response"]["output"][0]["content"][0]["text"]
+        assert text.strip()
+        assert "21" in text or "sunny" in text.lower(), text  # it read the function's output
 
 
 async def test_required_with_two_tools_chooses_one_and_fills_its_schema(engine):
-    server, client = await _connect(engine)
-    try:
-        async with client.realtime.connect(model="gpt-realtime") as connection:
-            talk = Conversation(connection)
-            await talk.next("session.created")
-            await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "What time is it in Tokyo right now?"}]})
-            await connection.response.create(response={"tools": [WEATHER, TIME], "tool_choice": "required"})
-            done = await talk.next("response.done", timeout=120)
-            call = done["response"]["output"][0]
-            assert call["type"] == "function_call" and call["name"] in ("get_weather", "get_time"), call
-            arguments = json.loads(call["arguments"])
-            required = {"get_weather": {"city", "unit"}, "get_time": {"city"}}[call["name"]]
-            assert required <= set(arguments)
-    finally:
-        await server.stop()
+    async with talking(engine) as (connection, talk):
+        await say(connection, "What time is it in Tokyo right now?")
+        await connection.response.create(response={"tools": [WEATHER, TIME], "tool_choice": "required"})
+        done = await talk.next("response.done", timeout=120)
+        call = done["response"]["output"][0]
+        assert call["type"] == "function_call" and call["name"] in ("get_weather", "get_time"), call
+        arguments = json.loads(call["arguments"])
+        required = {"get_weather": {"city", "unit"}, "get_time": {"city"}}[call["name"]]
+        assert required <= set(arguments)
 
 
 async def test_an_output_for_an_unknown_call_is_an_error_and_the_session_goes_on(engine):
-    server, client = await _connect(engine)
-    try:
-        async with client.realtime.connect(model="gpt-realtime") as connection:
-            talk = Conversation(connection)
-            await talk.next("session.created")
-            await connection.conversation.item.create(item={"type": "function_call_output", "call_id": "call_nope",
-                                                            "output": "42"})
-            error = await talk.next("error")
-            assert error["error"]["code"] == "item_not_found" and error["error"]["param"] == "item.call_id"
-            await connection.session.update(session={"type": "realtime", "tool_choice": "required"})
-            error = await talk.next("error")  # required with no tools declared
-            assert error["error"]["param"] == "session.tool_choice"
-            await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "Say hello."}]})
-            await connection.response.create()
-            done = await talk.next("response.done", timeout=120)
-            assert done["response"]["status"] in ("completed", "incomplete")
-    finally:
-        await server.stop()
+    async with talking(engine) as (connection, talk):
+        await connection.conversation.item.create(item={"type": "function_call_output", "call_id": "call_nope",
+                                                        "output": "42"})
+        error = await talk.next("error")
+        assert error["error"]["code"] == "item_not_found" and error["error"]["param"] == "item.call_id"
+        await connection.session.update(session={"type": "realtime", "tool_choice": "required"})
+        error = await talk.next("error")  # required with no tools declared
+        assert error["error"]["param"] == "session.tool_choice"
+        await say(connection, "Say hello.")
+        await connection.response.create()
+        done = await talk.next("response.done", timeout=120)
+        assert done["response"]["status"] in ("completed", "incomplete")
