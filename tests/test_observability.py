@@ -67,6 +67,8 @@ async def test_ready_and_metrics_count_what_the_sessions_did(server_parts):
     assert after["runtime_turns_committed_total"] == 1  # the commit; finish() found the buffer empty
     assert after["runtime_first_token_seconds_count"] == after["runtime_response_seconds_count"] == 1
     assert after["runtime_first_token_seconds_sum"] <= after["runtime_response_seconds_sum"]
+    # the ASR stage: one sample per metrics report (here the session's last, at its end: caught up)
+    assert after["runtime_asr_lag_seconds_count"] >= 1 and after["runtime_asr_lag_seconds_sum"] >= 0
 
 
 async def test_not_ready_when_full_or_when_the_worker_does_not_answer(server_parts, monkeypatch):

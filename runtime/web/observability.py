@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from runtime.events import AudioBufferCommitted, Event, ResponseDone
+from runtime.events import AudioBufferCommitted, Event, Metrics, ResponseDone
 from runtime.metrics import LoopLagMonitor, rss_mb
 from runtime.session import Session
 from runtime.worker import DeviceWorker, Priority
@@ -82,6 +82,9 @@ class ServerMetrics:
                                      "token", buckets=SECONDS, registry=self.registry)
         self.answer_time = Histogram("runtime_response_seconds", "From a response's request to its end",
                                      buckets=SECONDS, registry=self.registry)
+        self.asr_lag = Histogram("runtime_asr_lag_seconds", "How far the transcript trails the audio received, "
+                                 "per session metrics report (the ASR stage's latency)", buckets=SECONDS,
+                                 registry=self.registry)
 
     def observe(self, event: Event) -> None:
         """Count what an event says happened (called for every event a session sends)."""
@@ -96,6 +99,10 @@ class ServerMetrics:
                 self.answer_time.observe(float(timing["total_s"]))
         elif isinstance(event, AudioBufferCommitted):
             self.turns.inc()
+        elif isinstance(event, Metrics):
+            lag = (event.metrics.get("asr") or {}).get("lag_s")
+            if isinstance(lag, int | float):
+                self.asr_lag.observe(max(0.0, float(lag)))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
