@@ -138,7 +138,7 @@ class QuestionProcessor:
                     break
                 tokens += step.tokens
                 steps += 1
-                if first_token_s is None:
+                if first_token_s is None and step.tokens:  # a server's chunks without a token do not count
                     first_token_s = time.perf_counter() - q.asked_wall
                 if step.call is not None:
                     await output.add_call(step.call)
