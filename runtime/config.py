@@ -45,6 +45,12 @@ class ASRConfig:
     # own decoder over all its block-causal frames) | offline (the checkpoint without adapter, full context).
     final_pass: str = "none"
     final_pass_dtype: str = ""  # the offline pass's weights: float32 | bfloat16 | float16 ("": the profile's dtype)
+    # the offline pass encodes the item padded to the next multiple of this many seconds, the rest of Whisper's 30 s
+    # window being silence's states (whisper_window.py); 30: Whisper's own window for every item
+    final_pass_window_s: float = 30.0
+    # causal-whisper: the decoders' vocabulary projection (stream and final pass): "" (the model's dtype) | int8
+    # (weight-only, bfloat16 activations, on CPU: whisper_head.py)
+    head_weights: str = ""
     # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
     lookahead_ms: int = 1040
     # fastconformer CTC decoding: greedy (each frame's argmax) | beam (prefix beam search scored with a word

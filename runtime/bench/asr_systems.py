@@ -5,7 +5,8 @@ the rows of the same run.
 Systems (`--systems`, default all): `whisper-offline` (tiny.en greedy over the whole clip, padded to 30 s: the
 ceiling), `causal-whisper-<ms>ms` (the block-causal stream at each `--chunks` size, `--adapter` merged),
 `causal-whisper-<ms>ms+decoder` / `+offline` (kind `two-pass`: the same stream, each committed clip decoded once
-more by its own decoder over all its frames / by the offline ceiling's model: `asr.final_pass`),
+more by its own decoder over all its frames / by the offline ceiling's model: `asr.final_pass`; the causal rows
+take the `whisper-tiny-en` profile's `head_weights`, the offline pass its dtype and window too),
 `whisper-buffered-1s` (LocalAgreement-2 re-decoding every 1 s), `faster-whisper-int8` (CTranslate2 int8 on the
 same tiny.en folder, offline, one greedy pass, 2 threads: the speed peer; a row with a `reason` when the package
 is missing) and `fastconformer` (the shipped model under the demo profile's ASR settings). Sets: `synthetic`
@@ -188,14 +189,19 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         ends = {s.name: [aligner.word_ends(a, ids) for a, ids in zip(s.audios, reference[s.name][0], strict=True)]
                 for s in present}
     if {"causal", "two-pass"} & set(kinds):
+        # as the whisper-tiny-en profile runs them: its decoders' head, its offline pass's dtype and window
+        profile = load_profile("whisper-tiny-en").asr
         cfg = ASRConfig(backend="causal-whisper", model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None)
-                        or "")
+                        or "", head_weights=profile.head_weights)
         first = load_asr(cfg, device=device, dtype=dtype, progress=status)
         passes: dict[str, FinalPass | None] = {"": None} if "causal" in kinds else {}
-        if "two-pass" in kinds:  # the offline pass in the dtype the whisper-tiny-en profile gives it
-            pass_dtype = load_profile("whisper-tiny-en").asr.final_pass_dtype or dtype
+        head = f", head {profile.head_weights}" if profile.head_weights else ""
+        if "two-pass" in kinds:
+            pass_dtype = profile.final_pass_dtype or dtype
+            window = profile.final_pass_window_s
             second = offline_decoder(copy.deepcopy(offline.model), offline.tokenizer, whisper_path(ref),
-                                     replace(offline.cfg, max_new_tokens=OFFLINE_TOKENS), device, pass_dtype)
+                                     replace(offline.cfg, max_new_tokens=OFFLINE_TOKENS, head_weights=
+                                             profile.head_weights, final_pass_window_s=window), device, pass_dtype)
             passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second)})
         for ms in chunks:
             for name, final in passes.items():
@@ -203,8 +209,8 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                 asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=final)
                 settings[causal_id(ms, name)] = (
                     f"{ref}, block-causal, {ms} ms chunks, look-back {cfg.lookback_tokens} tokens, adapter "
-                    f"{cfg.adapter or 'none'}" + (f", final pass {name} at the end of each clip" if name else "")
-                    + (f" ({pass_dtype})" if name == "offline" else ""))
+                    f"{cfg.adapter or 'none'}{head}" + (f", final pass {name} at the end of each clip" if name else "")
+                    + (f" ({pass_dtype}, {window:g} s windows)" if name == "offline" else ""))
                 streamed(causal_id(ms, name), asr)
     if "buffered" in kinds:
         settings[BUFFERED] = (f"{ref}, LocalAgreement-2, re-decoded every {buffered.cfg.step_s:g} s, items of "

@@ -35,6 +35,7 @@ from runtime.errors import ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
+from runtime.models.asr.whisper_window import WindowedEncoder
 from runtime.models.loading import load_progress
 
 MAX_BUFFER_S = 30.0  # Whisper's encoder sees exactly 30 s
@@ -61,7 +62,10 @@ class WhisperBuffered:
         cfg: ASRConfig,
         *,
         name: str = "whisper",
+        window_s: float = MAX_BUFFER_S,
     ) -> None:
+        """`window_s` < 30 encodes only the audio padded to the next multiple of `window_s` (`whisper_window.py`):
+        the `offline` final pass's setting; the buffered peer keeps Whisper's 30 s."""
         if cfg.step_s <= 0 or not 0 < cfg.segment_s <= MAX_BUFFER_S:
             raise ConfigError(
                 f"asr.step_s must be > 0 and asr.segment_s in (0, {MAX_BUFFER_S:g}] "
@@ -72,6 +76,7 @@ class WhisperBuffered:
         self.feature_extractor = feature_extractor
         self.cfg = cfg
         self.name = name
+        self.encoder = WindowedEncoder(model.model.encoder, feature_extractor, window_s)
         self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
         self.suppress = suppressed_ids(model)
         self.eos_id = tokenizer.eos_token_id
@@ -95,10 +100,9 @@ class WhisperBuffered:
 
     @torch.inference_mode()
     def encode(self, audio: np.ndarray) -> torch.Tensor:
-        """Encoder states [1, frames, d] of up to 30 s of audio (the feature extractor pads to 30 s)."""
-        features = self.feature_extractor(audio, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
-        features = features.to(self.model.device, self.model.dtype)
-        return self.model.model.encoder(features).last_hidden_state
+        """Encoder states [1, 1500, d] of up to 30 s of audio: Whisper's own 30 s window, or with `window_s` < 30
+        the audio's windows and silence after them (`whisper_window.WindowedEncoder`)."""
+        return self.encoder(audio)
 
     def _next_logits(self, ids: torch.Tensor, states: torch.Tensor, cache: EncoderDecoderCache | None) -> torch.Tensor:
         hidden = self.model.model.decoder(

@@ -1,0 +1,161 @@
+"""The offline final pass's shorter encoder window (`asr.final_pass_window_s`, whisper_window.py) and the decoders'
+int8 vocabulary projection (`asr.head_weights`, whisper_head.py), on the tiny random Whisper.
+
+- At 30 s the windowed encoder is transformers' own `WhisperEncoder.forward`.
+- A short turn is encoded on its own window only: those frames equal transformers' encoder run on a copy of the
+  model cut to that many positions, over the 30 s log-mel cut to the window; the frames after it are the states
+  transformers' encoder gives a silent 30 s clip; the decoder still reads 1500 frames.
+- The final pass's transcript is the greedy decode of exactly those states, streamed or offline.
+- The int8 head's logits are a float product with its dequantised weights (bfloat16 activations), and a stream
+  with it equals its offline computation.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from test_causal_whisper_decoder import chunk_sizes, make_audio, run_stream
+from transformers import WhisperForConditionalGeneration
+
+from runtime.chunks import SAMPLE_RATE
+from runtime.config import ASRConfig
+from runtime.errors import ConfigError
+from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+from runtime.models.asr.registry import load_asr
+from runtime.models.asr.whisper_buffered import WhisperBuffered
+from runtime.models.asr.whisper_head import Int8Head, quantize_head
+from runtime.models.asr.whisper_window import WindowedEncoder, encoder_frames
+
+
+@pytest.fixture(scope="module")
+def buffered() -> WhisperBuffered:
+    asr = load_asr(ASRConfig(max_new_tokens=24), device="cpu", dtype="float32")
+    assert isinstance(asr, WhisperBuffered)
+    return asr
+
+
+def full_features(asr: WhisperBuffered, audio: np.ndarray) -> torch.Tensor:
+    """Whisper's own features: the audio padded to 30 s (3000 mel frames)."""
+    return asr.feature_extractor(audio, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+
+
+def cut_encoder(model: WhisperForConditionalGeneration, frames: int) -> torch.nn.Module:
+    """transformers' encoder of a copy of `model` that has only `frames` positions (its forward checks the length)."""
+    enc = copy.deepcopy(model.model.encoder)
+    enc.config = copy.deepcopy(enc.config)
+    enc.config.max_source_positions = frames
+    table = enc.embed_positions.weight.data[:frames].clone()
+    enc.embed_positions = torch.nn.Embedding(frames, table.shape[1])
+    enc.embed_positions.weight.data.copy_(table)
+    return enc
+
+
+def test_window_frames_round_each_turn_up_to_its_window() -> None:
+    assert encoder_frames(round(2.7 * SAMPLE_RATE), 5.0) == 250
+    assert encoder_frames(5 * SAMPLE_RATE, 5.0) == 250
+    assert encoder_frames(5 * SAMPLE_RATE + 1, 5.0) == 500
+    assert encoder_frames(12 * SAMPLE_RATE, 10.0) == 1000
+    assert encoder_frames(29 * SAMPLE_RATE, 10.0) == 1500  # never past 30 s
+    assert encoder_frames(40 * SAMPLE_RATE, 5.0) == 1500
+    assert encoder_frames(1, 30.0) == encoder_frames(40 * SAMPLE_RATE, 30.0) == 1500
+    for bad in (0.0, -5.0, 31.0, 0.015):
+        with pytest.raises(ConfigError, match="final_pass_window_s"):
+            encoder_frames(16_000, bad)
+
+
+def test_at_30_s_the_encoder_is_whispers_own(buffered: WhisperBuffered) -> None:
+    audio = make_audio(3.0)
+    with torch.inference_mode():
+        theirs = buffered.model.model.encoder(full_features(buffered, audio)).last_hidden_state
+    assert buffered.encoder.silence is None  # nothing extra encoded at load
+    ours = buffered.encode(audio)
+    assert ours.shape == theirs.shape == (1, 1500, buffered.model.config.d_model)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_a_short_turn_is_encoded_on_its_window_with_silence_after_it(buffered: WhisperBuffered) -> None:
+    audio = make_audio(2.7)
+    enc = buffered.model.model.encoder
+    seen: list[tuple[int, ...]] = []
+    hook = enc.layers[0].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        windowed = WindowedEncoder(enc, buffered.feature_extractor, 5.0)
+        assert seen == [(1, 1500, enc.config.d_model)]  # the silence, once, at set-up
+        states = windowed(audio)
+    finally:
+        hook.remove()
+    assert seen[1:] == [(1, 250, enc.config.d_model)]  # the turn: 2.7 s in one 5 s window, not 30 s
+    assert states.shape == (1, 1500, enc.config.d_model)
+    with torch.inference_mode():
+        head = cut_encoder(buffered.model, 250)(full_features(buffered, audio)[..., :500]).last_hidden_state
+        silence = enc(full_features(buffered, np.zeros(SAMPLE_RATE, np.float32))).last_hidden_state
+    torch.testing.assert_close(states[:, :250], head, rtol=0, atol=1e-5)
+    torch.testing.assert_close(states[:, 250:], silence[:, 250:], rtol=0, atol=1e-5)
+    with torch.inference_mode():
+        whole = buffered.model.model.encoder(full_features(buffered, audio)).last_hidden_state
+    assert (states - whole).abs().max() > 1e-3  # not the 30 s encoding: the window did change the computation
+
+
+def test_the_offline_pass_decodes_the_windowed_states_streamed_or_offline(buffered: WhisperBuffered) -> None:
+    cfg = ASRConfig(chunk_ms=300, reset_s=30.0, max_new_tokens=24, loop_repeats=0, final_pass="offline",
+                    final_pass_window_s=1.0)
+    asr = CausalWhisperASR.load(cfg, device="cpu", dtype="float32")
+    assert asr.final_pass is not None and asr.final_pass.offline.encoder.window_s == 1.0  # type: ignore[attr-defined]
+    audio = make_audio(4.5)
+    windowed = WindowedEncoder(buffered.model.model.encoder, buffered.feature_extractor, 1.0)
+
+    def expected(turn: np.ndarray) -> str:
+        """Greedy, cache-free, over the states of the turn's windows and silence after them."""
+        with torch.inference_mode():
+            return buffered.text(buffered._greedy(windowed(turn), (), cached=False))
+
+    reference = asr.offline_transcript(audio)
+    for chunking in ("whole", "ragged"):
+        done = [u for u in run_stream(asr.open_stream(), audio, chunk_sizes(len(audio), chunking)) if u.completed]
+        assert "".join(u.transcript for u in done) == reference, chunking
+        start = round(done[-2].end * SAMPLE_RATE) if len(done) > 1 else 0  # the committed item's audio
+        assert len(audio) - start > SAMPLE_RATE  # more than one window: two of them encoded
+        assert done[-1].transcript == expected(audio[start:]) != "", chunking
+
+
+def test_a_bad_window_or_head_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="final_pass_window_s"):
+        CausalWhisperASR.load(ASRConfig(final_pass="offline", final_pass_window_s=45.0), device="cpu", dtype="float32")
+    with pytest.raises(ConfigError, match="head_weights"):
+        CausalWhisperASR.load(ASRConfig(head_weights="int4"), device="cpu", dtype="float32")
+
+
+def test_the_int8_head_is_a_product_with_its_dequantised_weights(buffered: WhisperBuffered) -> None:
+    weight = buffered.model.proj_out.weight.detach()
+    head = Int8Head(weight)
+    deq = head.dequantized()
+    row_max = weight.abs().amax(dim=1, keepdim=True)
+    # half an int8 step of the row's scale, plus the scale's own bfloat16 rounding (8 bits)
+    assert ((deq - weight).abs() <= row_max / 254 + row_max * 2**-8 + 1e-7).all()
+    x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (5, weight.shape[0])
+    reference = x.bfloat16().float() @ deq.T
+    torch.testing.assert_close(logits, reference, rtol=2e-2, atol=2e-2)
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    assert (logits - x @ weight.T).abs().max() > 0  # it is not the float head
+
+
+def test_a_stream_with_the_int8_head_equals_its_offline_computation() -> None:
+    cfg = ASRConfig(chunk_ms=300, reset_s=3.0, max_new_tokens=60, loop_repeats=0, head_weights="int8")
+    asr = CausalWhisperASR.load(cfg, device="cpu", dtype="float32")
+    assert isinstance(asr.model.proj_out, Int8Head)
+    assert quantize_head(asr.model, "int8").proj_out is asr.model.proj_out  # once
+    plain = CausalWhisperASR.load(ASRConfig(chunk_ms=300, reset_s=3.0, max_new_tokens=60, loop_repeats=0),
+                                  device="cpu", dtype="float32")
+    assert isinstance(plain.model.proj_out, torch.nn.Linear)
+    audio = make_audio(4.5)
+    reference = asr.offline_transcript(audio)
+    assert reference.strip()
+    for chunking in ("whole", "one-sample", "ragged"):
+        done = [u for u in run_stream(asr.open_stream(), audio, chunk_sizes(len(audio), chunking)) if u.completed]
+        assert len(done) >= 2, "the stream must cross a reset"
+        assert "".join(u.transcript for u in done) == reference, chunking
