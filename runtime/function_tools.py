@@ -38,7 +38,8 @@ class FunctionTool:
                 "parameters": self.schema()}
 
     def schema(self) -> dict[str, Any]:
-        return self.parameters or {"type": "object", "properties": {}}
+        """The arguments' schema; a function declared without one takes none (not any object the model invents)."""
+        return self.parameters or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def names_schema(use: ToolUse) -> dict[str, Any]:
     return {"type": "string", "enum": [t.name for t in use.tools]}
 
 
-def tools_prompt(use: ToolUse) -> str:
-    """What a local model is told about the functions it may call (a line each)."""
-    lines = [f"- {t.name}: {t.description or '(no description)'}" for t in use.tools]
+def tools_prompt(use: ToolUse, max_description: int = 160) -> str:
+    """What a local model is told about the functions it may call (a line each, descriptions cut to fit)."""
+    lines = [f"- {t.name}: {(t.description or '(no description)')[:max_description]}" for t in use.tools]
     return "Functions you can call:\n" + "\n".join(lines)

@@ -319,7 +319,7 @@ class Session:
         return item.item_id
 
     async def delete_item(self, item_id: str) -> bool:
-        if not self.conversation.delete(item_id):
+        if self.conversation.api_item(item_id) is None or not self.conversation.delete(item_id):
             return False
         self.changes.mark()
         await self.emit(ItemDeleted(item_id=item_id, media_time=self.media_time))
@@ -341,7 +341,7 @@ class Session:
         await self.emit(ItemTruncated(item_id=item_id, content_index=0, audio_end_ms=0, media_time=self.media_time))
 
     async def retrieve_item(self, item_id: str) -> bool:
-        item = self.conversation.get(item_id)
+        item = self.conversation.api_item(item_id)
         if item is not None:
             await self.emit(ItemRetrieved(item=item.to_api(), media_time=self.media_time))
         return item is not None

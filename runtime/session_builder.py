@@ -100,7 +100,7 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
     if models.remote is not None:  # a server answers: its prefix cache plays the prefiller's part
         answering = models.remote
         warmer = PrefixWarmer(models.remote, conversation, changes, activity,
-                              interval_s=profile.lm.warm_interval_s)
+                              interval_s=profile.lm.warm_interval_s, settings=settings)
     screen = None
     if models.reader is not None:  # screen notes in the context within a budget; a question gets the ones it names
         screen_notes = ScreenNotes(conversation, max_tokens=profile.screen.max_note_tokens,

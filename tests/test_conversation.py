@@ -84,3 +84,43 @@ def test_the_runtimes_own_items_are_not_the_apis_previous_item() -> None:
     assert c.add(Item("item_b", 2.0, 3.0, audio=False, stable="next")) == "item_a"
     assert c.previous_id("item_b") == "item_a" and c.previous_id("item_a") is None
     assert "[00:01.0] On screen: Budget" in c.context()  # the answerer still reads it
+
+
+def _typed(item_id: str, text: str, role: str = "user", **kw) -> Item:
+    return Item(item_id, 1.0, 1.0, role=role, audio=False, stable=text, completed=True, **kw)
+
+
+def _call(item_id: str, call_id: str, arguments: str, status: str = "completed") -> Item:
+    return _typed(item_id, arguments, "assistant", type="function_call", call_id=call_id, name="get_weather",
+                  status=status)
+
+
+def _output(item_id: str, call_id: str, output: str) -> Item:
+    return _typed(item_id, output, type="function_call_output", call_id=call_id, name="get_weather")
+
+
+def test_a_call_continued_after_text_the_calling_response_said_still_answers_the_users_question():
+    c = Conversation([_typed("u1", "Weather in Paris?"), _typed("a1", "Let me check.", "assistant"),
+                      _call("f1", "call_1", '{"city":"Paris"}'), _output("o1", "call_1", "18 C")])
+    assert c.pending_user_text() == "Weather in Paris?"
+    assert [it.item_id for it in c.calls_since_user()] == ["f1", "o1"]
+    # a finished answer after the exchange ends it: nothing is pending
+    c.items.append(_typed("a2", "It is 18 C.", "assistant"))
+    assert c.pending_user_text() == ""
+
+
+def test_an_output_that_landed_after_a_screen_or_was_multi_line_is_still_its_calls():
+    screen = _typed("s1", "Quarterly budget", "system", label="On screen", in_api=False)
+    c = Conversation([_typed("u1", "Weather in Paris?"), _call("f1", "call_1", '{"city":"Paris"}'), screen,
+                      _output("o1", "call_1", '{\n  "temp": 18\n}')])
+    assert [it.item_id for it in c.calls_since_user()] == ["f1", "o1"]
+    without = c.context(without=frozenset({"f1", "o1"}))
+    assert "returned" not in without and "called" not in without and "Quarterly budget" in without
+    assert "Weather in Paris?" in without
+
+
+def test_a_call_cut_short_is_not_continued_and_hidden_items_are_not_addressable():
+    c = Conversation([_typed("u1", "Weather?"), _call("f1", "call_1", '{"ci', status="incomplete"),
+                      _typed("s1", "Slide", "system", label="On screen", in_api=False)])
+    assert c.calls_since_user() == []
+    assert c.api_item("s1") is None and c.get("s1") is not None and c.api_item("u1") is not None

@@ -115,3 +115,17 @@ async def test_an_output_for_an_unknown_call_is_an_error_and_the_session_goes_on
         await connection.response.create()
         done = await talk.next("response.done", timeout=120)
         assert done["response"]["status"] in ("completed", "incomplete")
+
+
+async def test_a_forced_call_among_many_long_tools_fits_the_question(engine):
+    long = "Look the thing up in the company's systems and return what they say, with every detail they hold. " * 2
+    tools = [{"type": "function", "name": f"lookup_{i}", "description": long, "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}} for i in range(8)]
+    async with talking(engine) as (connection, talk):
+        await say(connection, "Find the invoice for Acme.")
+        await connection.response.create(response={"tools": [*tools, WEATHER],
+                                                   "tool_choice": {"type": "function", "name": "lookup_3"}})
+        done = await talk.next("response.done", timeout=120)
+        assert done["response"]["status"] == "completed", done["response"]  # not "the question is too long"
+        call = done["response"]["output"][0]
+        assert call["name"] == "lookup_3" and "query" in json.loads(call["arguments"])

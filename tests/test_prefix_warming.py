@@ -20,7 +20,7 @@ class Recorder:
         self.sent: list[tuple[float, str]] = []
         self.fail = fail
 
-    async def warm(self, context: str) -> None:
+    async def warm(self, context: str, tools: object = None) -> None:
         self.sent.append((time.monotonic(), context))
         if self.fail:
             self.fail -= 1

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 from llama_server import LlamaServer, free_port
+from openai.types.chat import ChatCompletionChunk
 from session_fakes import WordASR
 
 from runtime.config import load_profile, with_overrides
@@ -20,7 +21,13 @@ from runtime.function_tools import FunctionTool, ToolUse
 from runtime.loaded_models import Models
 from runtime.models.lm import NoAnswerer
 from runtime.models.lm.answering import AnswerRequest, PastCall
-from runtime.models.lm.remote_answerer import RemoteAnswerer, RemoteError, chat_messages, transcript_message
+from runtime.models.lm.remote_answerer import (
+    RemoteAnswer,
+    RemoteAnswerer,
+    RemoteError,
+    chat_messages,
+    transcript_message,
+)
 from runtime.session_builder import open_session
 
 WEATHER = FunctionTool("get_weather", "Get the current weather in a city",
@@ -91,6 +98,44 @@ async def test_a_server_that_is_not_there_fails_once_the_connect_deadline_passes
     with pytest.raises(RemoteError, match="cannot reach the LM server"):
         await remote.start(AnswerRequest("", "hello?"))
     assert time.monotonic() - started >= 0.7  # retried with backoff until the deadline, not given up at once
+
+
+def _chunk(delta: dict, finish: str | None = None) -> ChatCompletionChunk:
+    return ChatCompletionChunk.model_validate({"id": "c", "object": "chat.completion.chunk", "created": 0,
+                                               "model": "m", "choices": [{"index": 0, "delta": delta,
+                                                                          "finish_reason": finish}]})
+
+
+class _Chunks:
+    """A finished stream's chunks as the SDK hands them over (what a server sent, already parsed)."""
+
+    def __init__(self, chunks: list[ChatCompletionChunk]) -> None:
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            yield chunk
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_parallel_calls_in_one_chunk_each_become_a_step():
+    calls = [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+             {"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    stream = _Chunks([_chunk({"role": "assistant", "content": "Checking."}), _chunk({"tool_calls": calls}),
+                      _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city":"Paris"}'}}]}),
+                      _chunk({}, "tool_calls")])
+    answer = RemoteAnswer(stream, 5.0, "http://x/v1")
+    steps = []
+    while not (step := await answer.step()).done:
+        steps.append(step)
+    assert [s.text for s in steps if s.text] == ["Checking."]
+    pieces = [(s.call.call_id, s.call.name, s.call.arguments) for s in steps if s.call]
+    assert pieces == [("call_a", "get_weather", ""), ("call_b", "get_time", "{}"),
+                      ("call_a", "get_weather", '{"city":"Paris"}')]
+    assert step.finish_reason == "stop"
 
 
 # -- against llama.cpp's server ----------------------------------------------------------------------------------

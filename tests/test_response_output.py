@@ -107,3 +107,45 @@ async def test_an_answer_that_says_nothing_still_has_its_message():
     done = next(e for e in events if e.type == "response.done").response
     assert done["status"] == "completed" and [o["type"] for o in done["output"]] == ["message"]
     assert [e.type for e in events].count("response.output_item.added") == 1
+
+
+class Closing(Scripted):
+    """Starts only when let go; counts its closes."""
+
+    closed = 0
+
+    async def close(self) -> None:
+        Closing.closed += 1
+
+
+@pytest.mark.asyncio
+async def test_a_cancel_while_the_answer_is_starting_ends_the_response_at_once_and_closes_the_late_start():
+    conversation = Conversation([spoken("u1", "Tell me a story.")])
+    answering = Closing([Step(text="Once", tokens=1)])
+    answering.go.clear()  # a server still connecting
+    events: list = []
+
+    async def emit(event) -> None:
+        events.append(event)
+
+    channel: BlockingChannel[Question] = BlockingChannel(4, "questions")
+    processor = QuestionProcessor(channel, answering, emit, conversation, HeardClock(), AnswerActivity(),
+                                  ContextChanges())
+    task = asyncio.create_task(processor.run())
+    q = Question(None, 1.0, 0.0)
+    await channel.put(q)
+    while not answering.requests:  # the start is in flight
+        await asyncio.sleep(0.01)
+    assert processor.cancel()
+    await asyncio.wait_for(q.answered.wait(), 2)  # not held by the start that has not finished
+    done = next(e for e in events if e.type == "response.done").response
+    assert done["status"] == "cancelled" and not any(e.type == "response.output_text.delta" for e in events)
+    assert Closing.closed == 0
+    answering.go.set()  # the start completes after all: what it opened is closed
+    for _ in range(100):
+        if Closing.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert Closing.closed == 1
+    channel.close()
+    await task

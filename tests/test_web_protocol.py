@@ -127,6 +127,8 @@ def test_escaped_surrogate_pairs_and_plain_unicode_are_text():
     (msg("conversation.item.create", item={"type": "function_call"}), "missing_field"),
     (msg("conversation.item.create", item={"type": "function_call_output", "call_id": "c"}), "missing_field"),
     (msg("conversation.item.create", item={"type": "mcp_call"}), "unsupported_item"),
+    (msg("conversation.item.create", item={"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}),
+     "invalid_value"),
     (msg("conversation.item.create", item={"content": [{"type": "input_text", "text": "x"}]}, previous_item_id=3),
      "invalid_value"),
     (msg("conversation.item.delete"), "missing_field"),

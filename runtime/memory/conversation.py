@@ -116,6 +116,11 @@ class Conversation:
     def get(self, item_id: str) -> Item | None:
         return next((it for it in reversed(self.items) if it.item_id == item_id), None)
 
+    def api_item(self, item_id: str) -> Item | None:
+        """An item a client may address (the runtime's own, such as a screen's text, are not among them)."""
+        item = self.get(item_id)
+        return item if item is not None and item.in_api else None
+
     def previous_id(self, item_id: str) -> str | None:
         """The id of the API item before `item_id` (the runtime's own items are skipped: clients never saw them)."""
         ids = [it.item_id for it in self.items]
@@ -136,10 +141,14 @@ class Conversation:
         including the latest spoken one (earlier speech, say an hour of captioned talk, is context, not the
         question)."""
         texts: list[str] = []
+        calls = False
         for item in reversed(self.items):
             if item.is_call:  # a call and its output belong to the exchange the user's message opened
+                calls = True
                 continue
             if item.role == "assistant":
+                if calls and not texts:  # what the calling response said beside its calls: the same exchange
+                    continue
                 break
             if item.role == "user" and item.text:
                 texts.append(item.text)
@@ -148,22 +157,24 @@ class Conversation:
         return " ".join(reversed(texts))
 
     def calls_since_user(self) -> list[Item]:
-        """The function calls and outputs after the user's latest message: the exchange a response continues."""
-        tail: list[Item] = []
-        for item in reversed(self.items):
-            if not item.is_call:
-                break
-            tail.append(item)
-        return tail[::-1]
+        """The exchange a response continues: the function calls made since the user's latest message (a
+        complete one: a call cut short has no arguments to show), each followed by the outputs the client sent
+        for it, wherever they landed (speech or a screen may come between a call and its output)."""
+        user = max((i for i, it in enumerate(self.items) if it.role == "user" and not it.is_call and it.in_api
+                    and it.text), default=-1)
+        calls = [it for it in self.items[user + 1:] if it.type == "function_call" and it.status == "completed"]
+        ids = {c.call_id for c in calls}
+        outputs = [it for it in self.items if it.type == "function_call_output" and it.call_id in ids]
+        return [it for c in calls for it in [c, *(o for o in outputs if o.call_id == c.call_id)]]
 
     def call_name(self, call_id: str) -> str | None:
         """The function a `call_id` called, or None when no call of this conversation has that id."""
         return next((it.name for it in self.items if it.type == "function_call" and it.call_id == call_id), None)
 
-    def context(self) -> str:
-        """One line per item: `[mm:ss.s] text` (spoken) or `[mm:ss.s] Role: text`, in order; empty items left
-        out."""
-        return "\n".join(it.line() for it in self.items if it.text)
+    def context(self, without: frozenset[str] = frozenset()) -> str:
+        """One line per item: `[mm:ss.s] text` (spoken) or `[mm:ss.s] Role: text`, in order; empty items and the
+        items named in `without` left out."""
+        return "\n".join(it.line() for it in self.items if it.text and it.item_id not in without)
 
     def final_text(self) -> str:
         """The spoken words alone, as a transcript."""

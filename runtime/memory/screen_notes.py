@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from runtime.events import new_id
 from runtime.memory.conversation import Conversation, Item
 from runtime.memory.screen_selection import pick
 
@@ -87,7 +88,8 @@ class ScreenNotes:
         self.conversation, self.max_tokens, self.selected_budget = conversation, max_tokens, selected_tokens
         self.count, self.keep = count, keep
         self.notes: list[Note] = []
-        self.index = Item(INDEX_ID, 0.0, 0.0, role="system", audio=False, label=LABEL, in_api=False)
+        # the runtime's own items get ids no client can guess, so no client item collides with them
+        self.index = Item(new_id(INDEX_ID), 0.0, 0.0, role="system", audio=False, label=LABEL, in_api=False)
         self.indexed = 0  # screens dropped into the index, ever
         self.indexed_since = 0.0
         self._indexing = False  # the index line is in the conversation
@@ -104,7 +106,7 @@ class ScreenNotes:
         """A screen opened or changed: its item in the context is written (whole), then the budget is kept."""
         note = next((n for n in reversed(self.notes) if n.screen_id == screen_id), None)
         if note is None:
-            item = Item(screen_id, start, end, role="system", audio=False, label=LABEL, in_api=False)
+            item = Item(new_id(screen_id), start, end, role="system", audio=False, label=LABEL, in_api=False)
             self.conversation.add(item)
             note = Note(screen_id, start, end, list(lines), item)
             self.notes.append(note)
@@ -178,7 +180,7 @@ class ScreenNotes:
         at = next((i for i, it in enumerate(items) if it is dropped[-1].item), len(items))
         before = next((it.item_id for it in reversed(items[:at]) if id(it) not in leaving), "root")
         if self._indexing:
-            self.conversation.delete(INDEX_ID)
+            self.conversation.delete(self.index.item_id)
         for note in dropped:
             assert note.item is not None
             self.conversation.delete(note.item.item_id)  # (False if a client deleted it already)

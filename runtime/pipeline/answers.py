@@ -10,11 +10,10 @@ reads is the conversation; what it says (text, function calls) becomes the respo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from runtime.channels import BlockingChannel
 from runtime.events import ItemAdded, ItemDone, ResponseCreated, ResponseDone, error_event, new_id
@@ -28,6 +27,7 @@ from runtime.pipeline.response_output import ResponseOutput
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class QuestionPrefill(Protocol):
@@ -79,6 +79,7 @@ class QuestionProcessor:
         self.current: Question | None = None
         self._cancelled: dict[str, str] = {}  # response id -> why
         self._cancel_signal = asyncio.Event()  # set while the current answer is cancelled
+        self._closing: set[asyncio.Future[object]] = set()  # answers started after their cancel, being closed
         self.answered = 0
 
     def cancel(self, response_id: str | None = None, reason: str = "client_cancelled") -> bool:
@@ -114,8 +115,10 @@ class QuestionProcessor:
         await self.heard.reached(q.hear_until, q.commits)
         question = q.text if q.text is not None else self.conversation.pending_user_text()
         calls = self.conversation.calls_since_user() if q.text is None else []
+        items = self.conversation.items
         output = ResponseOutput(q.response_id, q.media_time, q.in_conversation, self.conversation, self.emit,
-                                anchor=self.conversation.items[-1].item_id if self.conversation.items else None)
+                                anchor=items[-1].item_id if items else None,
+                                fallback=next((it.item_id for it in reversed(items) if it.in_api), None))
         status, details, first_token_s, tokens, steps, prompt_tokens = "completed", None, None, 0, 0, 0
         answer: RunningAnswer | None = None
         decoding: DecodingStats | None = None
@@ -126,12 +129,13 @@ class QuestionProcessor:
             if self.prefiller is not None:  # usually only the question's memory selection is left to prefill
                 await self.prefiller.catch_up(question)
                 selected = list(self.prefiller.selected)
-            context = self.conversation.context()
-            answer = await self.answering.start(AnswerRequest(
-                context, q.prompt(question), q.max_tokens, q.tools,
-                context_before_calls=context_before(context, calls), calls=past_calls(calls)))
-            prompt_tokens = answer.prompt_tokens
-            while True:
+            request = AnswerRequest(self.conversation.context(), q.prompt(question), q.max_tokens, q.tools,
+                                    context_before_calls=self.conversation.context(
+                                        without=frozenset(it.item_id for it in calls)),
+                                    calls=past_calls(calls))
+            answer = await self._start_or_cancel(request, q.response_id)
+            prompt_tokens = answer.prompt_tokens if answer is not None else 0
+            while answer is not None:
                 step = await self._step_or_cancel(answer, q.response_id)
                 if step is None:
                     status, details = "cancelled", {"type": "cancelled", "reason": self._cancelled[q.response_id]}
@@ -148,7 +152,10 @@ class QuestionProcessor:
                     if step.finish_reason == "length":
                         status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
                     break
-            prompt_tokens = answer.prompt_tokens or prompt_tokens  # a server reports it with its last chunk
+            if answer is None:  # cancelled before it started
+                status, details = "cancelled", {"type": "cancelled", "reason": self._cancelled[q.response_id]}
+            else:
+                prompt_tokens = answer.prompt_tokens or prompt_tokens  # a server reports it with its last chunk
         except Exception as err:
             if not isinstance(err, NothingToAnswer | RemoteError):
                 log.exception("answer failed")
@@ -190,32 +197,57 @@ class QuestionProcessor:
             response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in selected]}
         await self.emit(ResponseDone(response=response, media_time=q.media_time))
 
+    async def _start_or_cancel(self, request: AnswerRequest, response_id: str) -> RunningAnswer | None:
+        """The started answer, or None once the response is cancelled: a cancel does not wait for a start in
+        flight (a server's connect retries, a local prefill); a start that completes after it is closed then."""
+        if response_id in self._cancelled:  # cancelled while it waited for the words before it
+            return None
+        start = asyncio.ensure_future(self.answering.start(request))
+        started = False
+        try:
+            started = await self._before_cancel(start, response_id)
+        finally:
+            if not started:
+                self._closing.add(start)
+                start.add_done_callback(self._close_unused)
+        return start.result() if started else None
+
+    def _close_unused(self, start: asyncio.Future[RunningAnswer]) -> None:
+        self._closing.discard(start)
+        if not start.cancelled() and start.exception() is None:
+            closing = asyncio.ensure_future(start.result().close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+
     async def _step_or_cancel(self, answer: RunningAnswer, response_id: str) -> Step | None:
         """The answer's next step, or None once the response is cancelled: a cancel does not wait for a step in
         flight (a remote server may take its time), the step is dropped and the answer closed."""
-        if response_id in self._cancelled:
-            return None
         step = asyncio.ensure_future(answer.step())
+        try:
+            if await self._before_cancel(step, response_id):
+                return step.result()
+            return None
+        finally:
+            if not step.done():  # cancelled, or the session is stopping: the step in flight is dropped
+                step.cancel()
+                step.add_done_callback(_retrieved)
+
+    async def _before_cancel(self, work: asyncio.Future[T], response_id: str) -> bool:
+        """Whether `work` finished before the response was cancelled (`work` itself is left as it is)."""
+        if response_id in self._cancelled:
+            return False
         cancelled = asyncio.ensure_future(self._cancel_signal.wait())
         try:
-            await asyncio.wait((step, cancelled), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((work, cancelled), return_when=asyncio.FIRST_COMPLETED)
         finally:
             cancelled.cancel()
-        if step.done():
-            return step.result()
-        step.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await step
-        return None
+        return work.done()
 
 
-def context_before(context: str, calls: list[Item]) -> str:
-    """The context without the trailing function calls and outputs (a remote server gets them as messages)."""
-    lines = context.split("\n")
-    tail = {item.line() for item in calls if item.text}
-    while lines and lines[-1] in tail:
-        lines.pop()
-    return "\n".join(lines)
+def _retrieved(future: asyncio.Future[object]) -> None:
+    """A dropped step's outcome is read, so an error it ended with is not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def past_calls(items: list[Item]) -> tuple[PastCall, ...]:

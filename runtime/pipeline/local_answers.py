@@ -30,10 +30,10 @@ class OnWorker:
             answer = await self._open(request.context, request.question, request.max_tokens)
             return WorkerAnswer(answer, self.worker)
         name = use.forced or await self._choose(request, use)
-        question = (f"{request.question}\n\n{tools_prompt(use)}\n"
+        tool = use.tool(name)  # only the function called is described: the question's token budget is small
+        question = (f"{request.question}\n\n{tools_prompt(ToolUse((tool,)))}\n"
                     f"Call {name}: write its arguments as one JSON object.")
-        answer = await self._open(request.context, question, request.max_tokens,
-                                  schema=arguments_schema(use.tool(name)))
+        answer = await self._open(request.context, question, request.max_tokens, schema=arguments_schema(tool))
         return WorkerAnswer(answer, self.worker, call=CallDelta(0, new_id("call"), name, ""))
 
     async def _open(self, context: str, question: str, max_tokens: int | None,
@@ -47,7 +47,9 @@ class OnWorker:
     async def _choose(self, request: AnswerRequest, use: ToolUse) -> str:
         """`required` among several tools: the model names one, decoded under an enum of the names."""
         question = f"{request.question}\n\n{tools_prompt(use)}\nWhich function answers this? Give its name."
-        answer = await self._open(request.context, question, 32, schema=names_schema(use))
+        # a name may take a token a character; its quotes and the end two more
+        longest = max(len(t.name) for t in use.tools)
+        answer = await self._open(request.context, question, longest + 4, schema=names_schema(use))
         running = WorkerAnswer(answer, self.worker)
         text = ""
         try:

@@ -18,20 +18,23 @@ import logging
 import time
 from typing import Protocol
 
+from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation
-from runtime.session_state import AnswerActivity, ContextChanges
+from runtime.session_state import AnswerActivity, ContextChanges, SessionSettings
 
 log = logging.getLogger(__name__)
 
 
 class Warming(Protocol):
-    async def warm(self, context: str) -> None: ...
+    async def warm(self, context: str, tools: ToolUse | None = None) -> None: ...
 
 
 class PrefixWarmer:
     def __init__(self, remote: Warming, conversation: Conversation, changes: ContextChanges,
-                 activity: AnswerActivity, *, interval_s: float) -> None:
+                 activity: AnswerActivity, *, interval_s: float, settings: SessionSettings | None = None) -> None:
+        """`settings`: the session's, whose tools go with each warm-up (they are part of the prompt's head)."""
         self.remote, self.conversation, self.changes, self.activity = remote, conversation, changes, activity
+        self.settings = settings
         self.interval_s = interval_s
         self.sent = 0
         self.failed = 0
@@ -56,7 +59,7 @@ class PrefixWarmer:
             self._last = time.monotonic()
             self.sent += 1
             try:
-                await self.remote.warm(context)
+                await self.remote.warm(context, self.settings.config.tools if self.settings else None)
                 self._warmed = context
             except Exception as err:  # a warm-up never fails the session
                 self.failed += 1

@@ -40,6 +40,7 @@ class ResponseOutput:
     # where the output goes: after the item that was last when the answer began (None: first). Items opened later
     # still land there, so a user turn that started while the model thought stays after the answer to the one before.
     anchor: str | None = None
+    fallback: str | None = None  # the last API item when the answer began: where it goes if the anchor is gone
     items: list[Item] = field(default_factory=list)  # in output order
     message: Item | None = None
     calls: dict[int, Item] = field(default_factory=dict)  # by the model's call index
@@ -109,8 +110,11 @@ class ResponseOutput:
         if self.in_conversation:
             try:
                 self.conversation.add(item, after=after)
-            except KeyError:  # the anchor was deleted meanwhile: the end is the place left
-                self.conversation.add(item)
+            except KeyError:  # the anchor was deleted meanwhile (a screen consolidated, a client's delete)
+                try:
+                    self.conversation.add(item, after=self.fallback or "root")
+                except KeyError:
+                    self.conversation.add(item)
             previous = self.conversation.previous_id(item.item_id)
         await self.emit(OutputItemAdded(response_id=self.response_id, output_index=self._index(item),
                                         item=item.to_api(), media_time=self.media_time))

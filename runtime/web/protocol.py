@@ -239,8 +239,14 @@ def _call_item(item: dict[str, Any], event_id: str | None, ids: dict[str, str | 
     if item["type"] == "function_call_output":
         return CreateItem(event_id, "user", _field(item, "output", str, "a string"), kind="function_call_output",
                           call_id=call_id, **ids)
-    return CreateItem(event_id, "assistant", _field(item, "arguments", str, "a JSON string"), kind="function_call",
-                      call_id=call_id, name=_field(item, "name", str, "a function name"), **ids)
+    arguments = _field(item, "arguments", str, "a JSON string")
+    try:  # a server that continues the call parses them (vLLM refuses the request otherwise)
+        json.loads(arguments)
+    except json.JSONDecodeError:
+        raise ProtocolError("item.arguments must be a JSON document (the call's arguments, encoded)",
+                            code="invalid_value", param="item.arguments") from None
+    return CreateItem(event_id, "assistant", arguments, kind="function_call", call_id=call_id,
+                      name=_field(item, "name", str, "a function name"), **ids)
 
 
 def _spoken(content: list[Any]) -> bytes:

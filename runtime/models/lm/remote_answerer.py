@@ -21,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runtime.config import LMConfig
 from runtime.errors import UserError
-from runtime.function_tools import chat_tool_choice, chat_tools
+from runtime.events import new_id
+from runtime.function_tools import ToolUse, chat_tool_choice, chat_tools
 from runtime.models.lm.answering import AnswerRequest, CallDelta, PastCall, Step
 from runtime.models.lm.prompt import EMPTY_CONTEXT, user_turn
 
@@ -73,10 +75,13 @@ class RemoteAnswer:
     prompt_tokens: int = 0
     _chunks: AsyncIterator[ChatCompletionChunk] | None = None
     _calls: dict[int, CallDelta] = field(default_factory=dict)
+    _ready: deque[Step] = field(default_factory=deque)  # a chunk's pieces beyond the first, one per step
     _done: bool = False
     _finish: str | None = None
 
     async def step(self) -> Step:
+        if self._ready:
+            return self._ready.popleft()
         if self._done:
             return Step(done=True, finish_reason=self._finish)
         from openai import APIError
@@ -110,16 +115,18 @@ class RemoteAnswer:
         if choice.finish_reason is not None:
             self._finish = "length" if choice.finish_reason == "length" else "stop"
         delta = choice.delta
-        call = None
-        for tc in delta.tool_calls or ():  # a chunk may open or continue several calls; one is reported per step
+        pieces = [Step(text=delta.content, tokens=1)] if delta.content else []
+        for tc in delta.tool_calls or ():  # a chunk may open or continue several calls (parallel calls)
             known = self._calls.get(tc.index)
             name = (tc.function.name if tc.function else None) or (known.name if known else "")
-            call_id = tc.id or (known.call_id if known else "") or f"call_{tc.index}"
+            call_id = tc.id or (known.call_id if known else "") or new_id("call")  # a server that names none
             piece = (tc.function.arguments if tc.function else None) or ""
             self._calls[tc.index] = CallDelta(tc.index, call_id, name, (known.arguments if known else "") + piece)
-            call = CallDelta(tc.index, call_id, name, piece)
-        text = delta.content or ""
-        return Step(text=text, call=call, tokens=1 if text or call else 0)
+            pieces.append(Step(call=CallDelta(tc.index, call_id, name, piece), tokens=1))
+        if not pieces:
+            return Step()
+        self._ready.extend(pieces[1:])
+        return pieces[0]
 
     async def _end(self, reason: str) -> Step:
         self._done, self._finish = True, reason
@@ -175,6 +182,7 @@ class RemoteAnswerer:
                                                                                request.max_tokens)
         body: dict[str, Any] = {
             "model": self.cfg.model, "stream": True, "max_tokens": limit, "temperature": self.cfg.temperature,
+            "stream_options": {"include_usage": True},  # vLLM and SGLang report usage in a stream only if asked
             "messages": chat_messages(self.cfg.system_prompt, request.context_before_calls or request.context,
                                       request.question, request.calls)}
         if self.cfg.top_p < 1.0:
@@ -185,12 +193,16 @@ class RemoteAnswerer:
         stream = await self._create(body, deadline=time.monotonic() + self.cfg.connect_deadline_s)
         return RemoteAnswer(stream, self.cfg.request_timeout_s, self.cfg.base_url)
 
-    async def warm(self, context: str) -> None:
+    async def warm(self, context: str, tools: ToolUse | None = None) -> None:
         """Prefill the transcript into the server's prefix cache: the head of every later question's prompt, one
-        token generated. One attempt, no retries: a warm-up that fails only costs the next question its cache."""
-        body = {"model": self.cfg.model, "max_tokens": 1, "temperature": 0.0, "stream": False,
-                "messages": [{"role": "system", "content": self.cfg.system_prompt},
-                             {"role": "user", "content": transcript_message(context)}]}
+        token generated. The session's tools go with it: a tool-aware chat template writes them ahead of the
+        transcript, so without them the cached prefix would not be the question's. One attempt, no retries: a
+        warm-up that fails only costs the next question its cache."""
+        body: dict[str, Any] = {"model": self.cfg.model, "max_tokens": 1, "temperature": 0.0, "stream": False,
+                                "messages": [{"role": "system", "content": self.cfg.system_prompt},
+                                             {"role": "user", "content": transcript_message(context)}]}
+        if tools is not None and tools.active:
+            body["tools"], body["tool_choice"] = chat_tools(tools), chat_tool_choice(tools)
         self.warm_requests += 1
         try:
             await self._create(body, deadline=0.0)
