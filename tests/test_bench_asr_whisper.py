@@ -211,11 +211,30 @@ def test_word_ends_fall_inside_the_speech():
 
 def test_two_pass_rows_end_where_the_offline_ceiling_does(capsys, tmp_path):
     """The `two-pass` rows run the real stream with each final pass; the offline pass's transcripts are the
-    ceiling's, so its error rates equal the offline row's, and its targets are computed beside the others."""
+    offline model's as the whisper-tiny-en profile runs it (its dtype, window and head), so its error rates are
+    those of that decoder on the clip (the ceiling's when the profile keeps Whisper's 30 s window), and its targets
+    are computed beside the others."""
     _tiny_en_or_skip()
-    from runtime.io.sample import demo_script, demo_speech
+    import copy
+    from dataclasses import replace
 
-    soundfile.write(tmp_path / "a.flac", demo_speech()[: 4 * SAMPLE_RATE], SAMPLE_RATE, subtype="PCM_16")
+    from runtime.config import ASRConfig, load_profile
+    from runtime.io.sample import demo_script, demo_speech
+    from runtime.models.asr.causal_whisper.asr import offline_decoder
+    from runtime.models.asr.registry import load_asr
+    from runtime.models.asr.whisper_checkpoint import whisper_path
+    from runtime.train.text_norm import cer, wer
+
+    audio = demo_speech()[: 4 * SAMPLE_RATE]
+    soundfile.write(tmp_path / "a.flac", audio, SAMPLE_RATE, subtype="PCM_16")
+    audio, _ = soundfile.read(tmp_path / "a.flac", dtype="float32")
+    ref, profile = asr_systems.WHISPER, load_profile("whisper-tiny-en").asr
+    plain = load_asr(ASRConfig(backend="whisper-buffered", model=ref, max_new_tokens=asr_systems.OFFLINE_TOKENS),
+                     device="cpu", dtype="float32")
+    second = offline_decoder(copy.deepcopy(plain.model), plain.tokenizer, whisper_path(ref), replace(
+        plain.cfg, head_weights=profile.head_weights, final_pass_window_s=profile.final_pass_window_s), "cpu",
+        profile.final_pass_dtype or "float32")
+    expected = second.text(second.hypothesis(audio))
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"audio": "a.flac", "text": demo_script()}) + "\n")
     code, out, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--json", "--threads", "1", "--data",
                              str(tmp_path), "--systems", "offline,two-pass", "--chunks", "300", "--human",
@@ -223,9 +242,13 @@ def test_two_pass_rows_end_where_the_offline_ceiling_does(capsys, tmp_path):
     assert code == 0, err
     result = json.loads(out)
     assert set(result["systems"]) == {"whisper-offline", "causal-whisper-300ms+decoder", "causal-whisper-300ms+offline"}
-    offline, second = (result["systems"][s]["synthetic"] for s in ("whisper-offline", "causal-whisper-300ms+offline"))
-    assert (second["wer"], second["cer"]) == (offline["wer"], offline["cer"])
-    assert second["word_latency_s"]["words_timed"] > 0
-    assert "bfloat16" in result["system_settings"]["causal-whisper-300ms+offline"]
+    offline, row = (result["systems"][s]["synthetic"] for s in ("whisper-offline", "causal-whisper-300ms+offline"))
+    assert (row["wer"], row["cer"]) == (round(100 * wer([demo_script()], [expected]), 2),
+                                         round(100 * cer([demo_script()], [expected]), 2))
+    if profile.final_pass_window_s == 30 and not profile.head_weights:
+        assert (row["wer"], row["cer"]) == (offline["wer"], offline["cer"])
+    assert row["word_latency_s"]["words_timed"] > 0
+    settings = result["system_settings"]["causal-whisper-300ms+offline"]
+    assert profile.final_pass_dtype in settings and f"{profile.final_pass_window_s:g} s windows" in settings
     assert {"causal_300ms+offline_human_wer_within_1.25x_offline",
             "causal_300ms+decoder_compute_over_faster_whisper"} <= set(result["targets"])

@@ -8,8 +8,9 @@ show the first pass as it streams; the completed event carries the second, which
 
 - `decoder`: the item's own decoder reads all of its block-causal encoder frames at once and decodes the item
   again from its context (cheap: decoder steps only; the encoder frames and their cross-attention K/V exist).
-- `offline`: the base checkpoint (without the streaming adapter) decodes the item's audio with full context,
-  padded to 30 s, as Whisper was trained: the offline ceiling, for one encoder pass and one decode per item.
+- `offline`: the base checkpoint (without the streaming adapter) decodes the item's audio with full context: the
+  offline ceiling, for one encoder pass and one decode per item. Padded to 30 s as Whisper was trained, or
+  (`asr.final_pass_window_s`) to its own windows with silence's encoder states after them (`whisper_window.py`).
 
 An item that the stream heard no words in stays empty (Whisper given silence says "Thank you."), and an item
 completed by a 30 s cache reset keeps its first pass (its audio was cut mid-stream; only the item a commit
