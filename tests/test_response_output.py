@@ -38,8 +38,8 @@ class Scripted:
         return None
 
 
-async def run(answering: Scripted, conversation: Conversation, *questions: Question,
-              meanwhile: callable = None) -> list:
+def processor_for(answering: Scripted, conversation: Conversation):
+    """A question processor on `answering`, its question channel and the list its events go to."""
     events: list = []
 
     async def emit(event) -> None:
@@ -48,6 +48,12 @@ async def run(answering: Scripted, conversation: Conversation, *questions: Quest
     channel: BlockingChannel[Question] = BlockingChannel(4, "questions")
     processor = QuestionProcessor(channel, answering, emit, conversation, HeardClock(), AnswerActivity(),
                                   ContextChanges())
+    return processor, channel, events
+
+
+async def run(answering: Scripted, conversation: Conversation, *questions: Question,
+              meanwhile: callable = None) -> list:
+    processor, channel, events = processor_for(answering, conversation)
     task = asyncio.create_task(processor.run())
     for q in questions:
         await channel.put(q)
@@ -123,14 +129,7 @@ async def test_a_cancel_while_the_answer_is_starting_ends_the_response_at_once_a
     conversation = Conversation([spoken("u1", "Tell me a story.")])
     answering = Closing([Step(text="Once", tokens=1)])
     answering.go.clear()  # a server still connecting
-    events: list = []
-
-    async def emit(event) -> None:
-        events.append(event)
-
-    channel: BlockingChannel[Question] = BlockingChannel(4, "questions")
-    processor = QuestionProcessor(channel, answering, emit, conversation, HeardClock(), AnswerActivity(),
-                                  ContextChanges())
+    processor, channel, events = processor_for(answering, conversation)
     task = asyncio.create_task(processor.run())
     q = Question(None, 1.0, 0.0)
     await channel.put(q)
