@@ -76,10 +76,12 @@ class AnswerActivity:
         self.last_answer_end: float | None = None  # media seconds heard when the last answer ended (idle timeout)
         self._idle = asyncio.Event()
         self._idle.set()
+        self._busy = asyncio.Event()
 
     def asked(self) -> None:
         self.open += 1
         self._idle.clear()
+        self._busy.set()
 
     def ended(self, at: float | None = None) -> None:
         """A question's answer ended (`at`: the media time heard then, when it was answered)."""
@@ -88,6 +90,7 @@ class AnswerActivity:
         self.open = max(0, self.open - 1)
         if self.open == 0:
             self._idle.set()
+            self._busy.clear()
 
     @property
     def busy(self) -> bool:
@@ -97,6 +100,11 @@ class AnswerActivity:
         """Wait until no question is waiting or being answered."""
         while self.open:
             await self._idle.wait()
+
+    async def asking(self) -> None:
+        """Wait until a question is waiting or being answered."""
+        while not self.open:
+            await self._busy.wait()
 
 
 class SessionSettings:

@@ -95,3 +95,37 @@ async def test_an_interval_of_zero_never_warms():
     say(conversation, changes, 0)
     await asyncio.wait_for(warmer.run(), 1.0)  # returns at once
     assert remote.sent == []
+
+
+class Hanging(Recorder):
+    """A server slow to prefill: each warm-up waits until it is cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = 0
+
+    async def warm(self, context: str, tools: object = None) -> None:
+        self.sent.append((time.monotonic(), context))
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+@pytest.mark.asyncio
+async def test_a_warm_up_in_flight_is_given_up_when_a_question_comes():
+    conversation, changes, remote, activity = Conversation(), ContextChanges(), Hanging(), AnswerActivity()
+    warmer = PrefixWarmer(remote, conversation, changes, activity, interval_s=0.01)
+    task = asyncio.create_task(warmer.run())
+    say(conversation, changes, 0)
+    while not remote.sent:
+        await asyncio.sleep(0.01)
+    activity.asked()  # the question's request must not queue behind the warm-up
+    for _ in range(100):
+        if remote.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert remote.cancelled == 1 and warmer.cancelled == 1 and not warmer.caught_up and warmer.failed == 0
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

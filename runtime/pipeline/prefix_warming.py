@@ -6,7 +6,8 @@ changed, at most once per `interval_s`, it sends the answerer's prefill-only req
 When a question comes, the server finds the transcript cached and prefills only the question.
 
 Bounded by construction: one request in flight per session, none while an answer streams (the server's slot is
-the answer's then), and changes coalesce (`ContextChanges`), so a burst of transcript deltas costs one request.
+the answer's then; a warm-up in flight when a question comes is given up), and changes coalesce
+(`ContextChanges`), so a burst of transcript deltas costs one request.
 A failed warm-up is counted and otherwise ignored: it only costs the next question its cache, and the answer
 itself reports a server that is down.
 """
@@ -38,6 +39,7 @@ class PrefixWarmer:
         self.interval_s = interval_s
         self.sent = 0
         self.failed = 0
+        self.cancelled = 0  # warm-ups given up because a question came
         self._warmed = ""  # the context the server last cached
         self._last = -float("inf")  # monotonic time of the last request
 
@@ -58,9 +60,27 @@ class PrefixWarmer:
                 continue
             self._last = time.monotonic()
             self.sent += 1
+            warm = asyncio.ensure_future(self.remote.warm(context, self.settings.config.tools if self.settings
+                                                          else None))
+            asked = asyncio.ensure_future(self.activity.asking())
             try:
-                await self.remote.warm(context, self.settings.config.tools if self.settings else None)
-                self._warmed = context
-            except Exception as err:  # a warm-up never fails the session
+                await asyncio.wait((warm, asked), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                asked.cancel()
+                if not warm.done():  # a question came (or the session stops): its own request goes first, and
+                    warm.cancel()    # a server that aborts a request whose client left frees its slot for it
+                    warm.add_done_callback(_retrieved)
+            if not warm.done():
+                self.cancelled += 1
+                continue
+            if warm.exception() is not None:  # a warm-up never fails the session
                 self.failed += 1
-                log.debug("warm-up failed: %s", err)
+                log.debug("warm-up failed: %s", warm.exception())
+            else:
+                self._warmed = context
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """A given-up warm-up's outcome is read, so an error it ended with is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()
