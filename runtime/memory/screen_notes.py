@@ -10,7 +10,7 @@ consolidated in one batch, oldest first, until they fill at most half the budget
 The newest screen stays whole (cut to the budget only if it alone is larger). A batch frees half the budget, so
 consolidation runs at most once per half-budget of new screen text rather than on every screen: each batch
 rewrites older lines, which cuts the prefilled KV back to the first rewritten line and re-prefills what follows
-(`recut_tokens` counts those tokens; the engine re-prefills at most its window of them).
+(`recut_tokens` estimates those tokens; the engine re-prefills at most its window of them).
 
 At question time `with_question` picks the screens the question points at (`screen_selection.pick`: shared
 words, "before"/"after"/"first"/"last"), and gives those not already whole in the context with the question,
@@ -205,8 +205,10 @@ class ScreenNotes:
         return self.count(item.line()) + 1  # + its newline
 
     def _tokens_from(self, position: int) -> int:
-        """Context tokens from the item at `position` (where the first change was) to the end."""
-        return sum(self._tokens(it) for it in self.conversation.items[position:] if it.text)
+        """Context tokens from the item at `position` (where the first change was) to the end, estimated (words
+        * 1.3): only a metric, and tokenizing a long talk's tail at every batch would hold the event loop."""
+        return sum(math.ceil(len(it.line().split()) * 1.3) + 1 for it in self.conversation.items[position:]
+                   if it.text)
 
     # -- the question ---------------------------------------------------------------------------------------
 
