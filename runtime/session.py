@@ -376,8 +376,8 @@ class Session:
                     "dropped_s": round(t.audio_dropped_s, 3)},
             "answers": {"answered": self.answers.answered,
                         "prefilled_tokens": self.prefiller.prefilled_tokens if self.prefiller else 0,
-                        **({"warm_requests": self.warmer.sent, "warm_failures": self.warmer.failed}
-                           if self.warmer else {})},
+                        **({"warm_requests": self.warmer.sent, "warm_failures": self.warmer.failed,
+                            "warm_cancelled": self.warmer.cancelled} if self.warmer else {})},
             "worker": self.worker.stats(),
             "rate_limited": dict(t.rate_limited),
             **screen,  # when the profile reads text on screen
