@@ -51,6 +51,9 @@ class ASRConfig:
     # causal-whisper: the decoders' vocabulary projection (stream and final pass): "" (the model's dtype) | int8
     # (weight-only, bfloat16 activations, on CPU: whisper_head.py)
     head_weights: str = ""
+    # causal-whisper: the decoders' other linears (self-attention, cross-attention q/out, fc1/fc2): float (the
+    # model's dtype) | int8 (weight-only, bfloat16 activations, on CPU: whisper_head.py)
+    decoder_weights: str = "float"
     # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
     lookahead_ms: int = 1040
     # fastconformer CTC decoding: greedy (each frame's argmax) | beam (prefix beam search scored with a word

@@ -8,6 +8,8 @@ int8 vocabulary projection (`asr.head_weights`, whisper_head.py), on the tiny ra
 - The final pass's transcript is the greedy decode of exactly those states, streamed or offline.
 - The int8 head's logits are a float product with its dequantised weights (bfloat16 activations), and a stream
   with it equals its offline computation.
+- So are the int8 decoder linears' outputs (`asr.decoder_weights`), and a stream with them and the int8 head
+  equals its offline computation; the offline pass's decoder takes them too.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
 from runtime.models.asr.registry import load_asr
 from runtime.models.asr.whisper_buffered import WhisperBuffered
-from runtime.models.asr.whisper_head import Int8Head, quantize_head
+from runtime.models.asr.whisper_head import (
+    DECODER_LINEARS,
+    Int8DecoderLinear,
+    Int8Head,
+    quantize_decoder,
+    quantize_head,
+)
 from runtime.models.asr.whisper_window import WindowedEncoder, encoder_frames
 
 
@@ -126,6 +134,8 @@ def test_a_bad_window_or_head_is_a_config_error() -> None:
         CausalWhisperASR.load(ASRConfig(final_pass="offline", final_pass_window_s=45.0), device="cpu", dtype="float32")
     with pytest.raises(ConfigError, match="head_weights"):
         CausalWhisperASR.load(ASRConfig(head_weights="int4"), device="cpu", dtype="float32")
+    with pytest.raises(ConfigError, match="decoder_weights"):
+        CausalWhisperASR.load(ASRConfig(decoder_weights="int4"), device="cpu", dtype="float32")
 
 
 def test_the_int8_head_is_a_product_with_its_dequantised_weights(buffered: WhisperBuffered) -> None:
@@ -152,6 +162,43 @@ def test_a_stream_with_the_int8_head_equals_its_offline_computation() -> None:
     plain = CausalWhisperASR.load(ASRConfig(chunk_ms=300, reset_s=3.0, max_new_tokens=60, loop_repeats=0),
                                   device="cpu", dtype="float32")
     assert isinstance(plain.model.proj_out, torch.nn.Linear)
+    audio = make_audio(4.5)
+    reference = asr.offline_transcript(audio)
+    assert reference.strip()
+    for chunking in ("whole", "one-sample", "ragged"):
+        done = [u for u in run_stream(asr.open_stream(), audio, chunk_sizes(len(audio), chunking)) if u.completed]
+        assert len(done) >= 2, "the stream must cross a reset"
+        assert "".join(u.transcript for u in done) == reference, chunking
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_decoder_linear_is_a_product_with_its_dequantised_weights(buffered: WhisperBuffered,
+                                                                           dtype: torch.dtype) -> None:
+    fc1 = copy.deepcopy(buffered.model.model.decoder.layers[0].fc1).to(dtype)
+    layer = Int8DecoderLinear(fc1)
+    weight, deq = fc1.weight.detach().float(), layer.dequantized()
+    row_max = weight.abs().amax(dim=1, keepdim=True)
+    assert ((deq - weight).abs() <= row_max / 254 + row_max * 2**-8 + 1e-7).all()
+    x = torch.randn(3, 5, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (3, 5, weight.shape[0])
+    reference = (x.bfloat16().float() @ deq.T).bfloat16().to(dtype) + fc1.bias.detach()
+    torch.testing.assert_close(y.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    assert (y.float() - fc1(x).float()).abs().max() > 0  # it is not the float layer
+
+
+def test_a_stream_with_the_int8_decoder_equals_its_offline_computation() -> None:
+    cfg = ASRConfig(chunk_ms=300, reset_s=3.0, max_new_tokens=60, loop_repeats=0, head_weights="int8",
+                    decoder_weights="int8", final_pass="offline", final_pass_dtype="bfloat16")
+    asr = CausalWhisperASR.load(cfg, device="cpu", dtype="float32")
+    offline = asr.final_pass.offline.model  # type: ignore[union-attr]
+    for model in (asr.model, offline):
+        for layer in model.model.decoder.layers:
+            assert all(isinstance(layer.get_submodule(n), Int8DecoderLinear) for n in DECODER_LINEARS)
+            assert isinstance(layer.encoder_attn.k_proj, torch.nn.Linear)  # the frames' K/V stay float
+        assert not any(isinstance(m, Int8DecoderLinear) for m in model.model.encoder.modules())
+    fc1 = asr.model.model.decoder.layers[0].fc1
+    assert quantize_decoder(asr.model, "int8").model.decoder.layers[0].fc1 is fc1  # once
     audio = make_audio(4.5)
     reference = asr.offline_transcript(audio)
     assert reference.strip()

@@ -6,7 +6,7 @@ Systems (`--systems`, default all): `whisper-offline` (tiny.en greedy over the w
 ceiling), `causal-whisper-<ms>ms` (the block-causal stream at each `--chunks` size, `--adapter` merged),
 `causal-whisper-<ms>ms+decoder` / `+offline` (kind `two-pass`: the same stream, each committed clip decoded once
 more by its own decoder over all its frames / by the offline ceiling's model: `asr.final_pass`; the causal rows
-take the `whisper-tiny-en` profile's `head_weights`, the offline pass its dtype and window too),
+take the `whisper-tiny-en` profile's `head_weights` and `decoder_weights`, the offline pass its dtype and window too),
 `whisper-buffered-1s` (LocalAgreement-2 re-decoding every 1 s), `faster-whisper-int8` (CTranslate2 int8 on the
 same tiny.en folder, offline, one greedy pass, 2 threads: the speed peer; a row with a `reason` when the package
 is missing) and `fastconformer` (the shipped model under the demo profile's ASR settings). Sets: `synthetic`
@@ -192,16 +192,18 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         # as the whisper-tiny-en profile runs them: its decoders' head, its offline pass's dtype and window
         profile = load_profile("whisper-tiny-en").asr
         cfg = ASRConfig(backend="causal-whisper", model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None)
-                        or "", head_weights=profile.head_weights)
+                        or "", head_weights=profile.head_weights, decoder_weights=profile.decoder_weights)
         first = load_asr(cfg, device=device, dtype=dtype, progress=status)
         passes: dict[str, FinalPass | None] = {"": None} if "causal" in kinds else {}
         head = f", head {profile.head_weights}" if profile.head_weights else ""
+        head += f", decoder {profile.decoder_weights}" if profile.decoder_weights != "float" else ""
         if "two-pass" in kinds:
             pass_dtype = profile.final_pass_dtype or dtype
             window = profile.final_pass_window_s
             second = offline_decoder(copy.deepcopy(offline.model), offline.tokenizer, whisper_path(ref),
                                      replace(offline.cfg, max_new_tokens=OFFLINE_TOKENS, head_weights=
-                                             profile.head_weights, final_pass_window_s=window), device, pass_dtype)
+                                             profile.head_weights, decoder_weights=profile.decoder_weights,
+                                             final_pass_window_s=window), device, pass_dtype)
             passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second)})
         for ms in chunks:
             for name, final in passes.items():

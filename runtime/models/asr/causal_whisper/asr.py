@@ -57,7 +57,7 @@ from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, bloc
 from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, check
 from runtime.models.asr.whisper_buffered import WhisperBuffered
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
-from runtime.models.asr.whisper_head import check_head, quantize_head
+from runtime.models.asr.whisper_head import check_decoder, check_head, quantize_decoder, quantize_head
 from runtime.models.loading import load_progress, torch_dtype
 
 FRAME_SAMPLES = SAMPLE_RATE // 50  # one 20 ms encoder frame
@@ -139,6 +139,7 @@ class CausalWhisperASR:
         `offline` final pass keeps the checkpoint as it was before the merge: full context needs no adapter."""
         kind = check(cfg.final_pass)
         check_head(cfg.head_weights)
+        check_decoder(cfg.decoder_weights)
         with load_progress(progress, "asr", cfg.model, device, dtype):
             model, tokenizer, path = load_whisper(cfg.model, dtype=dtype, progress=progress)
             final: FinalPass | None = DecoderPass() if kind == "decoder" else None
@@ -154,7 +155,7 @@ class CausalWhisperASR:
                 except (OSError, ValueError) as err:
                     raise CheckpointNotFound(f"asr adapter {cfg.adapter!r} cannot be loaded ({err}); point "
                                              "--set asr.adapter= at a directory written by `runtime train`") from None
-            model = quantize_head(model.to(device).eval(), cfg.head_weights)
+            model = quantize_decoder(quantize_head(model.to(device).eval(), cfg.head_weights), cfg.decoder_weights)
         return cls(model, tokenizer, cfg, name=cfg.model, final_pass=final)
 
     def open_stream(self) -> CausalWhisperStream:
@@ -223,8 +224,9 @@ class CausalWhisperASR:
 def offline_decoder(model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, path: Path,
                     cfg: ASRConfig, device: str, dtype: str) -> WhisperBuffered:
     """Full-context greedy Whisper over the same checkpoint (the `offline` final pass), in `dtype`, its encoder on
-    `cfg.final_pass_window_s` windows and its head in `cfg.head_weights`."""
+    `cfg.final_pass_window_s` windows, its head in `cfg.head_weights` and its decoder in `cfg.decoder_weights`."""
     model = quantize_head(model.to(device=device, dtype=torch_dtype(dtype)).eval(), cfg.head_weights)
+    model = quantize_decoder(model, cfg.decoder_weights)
     return WhisperBuffered(model, tokenizer, WhisperFeatureExtractor.from_pretrained(path),
                            replace(cfg, backend="whisper-buffered"), name=cfg.model, window_s=cfg.final_pass_window_s)
 
