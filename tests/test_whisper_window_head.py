@@ -154,6 +154,17 @@ def test_the_int8_head_is_a_product_with_its_dequantised_weights(buffered: Whisp
     assert (logits - x @ weight.T).abs().max() > 0  # it is not the float head
 
 
+def assert_streams_equal_offline(asr: CausalWhisperASR) -> None:
+    """Whole, one sample at a time or ragged, across a reset: the stream's completed text is the offline one."""
+    audio = make_audio(4.5)
+    reference = asr.offline_transcript(audio)
+    assert reference.strip()
+    for chunking in ("whole", "one-sample", "ragged"):
+        done = [u for u in run_stream(asr.open_stream(), audio, chunk_sizes(len(audio), chunking)) if u.completed]
+        assert len(done) >= 2, "the stream must cross a reset"
+        assert "".join(u.transcript for u in done) == reference, chunking
+
+
 def test_a_stream_with_the_int8_head_equals_its_offline_computation() -> None:
     cfg = ASRConfig(chunk_ms=300, reset_s=3.0, max_new_tokens=60, loop_repeats=0, head_weights="int8")
     asr = CausalWhisperASR.load(cfg, device="cpu", dtype="float32")
@@ -162,13 +173,7 @@ def test_a_stream_with_the_int8_head_equals_its_offline_computation() -> None:
     plain = CausalWhisperASR.load(ASRConfig(chunk_ms=300, reset_s=3.0, max_new_tokens=60, loop_repeats=0),
                                   device="cpu", dtype="float32")
     assert isinstance(plain.model.proj_out, torch.nn.Linear)
-    audio = make_audio(4.5)
-    reference = asr.offline_transcript(audio)
-    assert reference.strip()
-    for chunking in ("whole", "one-sample", "ragged"):
-        done = [u for u in run_stream(asr.open_stream(), audio, chunk_sizes(len(audio), chunking)) if u.completed]
-        assert len(done) >= 2, "the stream must cross a reset"
-        assert "".join(u.transcript for u in done) == reference, chunking
+    assert_streams_equal_offline(asr)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -199,10 +204,4 @@ def test_a_stream_with_the_int8_decoder_equals_its_offline_computation() -> None
         assert not any(isinstance(m, Int8DecoderLinear) for m in model.model.encoder.modules())
     fc1 = asr.model.model.decoder.layers[0].fc1
     assert quantize_decoder(asr.model, "int8").model.decoder.layers[0].fc1 is fc1  # once
-    audio = make_audio(4.5)
-    reference = asr.offline_transcript(audio)
-    assert reference.strip()
-    for chunking in ("whole", "one-sample", "ragged"):
-        done = [u for u in run_stream(asr.open_stream(), audio, chunk_sizes(len(audio), chunking)) if u.completed]
-        assert len(done) >= 2, "the stream must cross a reset"
-        assert "".join(u.transcript for u in done) == reference, chunking
+    assert_streams_equal_offline(asr)
