@@ -110,21 +110,29 @@ def xgrammar_rows(tokenizer: PreTrainedTokenizerBase, vocab: int, stop: list[int
 
         def walk(compiled: xgr.CompiledGrammar = compiled, ids: list[int] = ids, name: str = name) -> dict[str, float]:
             matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=64)
-            fill, consume = [], []
-            for token in ids:
-                a = time.perf_counter()
-                matcher.fill_next_token_bitmask(mask)
-                b = time.perf_counter()
-                if not matcher.accept_token(token):
-                    raise RuntimeError(f"xgrammar rejected token {token} of {name}")
-                fill.append((b - a) * 1e6)
-                consume.append((time.perf_counter() - b) * 1e6)
-            a = time.perf_counter()
-            matcher.rollback(1)
-            return _walk_stats(fill, consume, (time.perf_counter() - a) * 1e6)
+            return _timed_walk(ids, lambda: matcher.fill_next_token_bitmask(mask), matcher.accept_token,
+                               lambda: matcher.rollback(1), f"xgrammar on {name}")
 
         out["schemas"][name] = {"compile_ms": round(compile_ms, 2), **_row(walk, repeats)}
     return out
+
+
+def _timed_walk(ids: list[int], fill_mask: Callable[[], object], accept: Callable[[int], bool],
+                rollback: Callable[[], object], what: str) -> dict[str, float]:
+    """One pass over a schema's tokens as decoding makes it: the mask before each token, then its acceptance
+    (microseconds each), and one rollback at the end."""
+    fill, consume = [], []
+    for token in ids:
+        a = time.perf_counter()
+        fill_mask()
+        b = time.perf_counter()
+        if not accept(token):
+            raise RuntimeError(f"{what}: token {token} rejected")
+        fill.append((b - a) * 1e6)
+        consume.append((time.perf_counter() - b) * 1e6)
+    a = time.perf_counter()
+    rollback()
+    return _walk_stats(fill, consume, (time.perf_counter() - a) * 1e6)
 
 
 def llguidance_rows(tokenizer: PreTrainedTokenizerBase, vocab: int, stop: list[int], cases: dict[str, list[int]],
@@ -150,18 +158,8 @@ def llguidance_rows(tokenizer: PreTrainedTokenizerBase, vocab: int, stop: list[i
 
         def walk(grammar: str = grammar, ids: list[int] = ids, name: str = name) -> dict[str, float]:
             m = llguidance.LLMatcher(lltok, grammar)
-            fill, consume = [], []
-            for token in ids:
-                a = time.perf_counter()
-                llguidance.torch.fill_next_token_bitmask(m, mask)
-                b = time.perf_counter()
-                if not m.consume_token(token):
-                    raise RuntimeError(f"llguidance rejected token {token} of {name}: {m.get_error()}")
-                fill.append((b - a) * 1e6)
-                consume.append((time.perf_counter() - b) * 1e6)
-            a = time.perf_counter()
-            m.rollback(1)
-            return _walk_stats(fill, consume, (time.perf_counter() - a) * 1e6)
+            return _timed_walk(ids, lambda: llguidance.torch.fill_next_token_bitmask(m, mask), m.consume_token,
+                               lambda: m.rollback(1), f"llguidance on {name}")
 
         out["schemas"][name] = {"compile_ms": round(compile_ms, 2), **_row(walk, repeats)}
     return out
