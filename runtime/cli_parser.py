@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     _speed(p, 1.0, "real time")
     p.add_argument("--question", default=DEMO_QUESTION, help=f"the scripted question (default: {DEMO_QUESTION!r})")
     p.add_argument("--at", type=_seconds, metavar="SECONDS", help="media time to ask at (default: 60%% through)")
-    _common(p, profile="demo")  # the shipped ASR trained on synthetic speech: captions that match the script
+    _common(p, profile="demo")  # Whisper tiny.en two-pass captions, SmolLM2 answers (configs/demo.toml)
 
     p = sub.add_parser("transcribe", help="stream a file through the ASR and print the live transcript",
                        description="Stream any audio or video file PyAV reads through the streaming ASR and "

@@ -218,11 +218,11 @@ def test_bad_decoder_settings_are_one_line_errors(capsys, tmp_path):
     soundfile.write(wav, np.zeros(16000, dtype=np.float32), 16000)
     for setting, says in (("asr.decoder=viterbi", "asr.decoder"), ("asr.beam=0", "asr.beam"),
                           ("asr.lm=/no/such.arpa", "no such file"), ("asr.commit_after_s=-1", "asr.commit_after_s")):
-        code, _, err = run_cli(capsys, "transcribe", str(wav), "--profile", "demo", "--speed", "0", "-q",
+        code, _, err = run_cli(capsys, "transcribe", str(wav), "--profile", "fastconformer", "--speed", "0", "-q",
                                "--set", setting)
         assert code != 0 and says in one_error_line(err), setting
     broken = tmp_path / "broken.arpa"
     broken.write_text("not an arpa file\n")
-    code, _, err = run_cli(capsys, "transcribe", str(wav), "--profile", "demo", "--speed", "0", "-q",
+    code, _, err = run_cli(capsys, "transcribe", str(wav), "--profile", "fastconformer", "--speed", "0", "-q",
                            "--set", f"asr.lm={broken}")
     assert code != 0 and "broken.arpa" in one_error_line(err)

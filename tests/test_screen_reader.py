@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from weights_common import packaged_or_skip
 
+from runtime.chunks import SAMPLE_RATE
+from runtime.io.sample import demo_speech
 from runtime.io.slides import Slide, render_slide, write_slide_video
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +47,10 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_slide_video_end_to_end(reader, tmp_path: Path) -> None:
-    video = write_slide_video(tmp_path / "talk.mp4", SLIDES)
+    seconds = sum(s.seconds for s in SLIDES)
+    speech = demo_speech()[: seconds * SAMPLE_RATE]  # someone talks over the slides: user items beside the screens
+    audio = np.pad(speech, (0, seconds * SAMPLE_RATE - len(speech)))
+    video = write_slide_video(tmp_path / "talk.mp4", SLIDES, audio=audio)
     events = [json.loads(line) for line in run("transcribe", str(video), "--json", "-q").stdout.splitlines()]
     screens = [e for e in events if e["type"] == "runtime.screen.text"]
     assert [s["text"] for s in screens] == ["Budget review 2027 | - Office opens in Lisbon | - Hiring: 12 engineers "
@@ -53,6 +59,8 @@ def test_slide_video_end_to_end(reader, tmp_path: Path) -> None:
     # the screens are the runtime's own items: no API event points at one as the item before it
     assert all(not str(e.get("previous_item_id")).startswith("screen_") for e in events)
     assert any(e["type"] == "input_audio_buffer.committed" for e in events)
+    said = " ".join(e["transcript"] for e in events if e["type"].endswith("input_audio_transcription.completed"))
+    assert "red ball" in said.lower(), said
     metrics = [e for e in events if e["type"] == "runtime.metrics"][-1]["metrics"]["screen"]
     assert metrics["reads"] <= 4 and metrics["screens"] == 2
     answer = run("ask", str(video), "Which city does the office open in?", "--profile", "whisper-tiny-en", "-q",

@@ -229,8 +229,8 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
             fw(warm)
             each(FASTER, lambda s: offline_row(s, *timed_map(fw, s.audios)))
     if "fastconformer" in kinds:
-        cfg = replace(load_profile("demo").asr, model=fc_ref)
-        settings[FASTCONFORMER] = f"{fc_ref}, look-ahead {cfg.lookahead_ms} ms, {cfg.decoder} decoder (demo profile)"
+        cfg = replace(load_profile("fastconformer").asr, model=fc_ref)
+        settings[FASTCONFORMER] = f"{fc_ref}, look-ahead {cfg.lookahead_ms} ms, {cfg.decoder} decoder (its profile)"
         streamed(FASTCONFORMER, load_asr(cfg, device=device, dtype=dtype, progress=status),
                  whole_words=cfg.decoder == "beam")
     return {"systems": table, "system_settings": settings, "targets": targets(table, chunks),

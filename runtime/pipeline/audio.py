@@ -7,6 +7,12 @@ buffer's user item with the backend's final text (what it would give for that au
 With turn detection (`Turns`), a detected end of speech commits the buffer here, in order with the audio,
 and the `TurnSink` decides whether a response follows.
 
+`speech_gate` (the Whisper profiles' `pipeline.speech_gate`): Whisper writes "you" over silence and noise, in
+its streamed and its final text alike. With the gate and turn detection on, a buffer's transcript waits until
+the VAD hears speech in it (then what was held follows at once, after `speech_started`), and a buffer in which
+it heard none holds no words: the end of the input drops it without an event, a commit (the client's, or an
+idle timeout's) completes its item with an empty transcript. Without turn detection nothing is gated.
+
 One chunk is one worker job at ASR priority (the highest after control: captions are the latency budget), so
 the loop never runs the model.
 """
@@ -39,6 +45,7 @@ from runtime.memory.conversation import Conversation, Item
 from runtime.models.asr.base import ASRStream, TranscriptUpdate
 from runtime.pipeline import Emit
 from runtime.pipeline.input_buffer import BufferTranscript
+from runtime.session_config import SessionConfig
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker, Priority
 
@@ -57,10 +64,13 @@ class BufferEnd:
 
 @dataclass(frozen=True)
 class TurnEvent:
-    """What turn detection found in a chunk: speech began (`started`) or ended, at a sample of the session."""
+    """What turn detection found in a chunk: speech began (`started`) or ended, at a sample of the session.
+    `settings`: at an end, the session's settings when it was found, which decide what follows the turn (a
+    `session.update` that lands while the turn is being committed applies to the next one)."""
 
     started: bool
     sample: int
+    settings: SessionConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -78,11 +88,15 @@ class Turns(Protocol):
 
     def reset(self, at_sample: int) -> None: ...
 
+    def listening(self) -> bool:
+        """Whether a turn rule is on now (it reports where speech starts); a session.update may change it."""
+        ...
+
 
 class TurnSink(Protocol):
     """What follows a turn (the session's `ResponseRequests`): a response, or cancelling one on barge-in."""
 
-    async def turn_ended(self, item_id: str, at: float) -> None: ...
+    async def turn_ended(self, item_id: str, at: float, settings: SessionConfig | None) -> None: ...
 
     async def idle_timeout(self, item_id: str, at: float) -> None: ...
 
@@ -104,9 +118,9 @@ class AudioProcessor:
     def __init__(self, channel: BlockingChannel[AudioChunk | BufferEnd], open_asr: Callable[[], ASRStream],
                  worker: DeviceWorker, emit: Emit, conversation: Conversation, heard: HeardClock,
                  changes: ContextChanges, *, first_stream: ASRStream | None = None, turns: Turns | None = None,
-                 sink: TurnSink | None = None) -> None:
+                 sink: TurnSink | None = None, speech_gate: bool = False) -> None:
         """`first_stream`: the first buffer's stream, opened by the builder (so a broken model fails the session
-        before it starts); later buffers open theirs with `open_asr`."""
+        before it starts); later buffers open theirs with `open_asr`. `speech_gate`: see the module doc."""
         self.channel, self.open_asr, self.worker, self.emit = channel, open_asr, worker, emit
         self.conversation, self.heard, self.changes = conversation, heard, changes
         self.turns, self.sink = turns, sink
@@ -117,6 +131,9 @@ class AudioProcessor:
         self.audio_end = 0.0  # media seconds: the end of the audio accepted so far
         self.speaking = False
         self.commits = 0
+        self.speech_gate = speech_gate
+        self.heard_speech = False  # the VAD heard speech in the open buffer
+        self._held: list[TranscriptUpdate] = []  # the open buffer's updates while the gate waits for speech
 
     async def run(self) -> None:
         try:
@@ -126,7 +143,10 @@ class AudioProcessor:
                 else:
                     await self._accept(entry)
             if self.buffer is not None:  # end of input: the last buffer is committed like any other
-                await self._end(BufferEnd())
+                if self._gated():  # ...unless the gate heard no speech in it: then there is nothing to say
+                    await self._close_buffer(self.audio_end)
+                else:
+                    await self._end(BufferEnd())
         finally:
             await self.release()
             await self.heard.finish()
@@ -146,7 +166,11 @@ class AudioProcessor:
             self.buffer_samples = 0
         self.buffer_samples += len(chunk.samples)
         self.audio_end = chunk.end
-        await self._publish(await self._step(self.stream.accept, chunk, chunk.start))
+        updates = await self._step(self.stream.accept, chunk, chunk.start)
+        if self._gated():
+            self._held += updates
+        else:
+            await self._publish(updates)
         if self.turns is not None:
             for turn in await self._detect(chunk):
                 await self._turn(turn)
@@ -176,18 +200,20 @@ class AudioProcessor:
             return
         at_ms = round(turn.sample * 1000 / SAMPLE_RATE)
         if turn.started:
-            self.speaking = True
+            self.speaking = self.heard_speech = True
             await self.emit(SpeechStarted(item_id=self.buffer.item_id, audio_start_ms=at_ms,
                                           media_time=turn.sample / SAMPLE_RATE))
             if self.sink is not None:
                 self.sink.speech_started()
+            held, self._held = self._held, []
+            await self._publish(held)
         elif self.speaking:
             self.speaking = False
             item_id = self.buffer.item_id
             await self.emit(SpeechStopped(item_id=item_id, audio_end_ms=at_ms, media_time=turn.sample / SAMPLE_RATE))
             await self._end(BufferEnd())
             if self.sink is not None:
-                await self.sink.turn_ended(item_id, self.audio_end)
+                await self.sink.turn_ended(item_id, self.audio_end, turn.settings)
 
     async def _step(self, fn: Callable[..., list[TranscriptUpdate]], chunk: AudioChunk | None,
                     at: float) -> list[TranscriptUpdate]:
@@ -237,7 +263,9 @@ class AudioProcessor:
         previous = self.conversation.previous_id(item.item_id)
         await self.emit(AudioBufferCommitted(item_id=item.item_id, previous_item_id=previous, media_time=at))
         await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=at))
-        await self._publish(await self._step(stream.finish, None, at))
+        final = await self._step(stream.finish, None, at)
+        if not self._gated():
+            await self._publish(final)
         done = buffer.complete(at)
         self.conversation.apply(done)
         await self.emit(transcript_event(done))
@@ -247,8 +275,14 @@ class AudioProcessor:
         self.commits += 1
         await self.heard.committed()
 
+    def _gated(self) -> bool:
+        """The open buffer's words wait: the gate is on, turn detection listens, and it heard no speech yet."""
+        return (self.speech_gate and not self.heard_speech and self.turns is not None
+                and self.turns.listening())
+
     async def _close_buffer(self, at: float) -> None:
         stream, self.stream, self.buffer, self.buffer_samples, self.speaking = self.stream, None, None, 0, False
+        self.heard_speech, self._held = False, []
         if stream is not None:
             with contextlib.suppress(Exception):
                 await self.worker.run(Priority.CONTROL, stream.close)

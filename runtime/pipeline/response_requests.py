@@ -12,6 +12,7 @@ from runtime.events import error_event
 from runtime.models.lm.prompt import IDLE_QUESTION
 from runtime.pipeline import Emit
 from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.session_config import SessionConfig
 from runtime.session_state import AnswerActivity, HeardClock, SessionSettings
 
 
@@ -38,9 +39,10 @@ class ResponseRequests:
             return False
         return True
 
-    async def turn_ended(self, item_id: str, at: float) -> None:
-        """Turn detection committed the user's turn: answer it when the session asks for that."""
-        config = self.settings.config
+    async def turn_ended(self, item_id: str, at: float, settings: SessionConfig | None = None) -> None:
+        """Turn detection committed the user's turn: answer it when the session asked for that where the turn
+        ended (`settings`, the session's settings then; None: now)."""
+        config = settings or self.settings.config
         detection = config.turn_detection
         if detection is not None and detection.create_response:
             await self.request(Question(None, at, at, commits=self.heard.commits, instructions=config.instructions,

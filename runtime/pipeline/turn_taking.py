@@ -53,6 +53,9 @@ class TurnTaking:
         while self._recent and self._recent[0].end_sample <= at_sample:
             self._recent_samples -= len(self._recent.popleft().samples)
 
+    def listening(self) -> bool:
+        return self.settings.config.turn_detection is not None
+
     def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
         probs = self.vad.accept(chunk.samples)
         first = self.vad.windows_done - len(probs)
@@ -60,9 +63,10 @@ class TurnTaking:
         detector = self._current_detector()
         if detector is None:
             return []
+        settings = self.settings.config
         events: list[TurnEvent | IdleTimeout] = [
             TurnEvent(True, e.audio_start_sample) if isinstance(e, SpeechStarted)
-            else TurnEvent(False, e.audio_end_sample) for e in detector.push(probs.tolist(), first)]
+            else TurnEvent(False, e.audio_end_sample, settings) for e in detector.push(probs.tolist(), first)]
         idle = self._idle(chunk, detector)
         return events + ([idle] if idle is not None else [])
 

@@ -1,0 +1,172 @@
+"""The audio processor and turn detection: `pipeline.speech_gate` (with turn detection on, a buffer's words wait
+for the VAD to hear speech, and a buffer where it heard none holds no words: Whisper's "you" over silence), and
+what follows a turn decided by the settings where it ended. Scripted ASR stream and turns, the real processor."""
+
+import numpy as np
+import pytest
+
+from runtime.channels import BlockingChannel
+from runtime.chunks import SAMPLE_RATE, AudioChunk
+from runtime.memory.conversation import Conversation
+from runtime.models.asr.base import TranscriptUpdate
+from runtime.pipeline.audio import AudioProcessor, BufferEnd, IdleTimeout, TurnEvent
+from runtime.session_state import ContextChanges, HeardClock
+from runtime.worker import DeviceWorker
+
+STEP = SAMPLE_RATE // 10  # 100 ms chunks
+
+
+class _Stream:
+    """Scripted updates per chunk index, and a final pass; records whether it was closed."""
+
+    def __init__(self, by_chunk: dict[int, list[TranscriptUpdate]], final: list[TranscriptUpdate]) -> None:
+        self.by_chunk, self.final, self.closed = by_chunk, final, False
+
+    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
+        return self.by_chunk.get(chunk.start_sample // STEP, [])
+
+    def finish(self) -> list[TranscriptUpdate]:
+        return self.final
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Turns:
+    """Turn events scripted per chunk index; `on` is whether a turn rule listens."""
+
+    def __init__(self, by_chunk: dict[int, list[TurnEvent | IdleTimeout]], on: bool = True) -> None:
+        self.by_chunk, self.on = by_chunk, on
+
+    def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
+        return self.by_chunk.get(chunk.start_sample // STEP, [])
+
+    def reset(self, at_sample: int) -> None:
+        pass
+
+    def listening(self) -> bool:
+        return self.on
+
+
+def _you(i: int) -> list[TranscriptUpdate]:
+    return [TranscriptUpdate("a0", "you", "", 0.0, (i + 1) / 10)]
+
+
+async def _run(entries: list[int | BufferEnd], stream: _Stream, turns: _Turns, *, gate: bool = True):
+    channel: BlockingChannel[AudioChunk | BufferEnd] = BlockingChannel(len(entries), "audio")
+    for entry in entries:
+        await channel.put(entry if isinstance(entry, BufferEnd)
+                          else AudioChunk(np.zeros(STEP, np.float32), entry * STEP))
+    channel.close()
+    conversation, emitted = Conversation(), []
+
+    async def emit(event) -> None:
+        emitted.append(event)
+
+    with DeviceWorker() as worker:
+        await AudioProcessor(channel, lambda: stream, worker, emit, conversation, HeardClock(), ContextChanges(),
+                             first_stream=stream, turns=turns, speech_gate=gate).run()
+    return emitted, conversation
+
+
+@pytest.mark.asyncio
+async def test_words_before_speech_wait_for_it_then_follow_speech_started():
+    stream = _Stream({0: _you(0), 3: [TranscriptUpdate("a0", " red ball", "", 0.0, 0.4)]},
+                     [TranscriptUpdate("a0", "", "", 0.0, 0.5, True, "red ball")])
+    turns = _Turns({2: [TurnEvent(True, 2 * STEP)], 4: [TurnEvent(False, 5 * STEP)]})
+    out, conversation = await _run([0, 1, 2, 3, 4], stream, turns)
+    types = [e.type for e in out]
+    assert types[:3] == ["input_audio_buffer.speech_started", "conversation.item.input_audio_transcription.delta",
+                         "conversation.item.input_audio_transcription.delta"]
+    assert [e.delta for e in out[1:3]] == ["you", " red ball"]  # held from chunk 0, released at speech
+    done = [e for e in out if e.type == "conversation.item.input_audio_transcription.completed"]
+    assert [d.transcript for d in done] == ["red ball"] and conversation.final_text() == "red ball"
+
+
+@pytest.mark.asyncio
+async def test_a_buffer_without_speech_says_nothing_at_the_end_of_input():
+    stream = _Stream({0: _you(0), 1: _you(1)}, [TranscriptUpdate("a0", "", "", 0.0, 0.3, True, "you")])
+    out, conversation = await _run([0, 1, 2], stream, _Turns({}))
+    assert out == [] and conversation.items == [] and stream.closed
+
+
+@pytest.mark.asyncio
+async def test_a_commit_of_a_buffer_without_speech_completes_an_empty_item():
+    stream = _Stream({0: _you(0)}, [TranscriptUpdate("a0", "", "", 0.0, 0.2, True, "you")])
+    out, conversation = await _run([0, 1, BufferEnd(client_event_id="c1")], stream, _Turns({}))
+    assert [e.type for e in out] == ["input_audio_buffer.committed", "conversation.item.added",
+                                     "conversation.item.input_audio_transcription.completed", "conversation.item.done"]
+    assert out[2].transcript == "" and [it.text for it in conversation.items] == [""]
+
+
+@pytest.mark.asyncio
+async def test_speech_in_one_buffer_does_not_open_the_gate_of_the_next():
+    stream = _Stream({1: [TranscriptUpdate("a0", "hi", "", 0.0, 0.2)], 4: _you(4)},
+                     [TranscriptUpdate("a0", "", "", 0.0, 0.3, True, "hi")])
+    turns = _Turns({0: [TurnEvent(True, 0)], 2: [TurnEvent(False, 2 * STEP)]})
+    out, conversation = await _run([0, 1, 2, 3, 4, 5], stream, turns)
+    done = [e.transcript for e in out if e.type == "conversation.item.input_audio_transcription.completed"]
+    assert done == ["hi"] and [it.text for it in conversation.items] == ["hi"]
+    assert not any(getattr(e, "delta", "") == "you" for e in out)
+
+
+@pytest.mark.asyncio
+async def test_without_the_gate_or_without_turn_detection_every_word_shows():
+    for gate, on in ((False, True), (True, False)):
+        stream = _Stream({0: _you(0)}, [TranscriptUpdate("a0", "", "", 0.0, 0.2, True, "you")])
+        out, conversation = await _run([0, 1], stream, _Turns({}, on=on), gate=gate)
+        assert "".join(e.delta for e in out if e.type.endswith("transcription.delta")) == "you", (gate, on)
+        assert conversation.final_text() == "you", (gate, on)
+
+
+# --- what follows a turn is decided by the settings where the turn ended ---
+
+
+@pytest.mark.asyncio
+async def test_a_turn_is_answered_as_the_settings_said_when_it_ended_not_when_its_commit_landed():
+    """A client that reads a turn's `completed` and then sends `session.update` must not change what follows
+    that turn: with a slow final pass the update used to land first, and the turn was answered."""
+    from runtime.pipeline.response_requests import ResponseRequests
+    from runtime.session_config import SessionConfig, TurnDetection
+    from runtime.session_state import AnswerActivity, SessionSettings
+
+    silent, answering = (SessionConfig(turn_detection=TurnDetection(create_response=flag)) for flag in (False, True))
+    for then, now, asked in ((silent, answering, 0), (answering, silent, 1), (None, answering, 1)):
+        questions: BlockingChannel = BlockingChannel(4, "questions")
+        requests = ResponseRequests(questions, None, AnswerActivity(), HeardClock(),  # type: ignore[arg-type]
+                                    SessionSettings(now), emit=None)  # type: ignore[arg-type]
+        await requests.turn_ended("item_1", 1.0, then)
+        assert len(questions) == asked, (then, now)
+
+
+@pytest.mark.asyncio
+async def test_the_audio_processor_hands_the_turn_its_own_settings():
+    from runtime.session_config import SessionConfig, TurnDetection
+
+    then = SessionConfig(turn_detection=TurnDetection(create_response=False))
+    ended: list = []
+
+    class Sink:
+        async def turn_ended(self, item_id: str, at: float, settings) -> None:
+            ended.append(settings)
+
+        async def idle_timeout(self, item_id: str, at: float) -> None:
+            pass
+
+        def speech_started(self) -> None:
+            pass
+
+    stream = _Stream({}, [TranscriptUpdate("a0", "", "", 0.0, 0.2, True, "hi")])
+    turns = _Turns({0: [TurnEvent(True, 0)], 1: [TurnEvent(False, 2 * STEP, then)]})
+    channel: BlockingChannel[AudioChunk | BufferEnd] = BlockingChannel(4, "audio")
+    for i in range(3):
+        await channel.put(AudioChunk(np.zeros(STEP, np.float32), i * STEP))
+    channel.close()
+
+    async def emit(event) -> None:
+        pass
+
+    with DeviceWorker() as worker:
+        await AudioProcessor(channel, lambda: stream, worker, emit, Conversation(), HeardClock(), ContextChanges(),
+                             first_stream=stream, turns=turns, sink=Sink()).run()
+    assert ended == [then]
