@@ -105,6 +105,9 @@ class LMConfig:
     max_draft_tokens: int = 8  # the upper bound; the engine adapts below it from measured acceptance and cost
     # engine on CUDA: one-token decode steps replayed as a CUDA graph per session (models/lm/cuda_graph.py)
     cuda_graphs: bool = True
+    # engine on CPU: one-token decode steps compiled by torch.compile (models/lm/compiled_step.py), once per model
+    # at load (about a minute cold, seconds from inductor's disk cache): on | off | auto (int8 and int4 weights)
+    compile: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, UserError
+from runtime.models.lm.compiled_step import CompiledStep, wanted
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.pieces import Piece, visual_id
 from runtime.models.lm.prompt import EMPTY_CONTEXT, prompt_parts
@@ -123,6 +124,11 @@ class LMEngine:
         self.max_question_tokens = max_question_tokens
         self.target = max_question_tokens + cfg.max_new_tokens + tree_tokens
         self._encoded: dict[str, list[int]] = {}
+        self.compiled: CompiledStep | None = None  # the CPU decode step compiled at load (`lm.compile`)
+        if wanted(cfg.compile, model):
+            a = model.args
+            self.compiled = CompiledStep(model)
+            self.compiled.warm_up(a.num_layers, a.num_kv_heads, self.capacity(), a.head_dim)
 
     @classmethod
     def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,
@@ -162,10 +168,14 @@ class LMEngine:
         table = self.model.model.embed_tokens
         return table(torch.tensor(ids, dtype=torch.long, device=self.model.device)).float().mean(0)
 
+    def capacity(self) -> int:
+        """Cache slots every session gets (`kv_cache.SinkKVCache.capacity`)."""
+        return self.sink + self.window + self.reserve + self.target
+
     def cache_bytes(self) -> int:
         """KV bytes one session holds, constant for its lifetime: K, V and rotated K, two int64 position vectors."""
         a = self.model.args
-        slots = self.sink + self.window + self.reserve + self.target
+        slots = self.capacity()
         return 3 * a.num_layers * a.num_kv_heads * slots * a.head_dim * self.model.dtype.itemsize + 16 * slots
 
 
@@ -336,13 +346,20 @@ class EngineSession:
         if len(tokens) != len(parents):
             raise ValueError("tokens and parents differ in length")
         attend = self.cache.score_tree(parents)
-        graph = self._decode_graph() if len(tokens) == 1 and tokens[0] >= 0 else None
+        one = len(tokens) == 1 and tokens[0] >= 0
+        graph = self._decode_graph() if one else None
+        compiled = self.engine.compiled if one and graph is None else None
         # by token on CPU: each node's logits are exactly what a plain decode step there computes (lossless
-        # greedy with row-independent matmuls: int8/int4). On CUDA the decode step is the fixed-form graph, a
-        # different call anyway, and a call per node would make wide trees dear: one masked call there.
+        # greedy with row-independent matmuls: int8/int4; the compiled step computes them bitwise too). On CUDA
+        # the decode step is the fixed-form graph, a different call anyway, and a call per node would make wide
+        # trees dear: one masked call there.
         by_token = self.cache.k.device.type == "cpu"
-        logits = graph.run(tokens[0], attend) if graph else self._forward(tokens, attend, last_only=False,
-                                                                         by_token=by_token)
+        if graph:
+            logits = graph.run(tokens[0], attend)
+        elif compiled and compiled.fits(attend):
+            logits = compiled.run(tokens[0], attend, self.cache)
+        else:
+            logits = self._forward(tokens, attend, last_only=False, by_token=by_token)
         self._tree = (list(tokens), logits)
         return logits
 

@@ -96,12 +96,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        """transformers' RMSNorm as torch's fused kernel. Its weight stays float32 (`from_state`): a bf16 input is
-        normalised in float32 as transformers does, and rounded once, after the weight instead of before it
-        (a last-bit difference), in three ops instead of eight (61 norms a decode step)."""
+        """transformers' RMSNorm. Its weight stays float32 (`from_state`): a bf16 input is normalised in float32
+        as transformers does, and rounded once, after the weight instead of before it (a last-bit difference).
+
+        A float input of the weight's dtype goes to torch's fused kernel. A bf16 one has its sum of squares taken
+        in float64, where any summation order gives the same float32 (each square of a bf16 value has at most 16
+        significant bits: the sum is exact unless they span more than ~2^37), then rounded: the compiled step
+        (`compiled_step`) reduces in another order than eager torch, and a float32 mean made its norms differ
+        from these in the last bit, enough to flip a bf16 rounding now and then."""
         if x.dtype == self.weight.dtype:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+        var = x.double().square().sum(-1, keepdim=True).div_(x.shape[-1]).float()
+        return x.float().mul_(var.add_(self.eps).rsqrt_()).mul_(self.weight).to(x.dtype)
 
 
 class Attention(nn.Module):

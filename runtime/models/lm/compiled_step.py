@@ -1,0 +1,128 @@
+"""The one-token decode step compiled by torch.compile (inductor) for CPU, once per model, and shared by its sessions.
+
+Why: on a CPU a decode step of a small model is not bound by its matmuls alone. SmolLM2-135M in int4 spends
+about a third of an eager step in some 3,500 small torch ops (norms, RoPE, cache writes, residual adds, SiLU),
+each paying the dispatcher and Python. Inductor fuses the elementwise work between the matmuls into a few C++
+loops and keeps the int4/int8 kernels and SDPA as calls to the same aten kernels the eager step uses.
+
+How the step stays in place: the session's K, V and rotated-K buffers ([layers, 1, kv_heads, capacity, d],
+`kv_cache.SinkKVCache`) are passed whole, and each layer writes its new K/V with one `index_put_` on the whole
+buffer (layer, head and slot indices). Inductor turns those into in-place stores. An earlier try that passed
+per-layer views (`transformer.layer_views`) made AOTAutograd copy every buffer back on each call: 600 ms a step.
+
+Exactness: the step computes what `Transformer.forward` computes for one token, op for op, and
+`emulate_precision_casts` makes inductor round every bf16 intermediate where eager rounds it. Attention spans
+exactly the live slots [0, live) without a mask, as the eager step does when it sees every slot (the attended
+length is a dynamic size: one compile serves every length). The one reduction inductor writes itself, the
+RMSNorm's sum of squares, is exact in float64 in both paths (`transformer.RMSNorm`). So with bf16 activations
+(bf16, int8, int4 weights) its logits equal the eager step's bitwise, and greedy and speculative decoding stay
+token-identical; in float32 they agree to rounding (the fused kernel's reduction order).
+
+Where it is used: `EngineSession.score` for a one-token tree when `lm.compile` is on (`wanted`), the cache is
+on the CPU and the token sees every live slot (the plain decode step). Everything else (prefill, verification
+of drafted trees, source tokens arriving during an answer) stays eager. Keys that moved (eviction) are
+re-rotated eagerly first (`Transformer.rerotate`).
+
+Cost: compiling takes about a minute cold on 2 cores (inductor's on-disk cache makes a recompile seconds), so
+`LMEngine.load` compiles at load, once per model, on a scratch cache of the sessions' geometry; a changed
+thread count recompiles on the next step (torch bakes the OpenMP thread count into the kernels).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from runtime.errors import ConfigError
+from runtime.models.lm.kv_cache import Attend, SinkKVCache
+from runtime.models.lm.transformer import Transformer, apply_rope, linear
+
+COMPILE_MODES = ("auto", "on", "off")
+AUTO_FORMATS = ("int8", "int4")  # where `auto` compiles: the formats whose eager step is most overhead-bound
+# emulate_precision_casts: round bf16 intermediates where eager does (exactness, above); cpp_wrapper and no size
+# asserts: the step's ~300 kernel calls made from C++, not Python (about 6 % of a SmolLM2 int4 step at 1 thread)
+OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True, "size_asserts": False}
+
+
+def wanted(mode: str, model: Transformer) -> bool:
+    """Whether `lm.compile = mode` compiles this model's decode step: `on` on any CPU model, `auto` on a CPU
+    model with int8 or int4 weights, `off` never; never on other devices (CUDA has `lm.cuda_graphs`)."""
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"lm.compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    if model.device.type != "cpu" or mode == "off":
+        return False
+    return mode == "on" or model.weights in AUTO_FORMATS
+
+
+def decode_step(model: Transformer, token: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor,
+                slot: Tensor, live: int) -> Tensor:
+    """`Transformer.forward` for one token `token` [1] at RoPE cos/sin [1, 1, d], its K/V written at `slot` [1]
+    of the whole buffers k, v, kr [layers, 1, kv_heads, capacity, d], attending over slots [0, live) unmasked.
+    Logits [1, vocab] float32. The form torch.compile traces (`CompiledStep`)."""
+    first = model.model.layers[0].self_attn
+    h, kv, d = first.n_heads, first.n_kv, first.head_dim
+    heads = torch.arange(kv, device=k.device)
+    zero = torch.zeros(1, dtype=torch.long, device=k.device)
+    x = model.model.embed_tokens(token)
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        qkv = linear(layer.input_layernorm.forward(x), attn.qkv_proj).view(1, h + 2 * kv, d)
+        qk = apply_rope(qkv[:, : h + kv], cos, sin).transpose(0, 1)  # [heads + kv_heads, 1, d]
+        where = (torch.full((1,), i, dtype=torch.long, device=k.device), zero, heads, slot)
+        k.index_put_(where, qkv[0, h : h + kv])
+        v.index_put_(where, qkv[0, h + kv :])
+        kr.index_put_(where, qk[h:, 0])
+        q = qk[:h].reshape(kv, -1, d)  # [kv_heads, group, d], as Attention.forward folds the group
+        out = F.scaled_dot_product_attention(q[None], kr[i, :, :, :live], v[i, :, :, :live], scale=attn.scale)[0]
+        x = x + linear(out.reshape(h, 1, d).transpose(0, 1).reshape(1, attn.q_size), attn.o_proj)
+        x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+    return linear(model.model.norm.forward(x), model.lm_head).float()
+
+
+class CompiledStep:
+    """One model's compiled decode step (`decode_step`), for every session of that model."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self._fn = torch.compile(partial(decode_step, model), fullgraph=True, dynamic=True, options=OPTIONS)
+        self.runs = 0
+
+    @staticmethod
+    def fits(attend: Attend) -> bool:
+        """Whether a one-token `attend` is the plain decode step: the token sees every slot before it."""
+        return attend.q_pos.shape[0] == 1 and bool(attend.mask.all())
+
+    @torch.inference_mode()
+    def run(self, token: int, attend: Attend, cache: SinkKVCache) -> Tensor:
+        """Logits [1, vocab] of `token` placed as `attend` says (one slot that sees all before it: `fits`)."""
+        model = self.model
+        model.rerotate(cache.buffers, attend.q_pos, attend.k_pos, attend.slot)
+        cos, sin = model.rope(attend.q_pos)
+        self.runs += 1
+        return self._step(token, cos[:, None], sin[:, None], cache.k, cache.v, cache.kr, attend.slot,
+                          attend.mask.shape[-1])
+
+    def _step(self, token: int, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor, slot: int,
+              live: int) -> Tensor:
+        device = k.device
+        for t in (k, v, kr, cos, sin):
+            torch._dynamo.mark_static(t)
+        ids = torch.tensor([token], dtype=torch.long, device=device)
+        where = torch.tensor([slot], dtype=torch.long, device=device)
+        torch._dynamo.mark_static(ids)
+        torch._dynamo.mark_static(where)
+        return self._fn(ids, cos, sin, k, v, kr, where, live)
+
+    @torch.inference_mode()
+    def warm_up(self, layers: int, kv_heads: int, capacity: int, head_dim: int) -> None:
+        """Compile now, on a scratch cache of the sessions' geometry (twice: two attended lengths, so the
+        compiled code is the one for every length)."""
+        model = self.model
+        shape = (layers, 1, kv_heads, capacity, head_dim)
+        k, v, kr = (torch.zeros(shape, device=model.device, dtype=model.dtype) for _ in range(3))
+        for live in (2, 3):
+            cos, sin = model.rope(torch.tensor([live - 1], device=model.device))
+            self._step(0, cos[:, None], sin[:, None], k, v, kr, live - 1, live)

@@ -1,0 +1,115 @@
+"""The CPU decode step compiled by torch.compile (runtime/models/lm/compiled_step.py): its logits must be the
+eager engine's one-token `score()` logits (float32: to rounding; bf16 activations, as int8/int4 weights run:
+bitwise), over a window that has slid (eviction) and keys awaiting re-rotation, and greedy decoding with it
+must give the eager engine's tokens. Tiny models only: a compile takes seconds there, a minute on a real one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.config import LMConfig
+from runtime.errors import ConfigError
+from runtime.models.lm.compiled_step import CompiledStep, wanted
+from runtime.models.lm.engine import EngineSession, LMEngine
+
+WORDS = ["the", "team", "talks", "about", "budget", "for", "next", "year", "in", "morning", "meeting", "and"]
+
+
+def session(engine: LMEngine) -> EngineSession:
+    s = engine.open_session()
+    s.set_context(" ".join(WORDS[(i * 7) % len(WORDS)] for i in range(300)))  # far past the window: evicted
+    while s.prefill_step():
+        pass
+    assert s.cache.evicted > 0
+    s.begin_answer("What did the team talk about?")
+    return s
+
+
+@pytest.fixture(scope="module", params=["fp32", "int8"])
+def engines(request: pytest.FixtureRequest) -> tuple[LMEngine, LMEngine]:
+    """(eager, compiled) engines of the same tiny model and weight format."""
+    made = []
+    for mode in ("off", "on"):
+        cfg = LMConfig(backend="engine", model="tiny:qwen2", window_tokens=64, prefill_chunk_tokens=16,
+                       max_new_tokens=48, weights=request.param, compile=mode)
+        made.append(LMEngine.load(cfg, device="cpu", dtype="float32"))
+    return made[0], made[1]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, weights: str) -> bool:
+    if weights == "fp32":
+        return float((got - want).abs().max()) <= 1e-5
+    return torch.equal(got, want)
+
+
+def test_compiled_logits_equal_the_eager_step(engines):
+    eager, compiled = engines
+    assert eager.compiled is None and compiled.compiled is not None
+    step = compiled.compiled
+    s = session(compiled)
+    token = int(s.next_logits().argmax())
+    for _ in range(12):
+        attend = s.cache.score_tree([-1])
+        assert step.fits(attend)
+        got = step.run(token, attend, s.cache)
+        s.cache.commit([])
+        want = s._forward([token], s.cache.score_tree([-1]), last_only=False)  # the eager step, same slot
+        assert close(got, want, compiled.model.weights)
+        s.commit([])
+        s.score([token], [-1])
+        s.commit([0])
+        token = int(s.next_logits().argmax())
+
+
+def test_compiled_step_rerotates_keys_that_moved(engines):
+    eager, compiled = engines
+    s = session(compiled)
+    token = int(s.next_logits().argmax())
+    want = s._forward([token], s.cache.score_tree([-1]), last_only=False)
+    s.cache.commit([])
+    cache = s.cache
+    with torch.inference_mode():
+        cache.kr[:, :, :, 5:9] = 0.0  # stale rotated keys that must not be used as they are
+        cache.rot_pos[5:9] = -1
+    runs = compiled.compiled.runs
+    got = s.score([token], [-1])
+    assert compiled.compiled.runs == runs + 1
+    assert close(got, want, compiled.model.weights)
+    assert cache.rot_pos[5:9].tolist() == cache.pos[5:9].tolist()
+
+
+def test_greedy_decoding_is_token_identical(engines):
+    outputs = []
+    for engine in engines:
+        s = session(engine)
+        tokens = []
+        for _ in range(40):
+            token = int(s.next_logits().argmax())
+            s.score([token], [-1])
+            s.commit([0])
+            tokens.append(token)
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    assert engines[1].compiled.runs >= 40
+
+
+def test_trees_and_masked_steps_stay_eager(engines):
+    _, compiled = engines
+    s = session(compiled)
+    runs = compiled.compiled.runs
+    s.score([5, 6, 7], [-1, 0, 0])  # a drafted tree: verification stays eager
+    s.commit([0])
+    assert compiled.compiled.runs == runs
+    assert not CompiledStep.fits(s.cache.score_tree([-1, 0]))
+    s.cache.commit([])
+
+
+def test_which_models_compile():
+    eager, compiled = (LMEngine.load(LMConfig(backend="engine", model="tiny:qwen2", window_tokens=64,
+                                              weights=w, compile="off"), device="cpu", dtype="float32")
+                       for w in ("fp32", "int8"))
+    assert not wanted("auto", eager.model) and wanted("auto", compiled.model)
+    assert wanted("on", eager.model) and not wanted("off", compiled.model)
+    with pytest.raises(ConfigError, match="lm.compile"):
+        wanted("always", eager.model)
