@@ -126,6 +126,7 @@ async def test_a_forced_call_among_many_long_tools_fits_the_question(engine):
         await connection.response.create(response={"tools": [*tools, WEATHER],
                                                    "tool_choice": {"type": "function", "name": "lookup_3"}})
         done = await talk.next("response.done", timeout=120)
-        assert done["response"]["status"] == "completed", done["response"]  # not "the question is too long"
+        # not failed with "the question is too long"; the arguments may run to max tokens (a 135M model adds keys)
+        assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
         call = done["response"]["output"][0]
-        assert call["name"] == "lookup_3" and "query" in json.loads(call["arguments"])
+        assert call["name"] == "lookup_3" and call["arguments"].startswith('{"query":"'), call

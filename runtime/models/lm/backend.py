@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from runtime.config import LMConfig
 from runtime.errors import UserError
 from runtime.models.lm.pieces import Piece
+from runtime.models.lm.prompt import framing_line, may_become_framing
 from runtime.models.lm.sampling import StopRule
 
 DecodingStats = dict[str, float | int | list[float]]
@@ -96,34 +97,53 @@ def token_limit(cfg: LMConfig, max_tokens: int | None) -> int:
     return cfg.max_new_tokens if max_tokens is None else max(1, min(cfg.max_new_tokens, max_tokens))
 
 
-def new_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], emitted: str, *, final: bool) -> str:
-    """The text that `generated` adds after `emitted`. Byte-level tokens can end mid-character: until the
-    answer is final, a trailing U+FFFD is held back so a delta never carries half a character."""
+def answer_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], *, final: bool,
+                framing: bool) -> tuple[str, bool]:
+    """(the text `generated` says so far, whether it stopped at a framing line). Byte-level tokens can end
+    mid-character: until the answer is final, a trailing U+FFFD is held back so a delta never carries half a
+    character. With `framing`, the text ends where a line starts as the prompt frames the conversation
+    (`prompt.framing_line`), and while not final a last line that may yet become one is held back."""
     text = tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     if not final:
         text = text.rstrip("\ufffd")
-    return text[len(emitted):] if text.startswith(emitted) else ""
+    if framing:
+        cut = framing_line(text)
+        if cut is not None:
+            return text[:cut].rstrip(), True
+        if not final and may_become_framing(text):
+            text = text[: text.rindex("\n")].rstrip()  # with the blank lines before it
+    return text, False
 
 
 @dataclass(eq=False)
 class AnswerText:
     """What an answer has said: its tokens under the stop rule, streamed as text that never carries half a
-    character. Every backend's answer keeps one, so a step's tokens become an `AnswerStep` in one place."""
+    character. Every backend's answer keeps one, so a step's tokens become an `AnswerStep` in one place.
+
+    `framing` (free text; off for JSON under a schema): a small model that has answered often goes on writing
+    the conversation: a timestamped line ("[00:42.0] On screen: ..."), the next "Question:". The answer ends
+    where such a line starts, finish reason "stop", and that line is never streamed: in the conversation it would
+    pass for something heard or shown."""
 
     tokenizer: PreTrainedTokenizerBase
     stop: StopRule
     generated: list[int] = field(default_factory=list)  # the answer's token ids (no stop token)
-    emitted: str = ""  # text streamed so far (a prefix of the decoded `generated`)
+    emitted: str = ""  # text streamed so far (a prefix of the answer's text)
     finish_reason: str | None = None  # "stop" | "length" once the stop rule ended the answer
+    framing: bool = True
 
     def take(self, tokens: Iterable[int]) -> AnswerStep:
         """Take a step's tokens in order until one ends the answer; the step carries the text they add."""
         before = len(self.generated)
         self.finish_reason = self.stop.take(tokens, self.generated)
-        done = self.finish_reason is not None
-        delta = new_text(self.tokenizer, self.generated, self.emitted, final=done)
+        text, framed = answer_text(self.tokenizer, self.generated, final=self.finish_reason is not None,
+                                   framing=self.framing)
+        if framed:
+            self.finish_reason = "stop"
+            text = self.emitted if self.emitted.startswith(text) else text  # a space already streamed stays
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
         self.emitted += delta
-        return AnswerStep(delta, done, self.finish_reason, len(self.generated) - before)
+        return AnswerStep(delta, self.finish_reason is not None, self.finish_reason, len(self.generated) - before)
 
     def room(self) -> int:
         """How many more tokens the answer may take."""

@@ -167,7 +167,7 @@ class EngineAnswerer:
         first = decoder.start(lm.session.next_logits(), prompt)
         cache = lm.session.cache
         text = AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens),
-                                                   self.cfg.stop_repeats))
+                                                   self.cfg.stop_repeats), framing=schema is None)
         return EngineAnswer(lm, decoder, text,
                             prompt, max(0, cache.source_len - self.engine.sink), cache.evicted > 0, first=first,
                             on_release=self._pool if pooled else None)

@@ -199,7 +199,7 @@ class GenerateAnswerer:
         return GenerateAnswer(
             model=self.model,
             text=AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens),
-                                          self.cfg.stop_repeats)),
+                                          self.cfg.stop_repeats), framing=schema is None),
             sampler=self.sampler,
             prompt_ids=ids,
             cache=cache,

@@ -15,6 +15,7 @@ question a segment note answers (`NOTE_QUESTION`) are prompt text too, so they l
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
@@ -34,6 +35,24 @@ HEADINGS = {  # one per kind of memory block, before the first block of that kin
 _MARK = "<<runtime:context>>"  # where the transcript goes, while the prompt is cut in two
 
 Content = Callable[[str], str | list[dict[str, str]]]  # a message's text as the template wants it
+# How the prompt starts its lines: the context's (a timestamp, "[00:42.0] ...", conversation.py) and the question's
+# (`user_turn`). An answer that starts a line so is writing the conversation on, not answering (AnswerText).
+_FRAMING = re.compile(r"\n(?:\[\d|Question:|Transcript so far:)")
+_FRAMING_WORDS = ("Question:", "Transcript so far:")
+
+
+def framing_line(text: str) -> int | None:
+    """Where in an answer's `text` a line starts as the prompt frames its lines (the newline's index), if any."""
+    found = _FRAMING.search(text)
+    return None if found is None else found.start()
+
+
+def may_become_framing(text: str) -> bool:
+    """Whether `text`'s last line (after its last newline) could still grow into a framing line."""
+    if "\n" not in text:
+        return False
+    last = text[text.rindex("\n") + 1 :]
+    return last in ("", "[") or any(word.startswith(last) for word in _FRAMING_WORDS)
 
 
 def plain_content(text: str) -> str:
