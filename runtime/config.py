@@ -106,7 +106,8 @@ class LMConfig:
     # engine on CUDA: one-token decode steps replayed as a CUDA graph per session (models/lm/cuda_graph.py)
     cuda_graphs: bool = True
     # engine on CPU: one-token decode steps compiled by torch.compile (models/lm/compiled_step.py), once per model
-    # at load (about a minute cold, seconds from inductor's disk cache): on | off | auto (int8 and int4 weights)
+    # at load (about a minute cold, 14 s from inductor's disk cache): on | off | auto (int8 and int4 weights decoded
+    # plainly, drafter = none: a drafter's verify steps stay eager)
     compile: str = "auto"
 
 

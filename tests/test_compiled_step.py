@@ -110,6 +110,7 @@ def test_which_models_compile():
                                               weights=w, compile="off"), device="cpu", dtype="float32")
                        for w in ("fp32", "int8"))
     assert not wanted("auto", eager.model) and wanted("auto", compiled.model)
+    assert not wanted("auto", compiled.model, "ngram")  # a drafter's verify steps stay eager: no compile
     assert wanted("on", eager.model) and not wanted("off", compiled.model)
     with pytest.raises(ConfigError, match="lm.compile"):
         wanted("always", eager.model)

@@ -1,9 +1,11 @@
 """`runtime bench llm --model REF`: a real language model (e.g. builtin:smollm2-135m-instruct) on this machine.
 
 Everything side by side in one run, because this machine is shared and noisy:
-- per weight format (`lm.weights`: fp32, bf16, int8, int4): greedy decode and prefill tokens/s of the engine at 1
-  and 2 threads, the weight bytes one decode step reads and the bound they set at the measured copy bandwidth,
-  and quality against fp32 (perplexity on a fixed text; top-1 agreement with fp32's greedy continuation);
+- per weight format (`lm.weights`: fp32, bf16, int8, int4, each decoding plainly as `lm.compile = auto` has it:
+  int8 and int4 through the compiled step; and `int4-eager` beside them): greedy decode and prefill tokens/s of
+  the engine at 1 and 2 threads, the weight bytes one decode step reads and the bound they set at the measured
+  copy bandwidth, and quality against fp32 (perplexity on a fixed text; top-1 agreement with fp32's greedy
+  continuation);
 - the peers: transformers `generate` (the same file, fp32) and llama.cpp (llama-cpp-python, the same GGUF, the
   same thread count), each a row with the reason when it cannot run;
 - time to first token after 4k streamed tokens against prefilling them at question time (the best format);
@@ -36,6 +38,9 @@ from runtime.models.loading import resolve_checkpoint
 
 Status = Callable[[str], None]
 FORMATS = ("fp32", "bf16", "int8", "int4")
+# the rows: each format as `lm.compile = auto` runs it plainly (int8/int4 compiled), and int4 eager beside it
+ROWS = {"fp32": ("fp32", "auto"), "bf16": ("bf16", "auto"), "int8": ("int8", "auto"), "int4": ("int4", "auto"),
+        "int4-eager": ("int4", "off")}
 THREADS = (1, 2)
 CONTEXT = ("[00:02] Dana: Thanks for joining. The product launch moves from May 3rd to May 17th.\n"
            "[00:09] Sam: Then the press kit must be final by May 10th, and the budget stays at 42,000 euros.\n"
@@ -111,10 +116,11 @@ def _formats(ref: str, args: argparse.Namespace, status: Status, n: int) -> tupl
     ref_greedy: list[int] = []
     prompt: list[int] = []
     ppl_ids: list[int] = []
-    for fmt in FORMATS:
-        status(f"{fmt}: loading")
-        cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none", max_new_tokens=n + 8)
-        answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
+    for name, (fmt, compile_mode) in ROWS.items():
+        status(f"{name}: loading")
+        cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none", max_new_tokens=n + 8,
+                       compile=compile_mode)
+        answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
         engine = answerer.engine
         if fmt == "fp32":
             ppl_ids = engine.encode(PPL_TEXT)
@@ -123,15 +129,16 @@ def _formats(ref: str, args: argparse.Namespace, status: Status, n: int) -> tupl
             while not state.step().done:
                 pass
             ref_greedy = list(state.generated)
-        row: dict[str, Any] = {"weight_bytes_per_token": step_bytes(engine.model)}
+        row: dict[str, Any] = {"weights": fmt, "compiled_step": engine.compiled is not None,
+                               "weight_bytes_per_token": step_bytes(engine.model)}
         for threads in THREADS:
             torch.set_num_threads(threads)
-            status(f"{fmt}: decode and prefill at {threads} thread(s)")
+            status(f"{name}: decode and prefill at {threads} thread(s)")
             row[f"decode_tok_s_{threads}t"] = round(max(decode_tok_s(answerer, n) for _ in range(2)), 2)
             row[f"prefill_tok_s_{threads}t"] = round(prefill_tok_s(engine, 512), 1)
         torch.set_num_threads(1)
         row.update(quality(engine.model, ref_greedy, prompt, ppl_ids))
-        rows[fmt] = row
+        rows[name] = row
         del answerer, engine
     return rows, prompt
 

@@ -23,8 +23,8 @@ on the CPU and the token sees every live slot (the plain decode step). Everythin
 of drafted trees, source tokens arriving during an answer) stays eager. Keys that moved (eviction) are
 re-rotated eagerly first (`Transformer.rerotate`).
 
-Cost: compiling takes about a minute cold on 2 cores (inductor's on-disk cache makes a recompile seconds), so
-`LMEngine.load` compiles at load, once per model, on a scratch cache of the sessions' geometry; a changed
+Cost: compiling takes about a minute cold on 2 cores (inductor's on-disk cache makes a recompile 14 s), so
+`LMEngine.load` compiles at load (saying so), once per model, on a scratch cache of the sessions' geometry; a changed
 thread count recompiles on the next step (torch bakes the OpenMP thread count into the kernels).
 """
 
@@ -47,14 +47,16 @@ AUTO_FORMATS = ("int8", "int4")  # where `auto` compiles: the formats whose eage
 OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True, "size_asserts": False}
 
 
-def wanted(mode: str, model: Transformer) -> bool:
-    """Whether `lm.compile = mode` compiles this model's decode step: `on` on any CPU model, `auto` on a CPU
-    model with int8 or int4 weights, `off` never; never on other devices (CUDA has `lm.cuda_graphs`)."""
+def wanted(mode: str, model: Transformer, drafter: str = "none") -> bool:
+    """Whether `lm.compile = mode` compiles this model's decode step: `on` on any CPU model; `auto` on a CPU
+    model with int8 or int4 weights that decodes plainly (`lm.drafter = none`: with a drafter most steps verify
+    a drafted tree, which stays eager, so the compile would cost its load time for a few steps); `off` never;
+    never on other devices (CUDA has `lm.cuda_graphs`)."""
     if mode not in COMPILE_MODES:
         raise ConfigError(f"lm.compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if model.device.type != "cpu" or mode == "off":
         return False
-    return mode == "on" or model.weights in AUTO_FORMATS
+    return mode == "on" or (model.weights in AUTO_FORMATS and drafter == "none")
 
 
 def decode_step(model: Transformer, token: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor,

@@ -125,7 +125,7 @@ class LMEngine:
         self.target = max_question_tokens + cfg.max_new_tokens + tree_tokens
         self._encoded: dict[str, list[int]] = {}
         self.compiled: CompiledStep | None = None  # the CPU decode step compiled at load (`lm.compile`)
-        if wanted(cfg.compile, model):
+        if wanted(cfg.compile, model, cfg.drafter):
             a = model.args
             self.compiled = CompiledStep(model)
             self.compiled.warm_up(a.num_layers, a.num_kv_heads, self.capacity(), a.head_dim)
@@ -137,7 +137,10 @@ class LMEngine:
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
             tokenizer, eos = load_tokenizer(path)
             model = Transformer.from_pretrained(path, device=device, dtype=torch_dtype(dtype), weights=cfg.weights)
-        return cls(model, tokenizer, cfg, name=cfg.model, seed=seed, eos_ids=eos, **options)
+            if progress is not None and wanted(cfg.compile, model, cfg.drafter):
+                progress("compiling the decode step (lm.compile: about a minute the first time on this machine, "
+                         "14 s from torch's cache after) ...")
+            return cls(model, tokenizer, cfg, name=cfg.model, seed=seed, eos_ids=eos, **options)
 
     def open_session(self) -> EngineSession:
         return EngineSession(self)
