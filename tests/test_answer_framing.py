@@ -57,5 +57,24 @@ def test_framing_line_and_its_prefixes():
     assert framing_line("ok\n[12:00.0] x") == 2 and framing_line("ok\nQuestion: y") == 2
     assert framing_line("[00:01.0] at the very start is the answer's own text") is None
     assert framing_line("ok\n[a] item") is None and framing_line("ok\nQuestions remain") is None
-    assert all(may_become_framing(t) for t in ("ok\n", "ok\n[", "ok\nQues", "ok\nTranscript so"))
-    assert not any(may_become_framing(t) for t in ("ok", "ok\nThe", "ok\n[a", "ok\nQuery"))
+    assert framing_line("See:\n[1] the first point") is None  # a numbered reference is not a timestamp
+    assert all(may_become_framing(t) for t in ("ok\n", "ok\n[", "ok\n[12", "ok\n[12:", "ok\nQues",
+                                                "ok\nTranscript so"))
+    assert not any(may_become_framing(t) for t in ("ok", "ok\nThe", "ok\n[a", "ok\n[1]", "ok\nQuery"))
+
+
+def test_a_numbered_line_is_held_until_it_shows_it_is_no_timestamp():
+    deltas, said, reason = _answer(["See", ":", "\n", "[1", "]", " the first point."])
+    assert said == "See:\n[1] the first point." and reason == "stop" and deltas[3] == ""
+
+
+def test_an_answer_that_runs_out_of_tokens_on_a_possible_framing_line_ends_before_it():
+    tok = _Pieces(["<eos>", "Nair", ".", "\n", "Ques"])
+    text = AnswerText(tok, StopRule(frozenset({EOS}), max_new_tokens=4))  # type: ignore[arg-type]
+    step = text.take([1, 2, 3, 4])
+    assert step.done and text.finish_reason == "length" and text.emitted == "Nair."
+
+
+def test_a_carriage_return_waits_for_its_line_feed():
+    deltas, said, reason = _answer(["Nair", ".", "\r", "\n", "[00:", "42.0] On screen"])
+    assert said == "Nair." and reason == "stop" and not any("\r" in d for d in deltas)

@@ -33,13 +33,18 @@ class _Stream:
 
 
 class _Turns:
-    """Turn events scripted per chunk index; `on` is whether a turn rule listens."""
+    """Turn events scripted per chunk index; `on` is whether a turn rule listens, flipped after the chunks in
+    `flip_after` (as a session.update between two chunks would)."""
 
-    def __init__(self, by_chunk: dict[int, list[TurnEvent | IdleTimeout]], on: bool = True) -> None:
-        self.by_chunk, self.on = by_chunk, on
+    def __init__(self, by_chunk: dict[int, list[TurnEvent | IdleTimeout]], on: bool = True,
+                 flip_after: tuple[int, ...] = ()) -> None:
+        self.by_chunk, self.on, self.flip_after = by_chunk, on, flip_after
 
     def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
-        return self.by_chunk.get(chunk.start_sample // STEP, [])
+        index = chunk.start_sample // STEP
+        if index in self.flip_after:
+            self.on = not self.on
+        return self.by_chunk.get(index, [])
 
     def reset(self, at_sample: int) -> None:
         pass
@@ -119,6 +124,45 @@ async def test_without_the_gate_or_without_turn_detection_every_word_shows():
         assert conversation.final_text() == "you", (gate, on)
 
 
+def _deltas(out: list) -> str:
+    return "".join(e.delta for e in out if e.type.endswith("transcription.delta"))
+
+
+def _completed(out: list) -> list[str]:
+    return [e.transcript for e in out if e.type.endswith("transcription.completed")]
+
+
+@pytest.mark.asyncio
+async def test_what_waited_comes_out_as_one_update_whatever_the_wait():
+    stream = _Stream({i: [TranscriptUpdate("a0", " you", "", 0.0, (i + 1) / 10)] for i in range(40)},
+                     [TranscriptUpdate("a0", "", "", 0.0, 4.1, True, "you")])
+    turns = _Turns({40: [TurnEvent(True, 40 * STEP)]})
+    out, _ = await _run(list(range(41)), stream, turns)
+    deltas = [e for e in out if e.type.endswith("transcription.delta")]
+    assert deltas[0].delta == " you" * 40 and deltas[0].media_time == pytest.approx(4.0)
+    assert out[out.index(deltas[0]) - 1].type == "input_audio_buffer.speech_started"
+
+
+@pytest.mark.asyncio
+async def test_turn_detection_switched_on_mid_buffer_does_not_hide_words_already_shown():
+    stream = _Stream({0: [TranscriptUpdate("a0", "hello", "", 0.0, 0.1)],
+                      2: [TranscriptUpdate("a0", " world", "", 0.0, 0.3)]},
+                     [TranscriptUpdate("a0", "", "", 0.0, 0.4, True, "hello world")])
+    for ending in ([], [BufferEnd(client_event_id="c1")]):
+        out, conversation = await _run([0, 1, 2, 3, *ending], stream, _Turns({}, on=False, flip_after=(0,)))
+        assert _deltas(out) == "hello world" and _completed(out) == ["hello world"], ending
+        assert conversation.final_text() == "hello world"
+
+
+@pytest.mark.asyncio
+async def test_turn_detection_switched_off_releases_what_waited():
+    stream = _Stream({0: [TranscriptUpdate("a0", "hi", "", 0.0, 0.1)],
+                      1: [TranscriptUpdate("a0", " there", "", 0.0, 0.2)]},
+                     [TranscriptUpdate("a0", "", "", 0.0, 0.3, True, "hi there")])
+    out, conversation = await _run([0, 1, 2], stream, _Turns({}, flip_after=(0,)))
+    assert _deltas(out) == "hi there" and _completed(out) == ["hi there"]
+
+
 # --- what follows a turn is decided by the settings where the turn ended ---
 
 
@@ -150,7 +194,7 @@ async def test_the_audio_processor_hands_the_turn_its_own_settings():
         async def turn_ended(self, item_id: str, at: float, settings) -> None:
             ended.append(settings)
 
-        async def idle_timeout(self, item_id: str, at: float) -> None:
+        async def idle_timeout(self, item_id: str, at: float, settings) -> None:
             pass
 
         def speech_started(self) -> None:

@@ -5,6 +5,8 @@ must give the eager engine's tokens. Tiny models only: a compile takes seconds t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -114,3 +116,28 @@ def test_which_models_compile():
     assert wanted("on", eager.model) and not wanted("off", compiled.model)
     with pytest.raises(ConfigError, match="lm.compile"):
         wanted("always", eager.model)
+
+
+def test_auto_decodes_eagerly_when_the_step_does_not_compile(monkeypatch):
+    """No C++ compiler, an unwritable cache: `auto` warns and runs eager; `on` is a one-line error."""
+    import runtime.models.lm.engine as engine_module
+
+    class Broken:
+        def __init__(self, model) -> None:
+            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found\n(details)")
+
+    monkeypatch.setattr(engine_module, "CompiledStep", Broken)
+    cfg = LMConfig(backend="engine", model="tiny:qwen2", window_tokens=64, weights="int8", drafter="none")
+    assert LMEngine.load(cfg, device="cpu", dtype="float32").compiled is None
+    with pytest.raises(ConfigError, match="did not compile: InvalidCxxCompiler") as err:
+        LMEngine.load(replace(cfg, compile="on"), device="cpu", dtype="float32")
+    assert "\n" not in str(err.value)
+
+
+def test_a_drafter_s_own_engine_does_not_compile_under_auto():
+    from runtime.models.lm.engine_answerer import EngineAnswerer
+
+    cfg = LMConfig(backend="engine", model="tiny:qwen2", window_tokens=64, weights="int8", drafter="swift")
+    answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
+    assert answerer.engine.compiled is None and answerer.draft_engine is not None
+    assert answerer.draft_engine.compiled is None  # its steps are drafts, verified in trees: eager

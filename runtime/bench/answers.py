@@ -101,7 +101,7 @@ def ask_all(answerer: EngineAnswerer, items: list[dict[str, Any]], lines_of: Cal
             state = answerer.start(transcript_context(lines[: q["after_line"]]), q["q"], stream=stream)
             while not state.step().done:
                 pass
-            answer = answerer.tokenizer.decode(state.generated, skip_special_tokens=True).strip()
+            answer = state.text.emitted.strip()  # what the user was shown (the stop rules applied)
             results.append({"id": item["id"], "kind": item["kind"], "question": q["q"], "answer": answer,
                             "right": is_right(answer, q["expect"]), "seconds": round(time.perf_counter() - start, 3)})
     return results

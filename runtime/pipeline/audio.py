@@ -9,9 +9,12 @@ and the `TurnSink` decides whether a response follows.
 
 `speech_gate` (the Whisper profiles' `pipeline.speech_gate`): Whisper writes "you" over silence and noise, in
 its streamed and its final text alike. With the gate and turn detection on, a buffer's transcript waits until
-the VAD hears speech in it (then what was held follows at once, after `speech_started`), and a buffer in which
-it heard none holds no words: the end of the input drops it without an event, a commit (the client's, or an
-idle timeout's) completes its item with an empty transcript. Without turn detection nothing is gated.
+the VAD hears speech in it, and a buffer in which it heard none holds no words: the end of the input drops it
+without an event, a commit (the client's, or an idle timeout's) completes its item with an empty transcript.
+What waited is kept as one update (its text joined, constant memory however long the wait) and follows
+`speech_started` at once; words the ASR wrote over the silence just before the speech come with it (the ASR
+stream spans the whole buffer). Once a buffer's words flow (speech heard, or turn detection off when they
+came) the gate never closes on it again. Without turn detection nothing is gated.
 
 One chunk is one worker job at ASR priority (the highest after control: captions are the latency budget), so
 the loop never runs the model.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from runtime.channels import BlockingChannel
@@ -75,10 +78,12 @@ class TurnEvent:
 
 @dataclass(frozen=True)
 class IdleTimeout:
-    """No speech from `start` (the last answer's end, or the buffer's start) to `end` (samples): `idle_timeout_ms`."""
+    """No speech from `start` (the last answer's end, or the buffer's start) to `end` (samples): `idle_timeout_ms`.
+    `settings`: the session's settings when it fired (as `TurnEvent.settings`)."""
 
     start: int
     end: int
+    settings: SessionConfig | None = None
 
 
 class Turns(Protocol):
@@ -98,7 +103,7 @@ class TurnSink(Protocol):
 
     async def turn_ended(self, item_id: str, at: float, settings: SessionConfig | None) -> None: ...
 
-    async def idle_timeout(self, item_id: str, at: float) -> None: ...
+    async def idle_timeout(self, item_id: str, at: float, settings: SessionConfig | None) -> None: ...
 
     def speech_started(self) -> None: ...
 
@@ -133,7 +138,8 @@ class AudioProcessor:
         self.commits = 0
         self.speech_gate = speech_gate
         self.heard_speech = False  # the VAD heard speech in the open buffer
-        self._held: list[TranscriptUpdate] = []  # the open buffer's updates while the gate waits for speech
+        self._held: TranscriptUpdate | None = None  # the open buffer's words, joined, while the gate waits
+        self._flowing = False  # the open buffer's words have been published: the gate stays open for it
 
     async def run(self) -> None:
         try:
@@ -168,8 +174,9 @@ class AudioProcessor:
         self.audio_end = chunk.end
         updates = await self._step(self.stream.accept, chunk, chunk.start)
         if self._gated():
-            self._held += updates
+            self._hold(updates)
         else:
+            await self._release()
             await self._publish(updates)
         if self.turns is not None:
             for turn in await self._detect(chunk):
@@ -196,7 +203,7 @@ class AudioProcessor:
                                                media_time=turn.end / SAMPLE_RATE))
             await self._end(BufferEnd())
             if self.sink is not None:
-                await self.sink.idle_timeout(item_id, self.audio_end)
+                await self.sink.idle_timeout(item_id, self.audio_end, turn.settings)
             return
         at_ms = round(turn.sample * 1000 / SAMPLE_RATE)
         if turn.started:
@@ -205,8 +212,7 @@ class AudioProcessor:
                                           media_time=turn.sample / SAMPLE_RATE))
             if self.sink is not None:
                 self.sink.speech_started()
-            held, self._held = self._held, []
-            await self._publish(held)
+            await self._release()
         elif self.speaking:
             self.speaking = False
             item_id = self.buffer.item_id
@@ -231,6 +237,7 @@ class AudioProcessor:
         for update in updates:
             folded = self.buffer.fold(update)
             if folded is not None:
+                self._flowing = True
                 self.conversation.apply(folded)
                 await self.emit(transcript_event(folded))
                 changed = True
@@ -264,9 +271,12 @@ class AudioProcessor:
         await self.emit(AudioBufferCommitted(item_id=item.item_id, previous_item_id=previous, media_time=at))
         await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=at))
         final = await self._step(stream.finish, None, at)
-        if not self._gated():
+        if self._gated():  # no speech in it: an empty item, whatever the ASR wrote over the silence
+            done = BufferTranscript(buffer.item_id, buffer.start).complete(at)
+        else:
+            await self._release()
             await self._publish(final)
-        done = buffer.complete(at)
+            done = buffer.complete(at)
         self.conversation.apply(done)
         await self.emit(transcript_event(done))
         await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=at))
@@ -276,13 +286,32 @@ class AudioProcessor:
         await self.heard.committed()
 
     def _gated(self) -> bool:
-        """The open buffer's words wait: the gate is on, turn detection listens, and it heard no speech yet."""
-        return (self.speech_gate and not self.heard_speech and self.turns is not None
+        """The open buffer's words wait: the gate is on, turn detection listens, it heard no speech yet, and no
+        word of the buffer has been published."""
+        return (self.speech_gate and not self.heard_speech and not self._flowing and self.turns is not None
                 and self.turns.listening())
+
+    def _hold(self, updates: list[TranscriptUpdate]) -> None:
+        """Fold `updates` into the buffer's text and keep what they show as one update, not yet published."""
+        assert self.buffer is not None
+        for update in updates:
+            folded = self.buffer.fold(update)
+            if folded is not None:
+                held = self._held
+                self._held = folded if held is None else replace(folded, delta=held.delta + folded.delta)
+
+    async def _release(self) -> None:
+        """Publish what the gate held (already folded), as one update."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._flowing = True
+            self.conversation.apply(held)
+            await self.emit(transcript_event(held))
+            self.changes.mark()
 
     async def _close_buffer(self, at: float) -> None:
         stream, self.stream, self.buffer, self.buffer_samples, self.speaking = self.stream, None, None, 0, False
-        self.heard_speech, self._held = False, []
+        self.heard_speech, self._held, self._flowing = False, None, False
         if stream is not None:
             with contextlib.suppress(Exception):
                 await self.worker.run(Priority.CONTROL, stream.close)

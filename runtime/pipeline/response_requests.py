@@ -48,9 +48,10 @@ class ResponseRequests:
             await self.request(Question(None, at, at, commits=self.heard.commits, instructions=config.instructions,
                                         max_tokens=config.max_output_tokens, tools=config.tools))
 
-    async def idle_timeout(self, item_id: str, at: float) -> None:
-        """Nobody spoke for `idle_timeout_ms` after the last answer: the model speaks up (as the API's does)."""
-        config = self.settings.config
+    async def idle_timeout(self, item_id: str, at: float, settings: SessionConfig | None = None) -> None:
+        """Nobody spoke for `idle_timeout_ms` after the last answer: the model speaks up (as the API's does), as
+        the session's settings were when it fired (`settings`; None: now)."""
+        config = settings or self.settings.config
         await self.request(Question(IDLE_QUESTION, at, at, commits=self.heard.commits, instructions=config.instructions,
                                     max_tokens=config.max_output_tokens))
 

@@ -82,7 +82,7 @@ class TurnTaking:
         if chunk.end_sample - since < config.idle_timeout_ms * SAMPLE_RATE // 1000:
             return None
         self._timed_out_after = ended
-        return IdleTimeout(since, chunk.end_sample)
+        return IdleTimeout(since, chunk.end_sample, self.settings.config)
 
     def _current_detector(self) -> TurnDetector | None:
         config = self.settings.config.turn_detection

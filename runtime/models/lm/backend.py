@@ -102,7 +102,8 @@ def answer_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], *, fin
     """(the text `generated` says so far, whether it stopped at a framing line). Byte-level tokens can end
     mid-character: until the answer is final, a trailing U+FFFD is held back so a delta never carries half a
     character. With `framing`, the text ends where a line starts as the prompt frames the conversation
-    (`prompt.framing_line`), and while not final a last line that may yet become one is held back."""
+    (`prompt.framing_line`), and a last line that may yet become one is held back (a trailing "\r" too: a
+    "\r\n" may follow); an answer that ends there (max tokens) ends before it."""
     text = tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     if not final:
         text = text.rstrip("\ufffd")
@@ -110,8 +111,10 @@ def answer_text(tokenizer: PreTrainedTokenizerBase, generated: list[int], *, fin
         cut = framing_line(text)
         if cut is not None:
             return text[:cut].rstrip(), True
-        if not final and may_become_framing(text):
+        if may_become_framing(text):
             text = text[: text.rindex("\n")].rstrip()  # with the blank lines before it
+        elif not final and text.endswith("\r"):
+            text = text[:-1]
     return text, False
 
 

@@ -28,6 +28,7 @@ the rest. Tokens already evicted from the window are committed history: an edit 
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,6 +49,8 @@ from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtyp
 
 if TYPE_CHECKING:  # imported at run time only on CUDA, by `EngineSession._decode_graph`
     from runtime.models.lm.cuda_graph import DecodeGraph
+
+log = logging.getLogger(__name__)
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -127,8 +130,15 @@ class LMEngine:
         self.compiled: CompiledStep | None = None  # the CPU decode step compiled at load (`lm.compile`)
         if wanted(cfg.compile, model, cfg.drafter):
             a = model.args
-            self.compiled = CompiledStep(model)
-            self.compiled.warm_up(a.num_layers, a.num_kv_heads, self.capacity(), a.head_dim)
+            try:
+                self.compiled = CompiledStep(model)
+                self.compiled.warm_up(a.num_layers, a.num_kv_heads, self.capacity(), a.head_dim)
+            except Exception as err:  # no C++ compiler, an unwritable cache, ...: `auto` decodes eagerly instead
+                if cfg.compile == "on":
+                    raise ConfigError(f"lm.compile = on, but the decode step did not compile: "
+                                      f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+                log.warning("lm.compile = auto: the decode step did not compile (%s); decoding eagerly", err)
+                self.compiled = None
 
     @classmethod
     def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,

@@ -37,7 +37,8 @@ _MARK = "<<runtime:context>>"  # where the transcript goes, while the prompt is 
 Content = Callable[[str], str | list[dict[str, str]]]  # a message's text as the template wants it
 # How the prompt starts its lines: the context's (a timestamp, "[00:42.0] ...", conversation.py) and the question's
 # (`user_turn`). An answer that starts a line so is writing the conversation on, not answering (AnswerText).
-_FRAMING = re.compile(r"\n(?:\[\d|Question:|Transcript so far:)")
+_FRAMING = re.compile(r"\n(?:\[\d+:\d|Question:|Transcript so far:)")
+_STAMP_START = re.compile(r"\[\d*:?")  # what a timestamp's line can start as before it is one
 _FRAMING_WORDS = ("Question:", "Transcript so far:")
 
 
@@ -52,7 +53,8 @@ def may_become_framing(text: str) -> bool:
     if "\n" not in text:
         return False
     last = text[text.rindex("\n") + 1 :]
-    return last in ("", "[") or any(word.startswith(last) for word in _FRAMING_WORDS)
+    return (last == "" or _STAMP_START.fullmatch(last) is not None
+            or any(word.startswith(last) for word in _FRAMING_WORDS))
 
 
 def plain_content(text: str) -> str:
