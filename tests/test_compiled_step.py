@@ -141,3 +141,24 @@ def test_a_drafter_s_own_engine_does_not_compile_under_auto():
     answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
     assert answerer.engine.compiled is None and answerer.draft_engine is not None
     assert answerer.draft_engine.compiled is None  # its steps are drafts, verified in trees: eager
+
+
+def test_a_changed_thread_count_compiles_its_own_step(engines):
+    """The step runs without dynamo's guards, so its own key must catch what they would: torch bakes the thread
+    count into the kernels, and a step compiled for another count must not run."""
+    _, compiled = engines
+    step = compiled.compiled
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    s = session(compiled)
+    token = int(s.next_logits().argmax())
+    want = s._forward([token], s.cache.score_tree([-1]), last_only=False)
+    s.cache.commit([])
+    keys = len(step._steps)
+    try:
+        torch.set_num_threads(other)
+        got = s.score([token], [-1])
+    finally:
+        torch.set_num_threads(before)
+    assert len(step._steps) == keys + 1
+    assert close(got, want, compiled.model.weights)

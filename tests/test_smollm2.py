@@ -157,6 +157,28 @@ def test_llama_cpp_missing_is_a_row_with_the_reason(monkeypatch) -> None:
                               "from source: about 10 minutes on 2 cores)"}
 
 
+def test_paired_trials_put_each_ratio_beside_its_own_peer_run(path, monkeypatch) -> None:
+    """The llama.cpp target reads ratios of back-to-back runs (the machine's speed drifts): each trial's ratio is
+    its own pair's, and the median is the middle one."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI installs llama-cpp-python (make peers)", pytrace=False)
+        pytest.skip("llama-cpp-python is not installed")
+    from runtime.bench import llm_model
+
+    monkeypatch.setattr(llm_model, "THREADS", (1,))
+    before = torch.get_num_threads()
+    prompt = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="bf16"), device="cpu",
+                                 dtype="float32").engine.encode("The cat sat on the mat.")
+    out = llm_model.paired_vs_llama_cpp(REF, "bf16", gguf_file(path), prompt, 4, 3, lambda _: None)
+    torch.set_num_threads(before)
+    row = out["1t"]
+    assert len(row["ours_tok_s"]) == len(row["llama_cpp_tok_s"]) == len(row["ratios"]) == 3
+    for ours, peer, ratio in zip(row["ours_tok_s"], row["llama_cpp_tok_s"], row["ratios"], strict=True):
+        assert ours > 0 and peer > 0 and ratio == pytest.approx(ours / peer, rel=0.01)
+    assert row["median_ratio"] == sorted(row["ratios"])[1]
+
+
 def test_bench_answers_quick_runs_the_question_set(path, capsys) -> None:
     import json
 
