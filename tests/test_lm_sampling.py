@@ -118,3 +118,15 @@ def test_an_answer_that_repeats_itself_stops_there() -> None:
     assert rule.take([7, 3, 4, 3, 4, 3, 4, 3, 4], generated) == "stop"
     assert generated == [7, 3, 4, 3, 4, 3, 4]  # it ends at the third saying; what came after is dropped
     assert StopRule(frozenset({0}), 50).take([3, 4] * 5, []) is None  # off unless asked (the profile's lm.stop_repeats)
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_and_nan():
+    """The numpy fast path must pick what torch.argmax picks: the first maximum, and NaN as the maximum."""
+    from runtime.models.lm.sampling import argmax_rows
+
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [float("nan"), 1.0, float("nan"), 0.0], [0.0, 0.0, 0.0, 0.0],
+                         [-float("inf"), -1.0, -float("inf"), -1.0]])
+    noise = torch.randn(64, 1000)
+    noise[:, 500] = noise.max() + 1  # many rows, one clear maximum each
+    for logits in (rows, noise, rows.double(), rows.to(torch.bfloat16)):
+        assert argmax_rows(logits) == logits.argmax(-1).tolist()

@@ -33,7 +33,7 @@ import torch
 
 from runtime.models.lm.drafters import Drafter
 from runtime.models.lm.json_constraint import JsonConstraint
-from runtime.models.lm.sampling import Sampler, draw, greedy_token
+from runtime.models.lm.sampling import Sampler, argmax_rows, draw, greedy_token
 from runtime.models.lm.target import Target
 
 
@@ -305,7 +305,7 @@ class SpeculativeDecoder:
         tokens, parents, qs = self._draft(k)
         t1 = time.perf_counter()
         logits = self.target.score(tokens, parents)
-        argmax = logits.argmax(-1).tolist()  # one host sync: the forward is done
+        argmax = argmax_rows(logits)  # one host sync: the forward is done
         t2 = time.perf_counter()
         kids: list[list[int]] = [[] for _ in tokens]
         for i, par in enumerate(parents[1:], start=1):
