@@ -162,3 +162,36 @@ def test_a_changed_thread_count_compiles_its_own_step(engines):
         torch.set_num_threads(before)
     assert len(step._steps) == keys + 1
     assert close(got, want, compiled.model.weights)
+
+
+def test_inputs_outside_the_compiled_form_never_reach_the_unguarded_step(engines, monkeypatch):
+    """Without guards the step must check what they would: an attended length beyond the buffers is an error, a
+    cache of other strides is another key, and a key that does not compile decodes eagerly, with the same logits."""
+    _, compiled = engines
+    step = compiled.compiled
+    s = session(compiled)
+    cache = s.cache
+    cos, sin = compiled.model.rope(torch.tensor([3]))
+    with pytest.raises(ValueError, match="attends 2 to"):
+        step._step(0, cos[:, None], sin[:, None], cache.k, cache.v, cache.kr, 2, cache.k.shape[3] + 1)
+    strided = cache.k.transpose(3, 4).contiguous().transpose(3, 4)  # same shape, other strides
+    assert strided.shape == cache.k.shape
+    from runtime.models.lm.compiled_step import _key
+
+    assert _key(cos, sin, strided, cache.v, cache.kr) != _key(cos, sin, cache.k, cache.v, cache.kr)
+
+    def broken(args):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(step, "_compile", broken)
+    token = int(s.next_logits().argmax())
+    want = s._forward([token], s.cache.score_tree([-1]), last_only=False)
+    s.cache.commit([])
+    before, runs = torch.get_num_threads(), step.runs
+    try:
+        torch.set_num_threads(3 if before != 3 else 4)  # a key never compiled
+        got = s.score([token], [-1])
+    finally:
+        torch.set_num_threads(before)
+    assert step.runs == runs  # eager
+    assert close(got, want, compiled.model.weights)

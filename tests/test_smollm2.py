@@ -170,13 +170,15 @@ def test_paired_trials_put_each_ratio_beside_its_own_peer_run(path, monkeypatch)
     before = torch.get_num_threads()
     prompt = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="bf16"), device="cpu",
                                  dtype="float32").engine.encode("The cat sat on the mat.")
-    out = llm_model.paired_vs_llama_cpp(REF, "bf16", gguf_file(path), prompt, 4, 3, lambda _: None)
-    torch.set_num_threads(before)
+    try:
+        out = llm_model.paired_vs_llama_cpp(REF, "bf16", gguf_file(path), prompt, 4, 3, lambda _: None)
+    finally:
+        torch.set_num_threads(before)
     row = out["1t"]
     assert len(row["ours_tok_s"]) == len(row["llama_cpp_tok_s"]) == len(row["ratios"]) == 3
     for ours, peer, ratio in zip(row["ours_tok_s"], row["llama_cpp_tok_s"], row["ratios"], strict=True):
         assert ours > 0 and peer > 0 and ratio == pytest.approx(ours / peer, rel=0.01)
-    assert row["median_ratio"] == sorted(row["ratios"])[1]
+    assert row["median_ratio"] == pytest.approx(sorted(row["ratios"])[1], abs=0.002)
 
 
 def test_bench_answers_quick_runs_the_question_set(path, capsys) -> None:

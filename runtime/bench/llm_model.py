@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -169,7 +170,8 @@ def transformers_rows(path: Path, prompt: list[int], n: int, status: Status) -> 
 def paired_vs_llama_cpp(ref: str, fmt: str, file: Path, prompt: list[int], n: int, trials: int,
                         status: Status) -> dict[str, Any]:
     """The engine in format `fmt` (as `lm.compile = auto` runs it) and llama.cpp decoding the same prompt in
-    turns, `trials` times per thread count, each trial's ratio from two back-to-back runs.
+    turns, `trials` times per thread count, each trial's ratio from two back-to-back runs (who goes first
+    alternates).
 
     Why: this machine is shared, and its speed drifts by 10-20 % over minutes (the same engine has measured 96 and
     125 tokens/s at 2 threads an hour apart). The rows above are minutes apart, so their ratio carries that drift;
@@ -182,12 +184,17 @@ def paired_vs_llama_cpp(ref: str, fmt: str, file: Path, prompt: list[int], n: in
         status(f"{fmt} and llama.cpp in turns at {threads} thread(s), {trials} trials")
         llm = open_llama(file, threads)
         decode_tok_s(answerer, 4)  # a changed thread count recompiles the step: not inside a trial
-        pairs = [(decode_tok_s(answerer, n), decode_once(llm, prompt, n)) for _ in range(trials)]
-        ratios = sorted(ours / peer for ours, peer in pairs)
+        pairs = []
+        for trial in range(trials):  # who goes first alternates: neither always runs on the other's heels
+            if trial % 2:
+                peer = decode_once(llm, prompt, n)
+                pairs.append((decode_tok_s(answerer, n), peer))
+            else:
+                pairs.append((decode_tok_s(answerer, n), decode_once(llm, prompt, n)))
         out[f"{threads}t"] = {"ours_tok_s": [round(o, 1) for o, _ in pairs],
                               "llama_cpp_tok_s": [round(p, 1) for _, p in pairs],
                               "ratios": [round(o / p, 3) for o, p in pairs],
-                              "median_ratio": round(ratios[len(ratios) // 2], 3)}
+                              "median_ratio": round(statistics.median(o / p for o, p in pairs), 3)}
         del llm
     torch.set_num_threads(1)
     return out

@@ -25,11 +25,11 @@ re-rotated eagerly first (`Transformer.rerotate`).
 
 Called without dynamo's guards: a guarded call of this step evaluated some 3,500 guards (every module and
 parameter of the model, the marks on every input) before the compiled code ran: about 1.3 ms of a 9 ms step at
-2 threads. So the step is compiled ahead (`aot_compile`) for one key (the cache buffers' shape and dtype, the
-thread count) and its guard check is off; `_step` checks that key itself, and a new key compiles anew. What
-else the guards would check cannot change here: the model's weights are fixed after load, the other inputs are
-made by `run` in one form, and `live` (the one dynamic size) is at least 2 (`fits`: dynamo specialises sizes
-0 and 1).
+2 threads. So the step is compiled ahead (`aot_compile`) per key and its guard check is off. The key (`_key`)
+is what the compiled code assumes of its inputs: each tensor's shape, strides, dtype and device, and the thread
+count; `_step` checks it, and that `live` (the one dynamic size) lies in [2, capacity] (dynamo specialises 0
+and 1). A new key compiles anew; one that fails to compile runs eagerly. The model's weights, which the guards
+also checked, are fixed after load.
 
 Cost: compiling takes about a minute cold on 2 cores (inductor's on-disk cache makes a recompile 14 s), so
 `LMEngine.load` compiles at load (saying so), once per model, on a scratch cache of the sessions' geometry; a changed
@@ -38,6 +38,7 @@ thread count recompiles on the next step (torch bakes the OpenMP thread count in
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -49,6 +50,7 @@ from runtime.errors import ConfigError
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.transformer import Transformer, apply_rope, linear
 
+log = logging.getLogger(__name__)
 COMPILE_MODES = ("auto", "on", "off")
 AUTO_FORMATS = ("int8", "int4")  # where `auto` compiles: the formats whose eager step is most overhead-bound
 # emulate_precision_casts: round bf16 intermediates where eager does (exactness, above); cpp_wrapper and no size
@@ -99,7 +101,8 @@ class CompiledStep:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self._traced = torch.compile(partial(decode_step, model), fullgraph=True, dynamic=True, options=OPTIONS)
-        self._steps: dict[tuple[object, ...], Callable[..., Tensor]] = {}  # key (`_step`) -> the unguarded step
+        # key (`_key`) -> the step compiled for it, called without guards; None: it did not compile (eager)
+        self._steps: dict[tuple[object, ...], Callable[..., Tensor] | None] = {}
         self.runs = 0
 
     @staticmethod
@@ -109,31 +112,48 @@ class CompiledStep:
         return attend.q_pos.shape[0] == 1 and attend.mask.shape[-1] >= 2 and bool(attend.mask.all())
 
     @torch.inference_mode()
-    def run(self, token: int, attend: Attend, cache: SinkKVCache) -> Tensor:
-        """Logits [1, vocab] of `token` placed as `attend` says (one slot that sees all before it: `fits`)."""
+    def run(self, token: int, attend: Attend, cache: SinkKVCache) -> Tensor | None:
+        """Logits [1, vocab] of `token` placed as `attend` says (one slot that sees all before it: `fits`); None
+        when no compiled step can run these inputs (a new key that did not compile): the caller runs it eagerly."""
         model = self.model
         model.rerotate(cache.buffers, attend.q_pos, attend.k_pos, attend.slot)
         cos, sin = model.rope(attend.q_pos)
-        self.runs += 1
-        return self._step(token, cos[:, None], sin[:, None], cache.k, cache.v, cache.kr, attend.slot,
-                          attend.mask.shape[-1])
+        logits = self._step(token, cos[:, None], sin[:, None], cache.k, cache.v, cache.kr, attend.slot,
+                            attend.mask.shape[-1])
+        self.runs += logits is not None
+        return logits
 
     def _step(self, token: int, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor, slot: int,
-              live: int) -> Tensor:
+              live: int, *, strict: bool = False) -> Tensor | None:
+        if not 2 <= live <= k.shape[3] or not 0 <= slot < live:
+            raise ValueError(f"the compiled step attends 2 to {k.shape[3]} slots and writes one of them; "
+                             f"asked for {live}, writing {slot}")
+        key = _key(cos, sin, k, v, kr)
+        if key not in self._steps:
+            args = (torch.zeros(1, dtype=torch.long, device=k.device), cos, sin, k, v, kr,
+                    torch.zeros(1, dtype=torch.long, device=k.device), live)
+            try:
+                self._steps[key] = self._compile(args)
+            except Exception as err:  # a compile on a later step (a changed thread count): that key runs eagerly
+                if strict:
+                    raise
+                log.warning("lm.compile: the decode step did not compile for %s (%s); decoding eagerly", key, err)
+                self._steps[key] = None
+        step = self._steps[key]
+        if step is None:
+            return None
         ids = torch.tensor([token], dtype=torch.long, device=k.device)
         where = torch.tensor([slot], dtype=torch.long, device=k.device)
-        args = (ids, cos, sin, k, v, kr, where, live)
-        key = (k.shape, k.dtype, k.device, cos.dtype, torch.get_num_threads())
-        step = self._steps.get(key)
-        if step is None:
-            step = self._steps[key] = self._compile(args)
-        return step(*args)
+        return step(ids, cos, sin, k, v, kr, where, live)
 
     def _compile(self, args: tuple[Tensor | int, ...]) -> Callable[..., Tensor]:
-        """The step compiled for these inputs' key, to be called without guards (module docstring)."""
+        """The step compiled for these inputs' key, to be called without guards (module docstring); with a torch
+        that has no `aot_compile`, the guarded step."""
         for t in args:
             if isinstance(t, Tensor):
                 torch._dynamo.mark_static(t)  # fixed sizes: only `live` stays dynamic
+        if not hasattr(self._traced, "aot_compile"):
+            return self._traced
         with torch._dynamo.config.patch(specialize_float=True):  # the norms' eps and the scale: constants
             step = self._traced.aot_compile((args, {}))
         step.disable_guard_check()
@@ -146,4 +166,10 @@ class CompiledStep:
         shape = (layers, 1, kv_heads, capacity, head_dim)
         k, v, kr = (torch.zeros(shape, device=model.device, dtype=model.dtype) for _ in range(3))
         cos, sin = model.rope(torch.tensor([2], device=model.device))
-        self._step(0, cos[:, None], sin[:, None], k, v, kr, 2, 3)
+        self._step(0, cos[:, None], sin[:, None], k, v, kr, 2, 3, strict=True)
+
+
+def _key(*tensors: Tensor) -> tuple[object, ...]:
+    """What a step compiled without guards assumes of its tensor inputs (shape, strides, dtype, device) and of the
+    process (the OpenMP thread count, baked into the kernels)."""
+    return (*((t.shape, t.stride(), t.dtype, t.device) for t in tensors), torch.get_num_threads())

@@ -367,11 +367,12 @@ class EngineSession:
         # the decode step is the fixed-form graph, a different call anyway, and a call per node would make wide
         # trees dear: one masked call there.
         by_token = self.cache.k.device.type == "cpu"
+        logits = None
         if graph:
             logits = graph.run(tokens[0], attend)
         elif compiled and compiled.fits(attend):
-            logits = compiled.run(tokens[0], attend, self.cache)
-        else:
+            logits = compiled.run(tokens[0], attend, self.cache)  # None: no compiled step for these inputs
+        if logits is None:
             logits = self._forward(tokens, attend, last_only=False, by_token=by_token)
         self._tree = (list(tokens), logits)
         return logits
