@@ -385,7 +385,8 @@ async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
         for t in survivors:  # every chunk sent arrived: the last completed transcript ends where the audio did
             final = [e for e in t.transcripts() if isinstance(e, TranscriptionCompleted)]
             assert final and np.isclose(max(e.end for e in final), t.sent_s, atol=0.01), (final[-1], t.sent_s)
-        assert await asyncio.to_thread(fleet.counts) == {"r3": 0}
+        # a client reads the close frame before the replica has dropped the session: its count follows
+        await until(lambda: fleet.counts() == {"r3": 0}, "r3 to hold no sessions once they finished")
     finally:
         for t in talkers:
             await t.close()
