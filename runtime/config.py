@@ -40,6 +40,9 @@ class ASRConfig:
     lookback_tokens: int = 2
     reset_s: float = 30.0
     adapter: str = ""
+    # causal-whisper: every preview_ms inside a block, show what the block would add if it ended there (its partial
+    # block encoded and decoded, then taken back): the unstable tail of long blocks at a short cadence (0: off)
+    preview_ms: int = 0
     loop_repeats: int = 3  # a phrase said this many times running is a decoding loop and ends the block (0: off)
     # causal-whisper: decode a committed item once more with all it heard (final_pass.py): none | decoder (its
     # own decoder over all its block-causal frames) | offline (the checkpoint without adapter, full context).

@@ -109,6 +109,29 @@ def test_transcript_stream_equals_offline_on_real_weights(causal) -> None:
     assert offline.strip(), name
 
 
+def test_previews_equal_their_reference_on_real_weights(causal) -> None:
+    from dataclasses import replace
+
+    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+    from runtime.models.asr.causal_whisper.reference import offline_run
+
+    name, audio, _ = next(c for c in dev_clips() if c[0] == "new_home_stars")
+    asr = CausalWhisperASR(causal.model, causal.tokenizer, replace(causal.cfg, preview_ms=100), name=causal.name)
+    ref = offline_run(asr, audio)
+    assert ref.text == causal.offline_transcript(audio)
+    stream, item, shown, tail, pos = asr.open_stream(), None, "", "", 0
+    for size in [1600, 4000, 333, 8000, 2400] * 20:
+        if pos >= len(audio):
+            break
+        for u in stream.accept(AudioChunk(audio[pos : pos + size], pos)):
+            item, shown = u.item_id, (shown if u.item_id == item else "")
+            shown, tail = shown + u.delta, u.unstable
+        pos += size
+        events = [t for s, t in ref.shown if s <= pos]
+        assert (shown + tail if item else "") == (events[-1] if events else ""), (name, pos)
+    assert "".join(u.transcript for u in stream.finish() if u.completed) == ref.text
+
+
 def test_offline_final_pass_is_the_offline_transcript(ct2_folder, buffered) -> None:
     """With the shipped adapter and `asr.final_pass = "offline"`, a committed clip's transcript is what the
     full-context tiny.en says of it (the streamed deltas before it may differ)."""

@@ -82,13 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "heldout.jsonl to score (default: the fixed held-out set, generated into the cache once); "
                         "answers: a question set in the format of tests/data/answer_set.json")
     parser.add_argument("--systems", default=None, help="asr-quality: which systems, comma-separated, of offline, "
-                        "causal, two-pass (causal with each final pass: decoder, offline), buffered, faster-whisper, "
-                        "fastconformer (default: all)")
+                        "causal, two-pass (causal with each final pass: decoder, offline), previewed (causal and "
+                        "causal+offline with --preview-ms previews), buffered, faster-whisper, fastconformer "
+                        "(default: all)")
     parser.add_argument("--whisper", default=None, help="asr-quality: the Whisper of the Whisper systems (default: "
                         "builtin:whisper-tiny.en)")
     parser.add_argument("--chunks", default=None, help="asr-quality: causal Whisper chunk sizes in ms (default: "
                         "100,200,300)")
     parser.add_argument("--adapter", default=None, help="asr-quality: a LoRA folder merged into the causal Whisper")
+    parser.add_argument("--preview-ms", type=int, default=100, help="asr-quality: the `previewed` systems' "
+                        "asr.preview_ms, for each --chunks size it divides (default: 100)")
     parser.add_argument("--prompts", default=None, help="answers: prompt variants, comma-separated, of "
                         "plain, short, quote (default: all)")
     parser.add_argument("--profile", default=None, help="answers: the profile whose language model and ASR answer "

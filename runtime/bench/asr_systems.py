@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from runtime.models.asr.base import StreamingASR
 
 WHISPER = "builtin:whisper-tiny.en"
-KINDS = ("offline", "causal", "two-pass", "buffered", "faster-whisper", "fastconformer")
+KINDS = ("offline", "causal", "two-pass", "previewed", "buffered", "faster-whisper", "fastconformer")
 FINAL_PASSES = ("decoder", "offline")
 CHUNKS = (100, 200, 300)
 OFFLINE, BUFFERED = "whisper-offline", "whisper-buffered-1s"
@@ -54,12 +54,24 @@ FW_THREADS = 2
 OFFLINE_TOKENS = 224  # openai-whisper's sample length: half the decoder's 448 positions
 
 
-def causal_id(ms: int, final_pass: str = "") -> str:
-    return f"causal-whisper-{ms}ms" + (f"+{final_pass}" if final_pass else "")
+def causal_id(ms: int, final_pass: str = "", preview: int = 0) -> str:
+    return f"causal-whisper-{ms}ms" + (f"-preview{preview}ms" if preview else "") + (
+        f"+{final_pass}" if final_pass else "")
 
 
-def target_key(ms: int, final_pass: str = "") -> str:
-    return f"causal_{ms}ms" + (f"+{final_pass}" if final_pass else "")
+def target_key(ms: int, final_pass: str = "", preview: int = 0) -> str:
+    return f"causal_{ms}ms" + (f"_preview{preview}ms" if preview else "") + (f"+{final_pass}" if final_pass else "")
+
+
+def variants(kinds: list[str], chunks: list[int], preview: int) -> list[tuple[int, str, int]]:
+    """(chunk ms, final pass, preview ms) of every causal row the kinds ask for: `causal` the stream alone,
+    `two-pass` with each final pass, `previewed` the stream alone and with the offline pass, previewed every
+    `preview` ms, for each chunk size that `preview` divides and is smaller than."""
+    out = [(ms, "", 0) for ms in chunks] if "causal" in kinds else []
+    out += [(ms, p, 0) for p in FINAL_PASSES for ms in chunks] if "two-pass" in kinds else []
+    if "previewed" in kinds and preview > 0:
+        out += [(ms, p, preview) for p in ("", "offline") for ms in chunks if ms > preview and ms % preview == 0]
+    return out
 
 
 @dataclass
@@ -188,16 +200,17 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         aligner = Aligner(offline, whisper_path(ref))
         ends = {s.name: [aligner.word_ends(a, ids) for a, ids in zip(s.audios, reference[s.name][0], strict=True)]
                 for s in present}
-    if {"causal", "two-pass"} & set(kinds):
+    rows = variants(kinds, chunks, getattr(args, "preview_ms", 0) or 0)
+    if rows:  # causal, two-pass, previewed
         # as the whisper-tiny-en profile runs them: its decoders' head, its offline pass's dtype and window
         profile = load_profile("whisper-tiny-en").asr
         cfg = ASRConfig(backend="causal-whisper", model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None)
                         or "", head_weights=profile.head_weights, decoder_weights=profile.decoder_weights)
         first = load_asr(cfg, device=device, dtype=dtype, progress=status)
-        passes: dict[str, FinalPass | None] = {"": None} if "causal" in kinds else {}
+        passes: dict[str, FinalPass | None] = {"": None}
         head = f", head {profile.head_weights}" if profile.head_weights else ""
         head += f", decoder {profile.decoder_weights}" if profile.decoder_weights != "float" else ""
-        if "two-pass" in kinds:
+        if any(p for _, p, _ in rows):
             pass_dtype = profile.final_pass_dtype or dtype
             window = profile.final_pass_window_s
             second = offline_decoder(copy.deepcopy(offline.model), offline.tokenizer, whisper_path(ref),
@@ -205,15 +218,15 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                                              profile.head_weights, decoder_weights=profile.decoder_weights,
                                              final_pass_window_s=window), device, pass_dtype)
             passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second)})
-        for ms in chunks:
-            for name, final in passes.items():
-                each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none")
-                asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=final)
-                settings[causal_id(ms, name)] = (
-                    f"{ref}, block-causal, {ms} ms chunks, look-back {cfg.lookback_tokens} tokens, adapter "
-                    f"{cfg.adapter or 'none'}{head}" + (f", final pass {name} at the end of each clip" if name else "")
-                    + (f" ({pass_dtype}, {window:g} s windows)" if name == "offline" else ""))
-                streamed(causal_id(ms, name), asr)
+        for ms, name, preview in rows:
+            each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none", preview_ms=preview)
+            asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=passes[name])
+            settings[causal_id(ms, name, preview)] = (
+                f"{ref}, block-causal, {ms} ms chunks, look-back {cfg.lookback_tokens} tokens, adapter "
+                f"{cfg.adapter or 'none'}{head}" + (f", previewed every {preview} ms" if preview else "")
+                + (f", final pass {name} at the end of each clip" if name else "")
+                + (f" ({pass_dtype}, {window:g} s windows)" if name == "offline" else ""))
+            streamed(causal_id(ms, name, preview), asr)
     if "buffered" in kinds:
         settings[BUFFERED] = (f"{ref}, LocalAgreement-2, re-decoded every {buffered.cfg.step_s:g} s, items of "
                               f"{buffered.cfg.segment_s:g} s")
@@ -233,14 +246,17 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         settings[FASTCONFORMER] = f"{fc_ref}, look-ahead {cfg.lookahead_ms} ms, {cfg.decoder} decoder (its profile)"
         streamed(FASTCONFORMER, load_asr(cfg, device=device, dtype=dtype, progress=status),
                  whole_words=cfg.decoder == "beam")
-    return {"systems": table, "system_settings": settings, "targets": targets(table, chunks),
+    preview = getattr(args, "preview_ms", 0) or 0
+    return {"systems": table, "system_settings": settings, "targets": targets(table, chunks, preview),
             "sets": {s.name: {"reason": s.reason} if s.reason else
                      {"utterances": len(s.audios), "audio_s": round(sum(map(len, s.audios)) / SAMPLE_RATE, 2)}
                      for s in sets}}
 
 
-def targets(table: dict[str, dict[str, Any]], chunks: list[int]) -> dict[str, Any]:
-    """The issue's targets, each `at_most` with the figures it was computed from (missing ones are not met)."""
+def targets(table: dict[str, dict[str, Any]], chunks: list[int], preview: int = 0) -> dict[str, Any]:
+    """The issue's targets, each `at_most` with the figures it was computed from (missing ones are not met). A
+    previewed row is held to the targets of its preview cadence (what a user sees every `preview` ms): the WER
+    bound and the latency of a `preview` ms chunk."""
     def get(system: str, key: str) -> float | None:
         return table.get(system, {}).get("human", {}).get(key)
 
@@ -256,19 +272,22 @@ def targets(table: dict[str, dict[str, Any]], chunks: list[int]) -> dict[str, An
 
     out: dict[str, Any] = {}
     offline = get(OFFLINE, "wer")
-    variants = [(ms, p) for p in ("", *FINAL_PASSES) for ms in chunks if p == "" or causal_id(ms, p) in table]
+    rows = [(ms, p, 0) for p in ("", *FINAL_PASSES) for ms in chunks if p == "" or causal_id(ms, p) in table]
+    rows += [(ms, p, preview) for p in ("", "offline") for ms in chunks if preview and causal_id(ms, p, preview)
+             in table]
     bounds = {300: 1.25, 100: 1.5}  # as WER <= bound x offline WER: defined when offline is 0 %
-    for ms, p in [(ms, p) for p in ("", *FINAL_PASSES) for ms in bounds if p == "" or causal_id(ms, p) in table]:
-        bound = bounds[ms]
-        wer_ = get(causal_id(ms, p), "wer")
+    bounded = [(ms, p, 0) for p in ("", *FINAL_PASSES) for ms in bounds if p == "" or causal_id(ms, p) in table]
+    for ms, p, v in bounded + [r for r in rows if r[2] in bounds]:
+        bound = bounds[v or ms]
+        wer_ = get(causal_id(ms, p, v), "wer")
         limit = None if offline is None else round(bound * offline, 2)
-        out[f"{target_key(ms, p)}_human_wer_within_{bound:g}x_offline"] = {
+        out[f"{target_key(ms, p, v)}_human_wer_within_{bound:g}x_offline"] = {
             "value": wer_, "target": None if limit is None else f"<= {limit:g}",
             "met": wer_ is not None and limit is not None and wer_ <= limit, "offline_wer": offline,
             "ratio": ratio(wer_, offline)}
     buffered_wer, buffered_cost, fw_cost = get(BUFFERED, "wer"), pooled(BUFFERED), pooled(FASTER)
-    for ms, p in variants:
-        system, key = causal_id(ms, p), target_key(ms, p)
+    for ms, p, v in rows:
+        system, key = causal_id(ms, p, v), target_key(ms, p, v)
         wer_, cost = get(system, "wer"), pooled(system)
         gap = None if wer_ is None or buffered_wer is None else round(wer_ - buffered_wer, 2)
         words = table.get(system, {}).get("human", {}).get("word_latency_s") or {}
@@ -277,7 +296,7 @@ def targets(table: dict[str, dict[str, Any]], chunks: list[int]) -> dict[str, An
                                                          "buffered_wer": buffered_wer}
         out[f"{key}_compute_over_buffered"] = {**at_most(ratio(cost, buffered_cost), 0.2), "causal": cost,
                                                "buffered": buffered_cost}
-        out[f"{key}_human_median_word_latency_s"] = {**at_most(latency, round((ms + 300) / 1000, 3)),
+        out[f"{key}_human_median_word_latency_s"] = {**at_most(latency, round(((v or ms) + 300) / 1000, 3)),
                                                      "words_timed": words.get("words_timed", 0)}
         out[f"{key}_compute_over_faster_whisper"] = {**at_most(ratio(cost, fw_cost), 3.0), "causal": cost,
                                                      "faster_whisper": fw_cost}

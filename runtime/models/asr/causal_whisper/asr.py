@@ -30,8 +30,15 @@ prompt (see `decoder.context_ids`). Carried tokens are context only, never emitt
 At a commit (`finish`) the item can be decoded once more with all it heard (`asr.final_pass`, `final_pass.py`):
 the completed event then carries that second pass, which may revise the streamed deltas.
 
-`offline_transcript` is the exactness reference: one `forward_full` per segment, `RecomputeDecoder` (no
-caches, per-position cross-attention masks), the same rule, steps and resets.
+Previews (`asr.preview_ms`): long blocks carry words that short ones lose (Whisper under 100 ms blocks stops
+early, model card), but a 300 ms block shows them up to 300 ms late. Every `preview_ms` inside a block, the
+stream encodes the partial block as if it ended there and decodes on, shows the result as the unstable tail, and
+takes it all back (encoder and decoder caches roll back; nothing is copied): the block then completes as if
+never previewed, so the stable text and transcripts are those of the same stream without previews.
+
+`reference.offline_run` is the exactness reference (and `offline_transcript` its transcript): one `forward_full`
+per segment, `RecomputeDecoder` (no caches, per-position cross-attention masks), the same rule, steps, resets
+and previews.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from runtime.config import ASRConfig
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder, Scorer, context_ids
+from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, Scorer, context_ids
 from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token
 from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_end, block_frames_for
 from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, check
@@ -105,6 +112,10 @@ class CausalWhisperASR:
                  *, name: str = "causal-whisper", final_pass: FinalPass | None = None) -> None:
         """`final_pass` re-decodes each committed item (None: the streamed text is final)."""
         self.block_frames = block_frames_for(cfg.chunk_ms)
+        self.preview_frames = block_frames_for(cfg.preview_ms) if cfg.preview_ms else 0
+        if cfg.preview_ms and (cfg.preview_ms >= cfg.chunk_ms or cfg.chunk_ms % cfg.preview_ms):
+            raise ConfigError(f"asr.preview_ms must divide asr.chunk_ms ({cfg.chunk_ms}) and be smaller, "
+                              f"got {cfg.preview_ms} (0: no previews)")
         if cfg.lookback_tokens < 0 or cfg.loop_repeats < 0:
             raise ConfigError(f"asr.lookback_tokens and asr.loop_repeats must be >= 0, got {cfg.lookback_tokens} "
                               f"and {cfg.loop_repeats}")
@@ -183,35 +194,11 @@ class CausalWhisperASR:
         return plan_reset(history, item.frame0 + frames, item.frame0, margin=self.margin,
                           max_overlap=self.max_overlap)
 
-    @torch.inference_mode()
     def offline_transcript(self, audio: np.ndarray) -> str:
-        """The reference: the whole transcript by one `forward_full` per segment and a cache-free decoder,
-        under the same emission rule, block steps and resets as the stream."""
-        texts: list[str] = []
-        history: list[Token] = []
-        carry: Carry | None = None
-        item_from = 0  # absolute sample where the open item starts
-        while True:
-            start = carry.restart_frame * FRAME_SAMPLES if carry else 0
-            seg = audio[start : start + emission_sample(self.reset_frame)]
-            frames = self.encoder.encode_audio(seg)
-            item = self.item(RecomputeDecoder(self.model), carry)
-            done, end = 0, block_end(0, self.block_frames)
-            reset = False
-            while emission_sample(end) <= len(seg):
-                item.step(frames[done:end])
-                done, end = end, end + self.block_frames
-                if self.reset_due(item, done):
-                    reset = True
-                    break
-            if not reset:
-                if len(frames):
-                    item.step(frames[done:], final=True)
-                texts.append(self.text(self.final_ids(item, audio[item_from:])))
-                return "".join(texts)
-            texts.append(self.text([t.id for t in item.tokens[: item.stable]]))
-            item_from = (item.frame0 + done) * FRAME_SAMPLES
-            carry = self.carry(history, item, done)
+        """The exactness reference for the stream's transcript (`reference.py`)."""
+        from runtime.models.asr.causal_whisper.reference import offline_run
+
+        return offline_run(self, audio).text
 
     def final_ids(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
         """The committed item's final ids: its stream's, or the final pass's when it heard any words."""
@@ -277,6 +264,7 @@ class CausalWhisperStream:
         self._item_id = new_id("item")
         self._emitted = ""  # stable text already sent as deltas
         self._unstable = ""
+        self._previewed = 0  # the segment's last previewed frame
 
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
         if self._state != "open":
@@ -307,7 +295,30 @@ class CausalWhisperStream:
                 updates.append(self._reset())
             elif update := self._update():
                 updates.append(update)
+        if self._asr.preview_frames and (update := self._preview()):
+            updates.append(update)
         return updates
+
+    def _preview(self) -> TranscriptUpdate | None:
+        """At the latest preview point the audio has reached inside the open block (if not previewed yet): what
+        the block would add if it ended there, as the unstable tail; then taken back (`ItemDecoder.preview`).
+        Points passed within one call are skipped: only the latest is shown."""
+        step = self._asr.preview_frames
+        point = (self._audio.size - FRAME_SAMPLES // 2) // FRAME_SAMPLES // step * step
+        if point <= max(self._frames, self._previewed):
+            return None
+        self._previewed = point
+        fed = emission_sample(point)
+        assert not len(self._encoder.accept(self._audio.view(self._fed, fed))), "a preview point ends no block"
+        self._fed = fed
+        frames = self._encoder.preview()
+        assert len(frames) == point - self._frames, "the encoder previewed an unexpected span"
+        full = self._asr.text(self._item.preview(frames))
+        unstable = full[len(self._emitted) :] if full.startswith(self._emitted) else ""
+        if unstable == self._unstable:
+            return None
+        self._unstable = unstable
+        return TranscriptUpdate(self._item_id, "", unstable, self._item_start, self._time(point))
 
     def _reset(self) -> TranscriptUpdate:
         asr, item = self._asr, self._item

@@ -58,6 +58,8 @@ class Scorer(Protocol):
 
     def truncate(self, length: int) -> None: ...
 
+    def drop_frames(self, n_frames: int) -> None: ...
+
     @property
     def length(self) -> int: ...
 
@@ -194,6 +196,13 @@ class IncrementalDecoder:
         for kb, vb in self._self:
             kb.size = vb.size = min(kb.size, length)
 
+    def drop_frames(self, n_frames: int) -> None:
+        """Keep the first `n_frames` encoder frames' cross-attention K/V (a preview's partial block is taken
+        back; positions fed with it must be truncated too)."""
+        for kb, vb in self._cross:
+            kb.size = vb.size = min(kb.size, n_frames)
+        self.n_frames = min(self.n_frames, n_frames)
+
 
 class RecomputeDecoder:
     """The reference for `IncrementalDecoder`: no cache. It keeps only the token ids and, per position, the
@@ -229,3 +238,8 @@ class RecomputeDecoder:
 
     def truncate(self, length: int) -> None:
         del self._ids[length:], self._seen[length:]
+
+    def drop_frames(self, n_frames: int) -> None:
+        if n_frames < self.n_frames:
+            self._frames = [torch.cat(self._frames)[:n_frames]]
+            self.n_frames = n_frames

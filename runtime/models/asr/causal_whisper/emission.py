@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -107,6 +107,23 @@ class ItemDecoder:
         logp = logp.clone()
         logp[:, self.suppress.to(logp.device)] = float("-inf")
         return logp
+
+    def preview(self, frames: torch.Tensor) -> list[int]:
+        """The ids this item would hold if its open block ended with `frames` (a partial block's states, from
+        the encoder's `preview`): one `step` on them, then everything is taken back (tokens, their probabilities,
+        the stable count, the scorer's frames and every position fed with them), so the next real step runs
+        exactly as if no preview had been made. The step re-feeds from `anchor` on, and so does every later
+        one: positions before it are never touched, positions from it on are re-fed with the real block."""
+        s = self.scorer
+        tokens, stable, n_frames = [replace(t) for t in self.tokens], self.stable, s.n_frames
+        kept = min(s.length, len(self.context) + self.stable - 1)  # where the next real step starts feeding
+        try:
+            self.step(frames)
+            return [t.id for t in self.tokens]
+        finally:
+            self.tokens, self.stable = tokens, stable
+            s.truncate(kept)
+            s.drop_frames(n_frames)
 
     def redecode(self) -> None:
         """Decode the whole item again from its context over every frame it has (the `decoder` final pass):

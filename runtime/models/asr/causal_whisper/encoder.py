@@ -91,6 +91,10 @@ class _KVCache:
         self.n = need
         return self.k[:, :need], self.v[:, :need]
 
+    def truncate(self, n: int) -> None:
+        """Forget every key/value from position `n` on (a preview's block is taken back)."""
+        self.n = min(self.n, n)
+
 
 def _attention(
     attn: WhisperAttention, x: torch.Tensor, mask: torch.Tensor | None, cache: _KVCache | None
@@ -230,11 +234,13 @@ class CausalWhisperEncoder:
         """Encoder frames of `mel_frames` mel frames: ceil(T / 2)."""
         return -(-mel_frames // MEL_PER_FRAME)
 
-    def forward_full(self, mel: torch.Tensor) -> torch.Tensor:
+    def forward_full(self, mel: torch.Tensor, frames: int | None = None) -> torch.Tensor:
         """[B, n_mels, T] mel -> [B, ceil(T / 2), d_model] states under the block-causal mask, in one pass.
 
         Differentiable and batched. Every sequence in the batch is read as T frames long: with right padding,
-        frames whose block (or whose conv window, one mel frame ahead) reaches the padding see it.
+        frames whose block (or whose conv window, one mel frame ahead) reaches the padding see it. `frames`
+        keeps only the first `frames` encoder frames after the convs (the last block ends there): what a stream's
+        `preview` computes when its front end has made that many.
         """
         enc = self.encoder
         if mel.ndim != 3 or mel.shape[1] != self.n_mels:
@@ -243,6 +249,8 @@ class CausalWhisperEncoder:
             raise ValueError(f"{mel.shape[2]} mel frames exceed the encoder's {self.max_frames} positions (30 s)")
         mel = mel.to(self.device, self.dtype)
         x = F.gelu(enc.conv2(F.gelu(enc.conv1(mel)))).transpose(1, 2)
+        if frames is not None:
+            x = x[:, :frames]
         t = x.shape[1]
         h = x + enc.embed_positions(torch.arange(t, device=x.device))
         h = F.dropout(h, p=enc.dropout, training=enc.training)
@@ -252,9 +260,12 @@ class CausalWhisperEncoder:
         return enc.layer_norm(h)
 
     @torch.inference_mode()
-    def encode_audio(self, samples: np.ndarray, *, init_max: float = INIT_MAX) -> torch.Tensor:
-        """Offline states [frames, d_model] of up to 30 s of 16 kHz audio: what `AudioEncoderStream` emits."""
-        return self.forward_full(log_mel(samples, self.n_mels, init_max=init_max)[None])[0]
+    def encode_audio(
+        self, samples: np.ndarray, *, init_max: float = INIT_MAX, frames: int | None = None
+    ) -> torch.Tensor:
+        """Offline states [frames, d_model] of up to 30 s of 16 kHz audio: what `AudioEncoderStream` emits
+        (`frames`: only the first so many, the last block ending there: see `forward_full`)."""
+        return self.forward_full(log_mel(samples, self.n_mels, init_max=init_max)[None], frames)[0]
 
     @torch.inference_mode()
     def open(self) -> MelEncoderStream:
@@ -321,6 +332,13 @@ class MelEncoderStream:
         if end == start:
             return self._pending.new_empty(0, self.owner.d_model)
         h, self._pending = self._pending[: end - start], self._pending[end - start :]
+        self.layer_frames = self.frames_done = end
+        return self._run(h, start)
+
+    def _run(self, h: torch.Tensor, start: int) -> torch.Tensor:
+        """The layers over frames h [t, d] at positions start.. (whole blocks, or one partial block), their
+        keys/values appended to the caches; returns the final states."""
+        gran, end = self.owner.block_frames, start + h.shape[0]
         single = block_end(start, gran) >= end  # one block: every key is visible, no mask needed
         mask = None if single else block_causal_mask(start, end, end, gran, h.device)
         if self._packed is not None:
@@ -331,8 +349,24 @@ class MelEncoderStream:
             for layer, cache in zip(self.owner.encoder.layers, self._caches, strict=True):
                 h = _layer(layer, h, mask, cache)
             h = h[0]
-        self.layer_frames = self.frames_done = end
         return self.owner.encoder.layer_norm(h)
+
+    @torch.inference_mode()
+    def preview(self) -> torch.Tensor:
+        """The states [k, d_model] of the frames the front end has made past the last completed block, as if
+        their partial block ended there (they attend to each other and to every earlier block, as `forward_full`
+        over only these frames computes them); then taken back: the stream is left as it was, and the block
+        completes later with its own frames. Frames still held back for the convs' look-ahead are not in it."""
+        if self.closed:
+            raise RuntimeError("MelEncoderStream.preview after flush")
+        start, n = self.layer_frames, self._pending.shape[0]
+        if n == 0:
+            return self._pending.new_empty(0, self.owner.d_model)
+        try:
+            return self._run(self._pending, start)
+        finally:
+            for cache in self._caches:
+                cache.truncate(start)
 
     @torch.inference_mode()
     def accept(self, mel: torch.Tensor) -> torch.Tensor:
@@ -386,6 +420,10 @@ class AudioEncoderStream:
                 f"{self.max_samples} (30 s); flush it and open a new stream"
             )
         return self.stream.accept(self.mel.accept(samples))
+
+    def preview(self) -> torch.Tensor:
+        """The partial block's states so far, taken back afterwards (`MelEncoderStream.preview`)."""
+        return self.stream.preview()
 
     def flush(self) -> torch.Tensor:
         """End of input: every remaining frame."""
