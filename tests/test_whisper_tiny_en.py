@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -110,8 +111,6 @@ def test_transcript_stream_equals_offline_on_real_weights(causal) -> None:
 
 
 def test_previews_equal_their_reference_on_real_weights(causal) -> None:
-    from dataclasses import replace
-
     from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
     from runtime.models.asr.causal_whisper.reference import offline_run
 
@@ -127,7 +126,7 @@ def test_previews_equal_their_reference_on_real_weights(causal) -> None:
             item, shown = u.item_id, (shown if u.item_id == item else "")
             shown, tail = shown + u.delta, u.unstable
         pos += size
-        events = [t for s, t in ref.shown if s <= pos]
+        events = [e.text for e in ref.shown if e.sample <= pos]
         assert (shown + tail if item else "") == (events[-1] if events else ""), (name, pos)
     assert "".join(u.transcript for u in stream.finish() if u.completed) == ref.text
 

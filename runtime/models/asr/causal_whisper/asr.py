@@ -31,10 +31,12 @@ At a commit (`finish`) the item can be decoded once more with all it heard (`asr
 the completed event then carries that second pass, which may revise the streamed deltas.
 
 Previews (`asr.preview_ms`): long blocks carry words that short ones lose (Whisper under 100 ms blocks stops
-early, model card), but a 300 ms block shows them up to 300 ms late. Every `preview_ms` inside a block, the
-stream encodes the partial block as if it ended there and decodes on, shows the result as the unstable tail, and
-takes it all back (encoder and decoder caches roll back; nothing is copied): the block then completes as if
-never previewed, so the stable text and transcripts are those of the same stream without previews.
+early, model card), but a 300 ms block shows them up to 300 ms late. At the latest `preview_ms` point a call's
+audio reaches inside a block, the stream encodes the partial block as if it ended there (the front end on the
+carried state, the layers on the caches) and decodes on, shows the result as the unstable tail, and takes it all
+back (both caches truncated; nothing else is touched): the encoder is still fed at block ends only and the block
+completes as if never previewed, so the stable text and transcripts are those of the same stream without
+previews, bit for bit.
 
 `reference.offline_run` is the exactness reference (and `offline_transcript` its transcript): one `forward_full`
 per segment, `RecomputeDecoder` (no caches, per-position cross-attention masks), the same rule, steps, resets
@@ -60,23 +62,23 @@ from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, Scorer, context_ids
 from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token
-from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder, block_end, block_frames_for
+from runtime.models.asr.causal_whisper.encoder import (
+    FRAME_MS,
+    FRAME_SAMPLES,
+    CausalWhisperEncoder,
+    block_end,
+    block_frames_for,
+    emission_sample,
+)
 from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, check
 from runtime.models.asr.whisper_buffered import WhisperBuffered
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
 from runtime.models.asr.whisper_head import check_decoder, check_head, quantize_decoder, quantize_head
 from runtime.models.loading import load_progress, torch_dtype
 
-FRAME_SAMPLES = SAMPLE_RATE // 50  # one 20 ms encoder frame
 RESTART_MARGIN_S = 0.5  # re-feed from this long before the last stable token's emission
 MAX_OVERLAP_S = 5.0  # ... but never more than this (nor half the segment) before the reset point
 CARRY_TOKENS = 64  # stable tokens carried across a reset as prompt / forced prefix
-
-
-def emission_sample(frame_end: int) -> int:
-    """Samples after which the block ending at encoder frame `frame_end` is emitted (its last 10 ms hop
-    plus the conv's 10 ms look-ahead; see `AudioEncoderStream`)."""
-    return FRAME_SAMPLES * frame_end + FRAME_SAMPLES // 2
 
 
 @dataclass(frozen=True)
@@ -112,10 +114,11 @@ class CausalWhisperASR:
                  *, name: str = "causal-whisper", final_pass: FinalPass | None = None) -> None:
         """`final_pass` re-decodes each committed item (None: the streamed text is final)."""
         self.block_frames = block_frames_for(cfg.chunk_ms)
-        self.preview_frames = block_frames_for(cfg.preview_ms) if cfg.preview_ms else 0
-        if cfg.preview_ms and (cfg.preview_ms >= cfg.chunk_ms or cfg.chunk_ms % cfg.preview_ms):
-            raise ConfigError(f"asr.preview_ms must divide asr.chunk_ms ({cfg.chunk_ms}) and be smaller, "
-                              f"got {cfg.preview_ms} (0: no previews)")
+        if cfg.preview_ms and not (0 < cfg.preview_ms < cfg.chunk_ms and cfg.preview_ms % FRAME_MS == 0
+                                   and cfg.chunk_ms % cfg.preview_ms == 0):
+            raise ConfigError(f"asr.preview_ms must be a multiple of {FRAME_MS} ms that divides asr.chunk_ms "
+                              f"({cfg.chunk_ms}) and is smaller, got {cfg.preview_ms} (0: no previews)")
+        self.preview_frames = cfg.preview_ms // FRAME_MS
         if cfg.lookback_tokens < 0 or cfg.loop_repeats < 0:
             raise ConfigError(f"asr.lookback_tokens and asr.loop_repeats must be >= 0, got {cfg.lookback_tokens} "
                               f"and {cfg.loop_repeats}")
@@ -308,17 +311,10 @@ class CausalWhisperStream:
         if point <= max(self._frames, self._previewed):
             return None
         self._previewed = point
-        fed = emission_sample(point)
-        assert not len(self._encoder.accept(self._audio.view(self._fed, fed))), "a preview point ends no block"
-        self._fed = fed
-        frames = self._encoder.preview()
+        # the encoder itself is fed at block ends only, whatever the previews, so its states never depend on them
+        frames = self._encoder.preview(self._audio.view(self._fed, emission_sample(point)))
         assert len(frames) == point - self._frames, "the encoder previewed an unexpected span"
-        full = self._asr.text(self._item.preview(frames))
-        unstable = full[len(self._emitted) :] if full.startswith(self._emitted) else ""
-        if unstable == self._unstable:
-            return None
-        self._unstable = unstable
-        return TranscriptUpdate(self._item_id, "", unstable, self._item_start, self._time(point))
+        return self._show("", self._asr.text(self._item.preview(frames)), point)
 
     def _reset(self) -> TranscriptUpdate:
         asr, item = self._asr, self._item
@@ -364,12 +360,16 @@ class CausalWhisperStream:
         stable = settled(text([t.id for t in item.tokens[: item.stable]]))
         delta = stable[len(self._emitted) :] if stable.startswith(self._emitted) else ""
         self._emitted += delta
-        full = text([t.id for t in item.tokens])
+        return self._show(delta, text([t.id for t in item.tokens]), self._frames)
+
+    def _show(self, delta: str, full: str, frame: int) -> TranscriptUpdate | None:
+        """The update that shows `full` as the item's text, heard up to `frame`: the emitted deltas (`delta` the
+        newest of them) and the rest as the unstable tail; None when what is shown does not change."""
         unstable = full[len(self._emitted) :] if full.startswith(self._emitted) else ""
         if not delta and unstable == self._unstable:
             return None
         self._unstable = unstable
-        return TranscriptUpdate(self._item_id, delta, unstable, self._item_start, self._time(self._frames))
+        return TranscriptUpdate(self._item_id, delta, unstable, self._item_start, self._time(frame))
 
     def _complete(self, ids: Sequence[int], *, end_frame: int | None, revisable: bool = False) -> TranscriptUpdate:
         """The item's completion: its text must extend the emitted deltas, unless a final pass `revisable`y

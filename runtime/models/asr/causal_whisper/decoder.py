@@ -2,7 +2,8 @@
 
 Whisper's decoder reads the encoder through cross-attention. In streaming the encoder grows block by block,
 so each decoder layer keeps its cross-attention K/V and projects only the NEW encoder frames when they
-arrive: the frames are final (block-causal encoder), so their K/V never change and are never recomputed.
+arrive: the frames are final (block-causal encoder), so their K/V never change and are never recomputed (a
+preview's partial block is the exception: appended, then dropped again with `drop_frames`).
 Decoded tokens keep a self-attention KV cache the usual way; `truncate` rolls it back when the stream
 policy cuts tokens. The semantics this fixes, and that the reference below recomputes from scratch:
 
@@ -58,7 +59,9 @@ class Scorer(Protocol):
 
     def truncate(self, length: int) -> None: ...
 
-    def drop_frames(self, n_frames: int) -> None: ...
+    def drop_frames(self, n_frames: int) -> None:
+        """Forget the encoder frames from `n_frames` on (a preview's partial block)."""
+        ...
 
     @property
     def length(self) -> int: ...
@@ -169,7 +172,7 @@ class IncrementalDecoder:
 
     @torch.inference_mode()
     def add_frames(self, frames: torch.Tensor) -> None:
-        """Append encoder frames [n, d] (final: they are never revised)."""
+        """Append encoder frames [n, d] (final: never revised; a preview's are dropped again, `drop_frames`)."""
         if frames.shape[0] == 0:
             return
         for (kb, vb), (k, v) in zip(self._cross, self._layers.cross_kv(frames), strict=True):
@@ -240,6 +243,7 @@ class RecomputeDecoder:
         del self._ids[length:], self._seen[length:]
 
     def drop_frames(self, n_frames: int) -> None:
+        """Keep the first `n_frames` encoder frames (positions fed with later ones must be truncated too)."""
         if n_frames < self.n_frames:
             self._frames = [torch.cat(self._frames)[:n_frames]]
             self.n_frames = n_frames

@@ -44,6 +44,7 @@ from runtime.models.asr.causal_whisper.features import HOP, INIT_MAX, StreamingL
 
 FRAME_MS = 20  # one encoder frame: two 10 ms mel hops
 MEL_PER_FRAME = 2
+FRAME_SAMPLES = MEL_PER_FRAME * HOP  # one 20 ms encoder frame in 16 kHz samples
 
 
 class EncoderWindowFull(RuntimeError):
@@ -60,6 +61,12 @@ def block_frames_for(chunk_ms: int) -> int:
 def block_end(frame: int, block_frames: int) -> int:
     """Exclusive end (in encoder frames) of the block holding `frame`; the first block is 2 * block_frames."""
     return max(2, frame // block_frames + 1) * block_frames
+
+
+def emission_sample(frame_end: int) -> int:
+    """Samples after which the block ending at encoder frame `frame_end` is emitted (its last 10 ms hop
+    plus the conv's 10 ms look-ahead; see `AudioEncoderStream`)."""
+    return FRAME_SAMPLES * frame_end + FRAME_SAMPLES // 2
 
 
 def block_causal_mask(
@@ -352,19 +359,26 @@ class MelEncoderStream:
         return self.owner.encoder.layer_norm(h)
 
     @torch.inference_mode()
-    def preview(self) -> torch.Tensor:
-        """The states [k, d_model] of the frames the front end has made past the last completed block, as if
-        their partial block ended there (they attend to each other and to every earlier block, as `forward_full`
-        over only these frames computes them); then taken back: the stream is left as it was, and the block
-        completes later with its own frames. Frames still held back for the convs' look-ahead are not in it."""
+    def preview(self, mel: torch.Tensor) -> torch.Tensor:
+        """The states [k, d_model] of the frames past the last completed block, were `mel` [n_mels, n] accepted and
+        the partial block ended there (its frames attend to each other and to every earlier block: `forward_full`
+        over only these frames); then all of it is taken back. The front end runs on the carried convolution state
+        and the layers append to the K/V caches, which are truncated again: the stream is left as it was, so what
+        it emits later does not depend on whether, or where, it was previewed. Frames still held back for the
+        convolutions' look-ahead are not in it."""
         if self.closed:
             raise RuntimeError("MelEncoderStream.preview after flush")
-        start, n = self.layer_frames, self._pending.shape[0]
-        if n == 0:
-            return self._pending.new_empty(0, self.owner.d_model)
+        if mel.ndim != 2 or mel.shape[0] != self.owner.n_mels:
+            raise ValueError(f"mel must be [{self.owner.n_mels}, frames], got {tuple(mel.shape)}")
+        start = self.layer_frames
+        carried = self._mel, self._conv, self._pending, self.conv1_frames, self.conv2_frames  # `_front` rebinds them
         try:
+            self._front(mel.to(self.owner.device, self.owner.dtype), last=False)
+            if self._pending.shape[0] == 0:
+                return self._pending.new_empty(0, self.owner.d_model)
             return self._run(self._pending, start)
         finally:
+            self._mel, self._conv, self._pending, self.conv1_frames, self.conv2_frames = carried
             for cache in self._caches:
                 cache.truncate(start)
 
@@ -421,9 +435,9 @@ class AudioEncoderStream:
             )
         return self.stream.accept(self.mel.accept(samples))
 
-    def preview(self) -> torch.Tensor:
-        """The partial block's states so far, taken back afterwards (`MelEncoderStream.preview`)."""
-        return self.stream.preview()
+    def preview(self, samples: np.ndarray) -> torch.Tensor:
+        """The partial block's states were `samples` accepted, all taken back (`MelEncoderStream.preview`)."""
+        return self.stream.preview(self.mel.peek(samples))
 
     def flush(self) -> torch.Tensor:
         """End of input: every remaining frame."""

@@ -120,6 +120,16 @@ class StreamingLogMel:
         self._buf = np.concatenate([self._buf, x])
         return self._emit((len(self._buf) - LEFT) // HOP)
 
+    def peek(self, samples: np.ndarray) -> torch.Tensor:
+        """The frames [n_mels, k] that `accept(samples)` would return, leaving the stream as it is (a preview)."""
+        if self.closed:
+            raise RuntimeError("StreamingLogMel.peek after flush")
+        buf = np.concatenate([self._buf, _as_samples(samples)])
+        n = (len(buf) - LEFT) // HOP
+        if n == 0:
+            return torch.empty(self.n_mels, 0)
+        return _normalise(_log_power(buf, n, self.n_mels), self._max)[0]
+
     def flush(self) -> torch.Tensor:
         """End of input: the last partial frame (zero-padded on the right), then the stream is closed."""
         if self.closed:

@@ -12,30 +12,38 @@ shows after any call must be the last event available by then, whatever the chun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from runtime.models.asr.causal_whisper.decoder import RecomputeDecoder
 from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token
-from runtime.models.asr.causal_whisper.encoder import block_end
+from runtime.models.asr.causal_whisper.encoder import FRAME_SAMPLES, block_end, emission_sample
 
 if TYPE_CHECKING:
     from runtime.models.asr.causal_whisper.asr import Carry, CausalWhisperASR
 
 
+class Shown(NamedTuple):
+    """One event: after `sample` samples the stream can show `text` as its open item's text."""
+
+    sample: int
+    text: str
+    kind: str  # block | reset | preview
+
+
 @dataclass
 class OfflineRun:
+    """What the reference computes for one clip: the stream's transcript and what it shows, event by event."""
+
     text: str  # the completed items' transcripts, joined
-    shown: list[tuple[int, str]] = field(default_factory=list)  # (available after this many samples, item text)
+    shown: list[Shown] = field(default_factory=list)
 
 
 @torch.inference_mode()
 def offline_run(asr: CausalWhisperASR, audio: np.ndarray) -> OfflineRun:
     """Transcript and shown text of `audio` by the reference computation (see the module docstring)."""
-    from runtime.models.asr.causal_whisper.asr import FRAME_SAMPLES, emission_sample
-
     run = OfflineRun("")
     texts: list[str] = []
     history: list[Token] = []
@@ -51,7 +59,7 @@ def offline_run(asr: CausalWhisperASR, audio: np.ndarray) -> OfflineRun:
         while emission_sample(end) <= len(seg):
             _previews(asr, run, item, seg, start, done, end)
             item.step(frames[done:end])
-            _show(run, start + emission_sample(end), asr.text([t.id for t in item.tokens]))
+            _show(run, start + emission_sample(end), asr.text([t.id for t in item.tokens]), "block")
             done, end = end, end + asr.block_frames
             if asr.reset_due(item, done):
                 reset = True
@@ -66,12 +74,12 @@ def offline_run(asr: CausalWhisperASR, audio: np.ndarray) -> OfflineRun:
         texts.append(asr.text([t.id for t in item.tokens[: item.stable]]))
         item_from = (item.frame0 + done) * FRAME_SAMPLES
         carry = asr.carry(history, item, done)
-        _show(run, 0, "")  # the new item starts with nothing shown
+        _show(run, 0, "", "reset")  # the new item starts with nothing shown
 
 
-def _show(run: OfflineRun, sample: int, text: str) -> None:
+def _show(run: OfflineRun, sample: int, text: str, kind: str) -> None:
     """Record an event; the stream never makes one before the last (re-fed audio is all there at a reset)."""
-    run.shown.append((max(sample, run.shown[-1][0] if run.shown else 0), text))
+    run.shown.append(Shown(max(sample, run.shown[-1].sample if run.shown else 0), text, kind))
 
 
 def _previews(
@@ -79,10 +87,8 @@ def _previews(
 ) -> None:
     """The previews of the open block (frames done..end of the segment that starts at sample `start`) whose
     audio is in `seg`: each encodes the segment up to its point and decodes on, then is taken back."""
-    from runtime.models.asr.causal_whisper.asr import emission_sample
-
     step = asr.preview_frames
     for p in range(done + step, end, step) if step else ():
         if emission_sample(p) <= len(seg):
             partial = asr.encoder.encode_audio(seg[: emission_sample(p)], frames=p)[done:]
-            _show(run, start + emission_sample(p), asr.text(item.preview(partial)))
+            _show(run, start + emission_sample(p), asr.text(item.preview(partial)), "preview")
