@@ -95,8 +95,10 @@ def test_encoder_stream_equals_offline_on_real_weights(causal, chunk_ms) -> None
 
 
 def test_transcript_stream_equals_offline_on_real_weights(causal) -> None:
+    from runtime.models.asr.causal_whisper.reference import offline_transcript
+
     name, audio, _ = next(c for c in dev_clips() if c[0] == "new_home_stars")
-    offline = causal.offline_transcript(audio)
+    offline = offline_transcript(causal, audio)
     stream = causal.open_stream()
     updates, pos = [], 0
     for size in [1600, 4000, 333, 8000, 2400] * 20:
@@ -112,12 +114,12 @@ def test_transcript_stream_equals_offline_on_real_weights(causal) -> None:
 
 def test_previews_equal_their_reference_on_real_weights(causal) -> None:
     from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
-    from runtime.models.asr.causal_whisper.reference import offline_run
+    from runtime.models.asr.causal_whisper.reference import offline_run, offline_transcript
 
     name, audio, _ = next(c for c in dev_clips() if c[0] == "new_home_stars")
     asr = CausalWhisperASR(causal.model, causal.tokenizer, replace(causal.cfg, preview_ms=100), name=causal.name)
     ref = offline_run(asr, audio)
-    assert ref.text == causal.offline_transcript(audio)
+    assert ref.text == offline_transcript(causal, audio)
     stream, item, shown, tail, pos = asr.open_stream(), None, "", "", 0
     for size in [1600, 4000, 333, 8000, 2400] * 20:
         if pos >= len(audio):

@@ -38,9 +38,9 @@ back (both caches truncated; nothing else is touched): the encoder is still fed 
 completes as if never previewed, so the stable text and transcripts are those of the same stream without
 previews, bit for bit.
 
-`reference.offline_run` is the exactness reference (and `offline_transcript` its transcript): one `forward_full`
-per segment, `RecomputeDecoder` (no caches, per-position cross-attention masks), the same rule, steps, resets
-and previews.
+`reference.offline_run` is the exactness reference (`reference.offline_transcript` its transcript): one
+`forward_full` per segment, `RecomputeDecoder` (no caches, per-position cross-attention masks), the same rule,
+steps, resets and previews.
 """
 
 from __future__ import annotations
@@ -196,12 +196,6 @@ class CausalWhisperASR:
         del history[: -self.carry_tokens or len(history)]
         return plan_reset(history, item.frame0 + frames, item.frame0, margin=self.margin,
                           max_overlap=self.max_overlap)
-
-    def offline_transcript(self, audio: np.ndarray) -> str:
-        """The exactness reference for the stream's transcript (`reference.py`)."""
-        from runtime.models.asr.causal_whisper.reference import offline_run
-
-        return offline_run(self, audio).text
 
     def final_ids(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
         """The committed item's final ids: its stream's, or the final pass's when it heard any words."""

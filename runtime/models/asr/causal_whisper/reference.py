@@ -77,6 +77,11 @@ def offline_run(asr: CausalWhisperASR, audio: np.ndarray) -> OfflineRun:
         _show(run, 0, "", "reset")  # the new item starts with nothing shown
 
 
+def offline_transcript(asr: CausalWhisperASR, audio: np.ndarray) -> str:
+    """The transcript the stream of `asr` must complete for `audio`."""
+    return offline_run(asr, audio).text
+
+
 def _show(run: OfflineRun, sample: int, text: str, kind: str) -> None:
     """Record an event; the stream never makes one before the last (re-fed audio is all there at a reset)."""
     run.shown.append(Shown(max(sample, run.shown[-1].sample if run.shown else 0), text, kind))
