@@ -267,9 +267,8 @@ class CausalWhisperEncoder:
         return enc.layer_norm(h)
 
     @torch.inference_mode()
-    def encode_audio(
-        self, samples: np.ndarray, *, init_max: float = INIT_MAX, frames: int | None = None
-    ) -> torch.Tensor:
+    def encode_audio(self, samples: np.ndarray, *, init_max: float = INIT_MAX,
+                     frames: int | None = None) -> torch.Tensor:
         """Offline states [frames, d_model] of up to 30 s of 16 kHz audio: what `AudioEncoderStream` emits
         (`frames`: only the first so many, the last block ending there: see `forward_full`)."""
         return self.forward_full(log_mel(samples, self.n_mels, init_max=init_max)[None], frames)[0]
