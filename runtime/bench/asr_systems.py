@@ -199,12 +199,13 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         each(OFFLINE, lambda s: offline_row(s, [offline.text(i) for i in reference[s.name][0]],
                                             reference[s.name][1]))
     ends: dict[str, list[list[tuple[str, float]]]] = {}
-    if {"causal", "two-pass", "buffered", "fastconformer"} & set(kinds):
+    if {"causal", "two-pass", "previewed", "buffered", "fastconformer"} & set(kinds):
         status("word end times: aligning the offline transcripts ...")
         aligner = Aligner(offline, whisper_path(ref))
         ends = {s.name: [aligner.word_ends(a, ids) for a, ids in zip(s.audios, reference[s.name][0], strict=True)]
                 for s in present}
-    rows = variants(kinds, chunks, getattr(args, "preview_ms", 0) or 0)
+    preview = getattr(args, "preview_ms", 0) or 0
+    rows = variants(kinds, chunks, preview)
     if rows:  # causal, two-pass, previewed
         # as the whisper-tiny-en profile runs them: its decoders' head, its offline pass's dtype and window
         profile = load_profile("whisper-tiny-en").asr
@@ -222,15 +223,15 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                                              profile.head_weights, decoder_weights=profile.decoder_weights,
                                              final_pass_window_s=window), device, pass_dtype)
             passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second)})
-        for ms, name, preview in rows:
-            each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none", preview_ms=preview)
+        for ms, name, every in rows:
+            each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none", preview_ms=every)
             asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=passes[name])
-            settings[causal_id(ms, name, preview)] = (
+            settings[causal_id(ms, name, every)] = (
                 f"{ref}, block-causal, {ms} ms chunks, look-back {cfg.lookback_tokens} tokens, adapter "
-                f"{cfg.adapter or 'none'}{head}" + (f", previewed every {preview} ms" if preview else "")
+                f"{cfg.adapter or 'none'}{head}" + (f", previewed every {every} ms" if every else "")
                 + (f", final pass {name} at the end of each clip" if name else "")
                 + (f" ({pass_dtype}, {window:g} s windows)" if name == "offline" else ""))
-            streamed(causal_id(ms, name, preview), asr)
+            streamed(causal_id(ms, name, every), asr)
     if "buffered" in kinds:
         settings[BUFFERED] = (f"{ref}, LocalAgreement-2, re-decoded every {buffered.cfg.step_s:g} s, items of "
                               f"{buffered.cfg.segment_s:g} s")
@@ -250,7 +251,6 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         settings[FASTCONFORMER] = f"{fc_ref}, look-ahead {cfg.lookahead_ms} ms, {cfg.decoder} decoder (its profile)"
         streamed(FASTCONFORMER, load_asr(cfg, device=device, dtype=dtype, progress=status),
                  whole_words=cfg.decoder == "beam")
-    preview = getattr(args, "preview_ms", 0) or 0
     return {"systems": table, "system_settings": settings, "targets": targets(table, chunks, preview),
             "sets": {s.name: {"reason": s.reason} if s.reason else
                      {"utterances": len(s.audios), "audio_s": round(sum(map(len, s.audios)) / SAMPLE_RATE, 2)}
