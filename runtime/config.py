@@ -97,6 +97,13 @@ class LMConfig:
     system_prompt: str = (
         "You are a live assistant. Answer the question about what was said, using the transcript."
     )
+    # answer "not known yet" without asking the model when none of a question's words was heard, shown or written
+    # in the session (memory/grounding.py); for answerers that know the stream and little else. Off: every question
+    # goes to the model. Questions that may call functions always do.
+    grounded: bool = False
+    # whether answers read the assistant's earlier answers in the context (memory/conversation.py). A small model
+    # copies them into answers to other questions; without them a follow-up about an answer ("why?") loses it.
+    answers_in_context: bool = True
     # engine: attention-sink KV window (StreamingLLM), sized per session and never grown.
     sink_tokens: int = 4
     window_tokens: int = 2048

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.config import Profile, check_memory_fits
-from runtime.errors import CheckpointNotFound
+from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models.asr.base import StreamingASR
 from runtime.models.asr.registry import load_asr
 from runtime.models.lm import AnswerBackend, NoAnswerer, load_answerer
@@ -79,6 +79,9 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
         elif profile.lm.backend != "engine":
             if progress:
                 progress("video memory needs lm.backend = engine: video frames are counted, not remembered")
+        elif profile.lm.grounded:
+            raise ConfigError(f"lm.grounded answers only from what was heard and read, and {profile.lm.model} also "
+                              "sees the video: set one of lm.grounded=false or video.memory=false")
         else:
             check_memory_fits(profile)
             vision = worker.call(Priority.CONTROL, VisionEncoder.load, profile.lm.model, grid=profile.video.grid,

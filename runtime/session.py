@@ -256,16 +256,16 @@ class Session:
     async def create_response(self, *, client_event_id: str | None = None, text: str | None = None,
                               instructions: str | None = None, max_tokens: int | None = None,
                               in_conversation: bool = True, metadata: dict[str, object] | None = None,
-                              tools: ToolUse | None = None) -> str | None:
+                              tools: ToolUse | None = None, input_items: tuple[str, ...] = ()) -> str | None:
         """`response.create`: answer what the user said or typed since the last answer (or `text`, a request's
-        own input), after every commit sent before it has its transcript; it may call `tools` (None: the
-        session's)."""
+        own input, which may hold the text of the conversation's `input_items`), after every commit sent before it
+        has its transcript; it may call `tools` (None: the session's)."""
         config = self.settings.config
         question = Question(text, self.media_time, self.pushed_until, client_event_id, commits=self.commits,
                             instructions=config.instructions if instructions is None else instructions,
                             max_tokens=config.max_output_tokens if max_tokens is None else max_tokens,
                             in_conversation=in_conversation, metadata=metadata,
-                            tools=config.tools if tools is None else tools)
+                            tools=config.tools if tools is None else tools, input_items=input_items)
         return question.response_id if await self.requests.request(question) else None
 
     async def commit_audio(self, client_event_id: str | None = None) -> None:

@@ -22,6 +22,7 @@ from runtime.errors import ConfigError
 from runtime.events import Event
 from runtime.loaded_models import Models
 from runtime.memory.conversation import Conversation
+from runtime.memory.grounding import Grounding
 from runtime.memory.screen_notes import ScreenNotes, token_counter
 from runtime.memory.video import VideoMemory
 from runtime.models.lm import NoAnswerer
@@ -72,7 +73,7 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
         if not events.closed:
             await events.put(event)
 
-    conversation = Conversation()
+    conversation = Conversation(answers_in_context=profile.lm.answers_in_context)
     heard, changes, activity = HeardClock(), ContextChanges(), AnswerActivity()
     video_memory = None
     if models.vision is not None:
@@ -101,15 +102,18 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
         answering = models.remote
         warmer = PrefixWarmer(models.remote, conversation, changes, activity,
                               interval_s=profile.lm.warm_interval_s, settings=settings)
-    screen = None
+    screen, screen_notes = None, None
     if models.reader is not None:  # screen notes in the context within a budget; a question gets the ones it names
         screen_notes = ScreenNotes(conversation, max_tokens=profile.screen.max_note_tokens,
                                    selected_tokens=profile.screen.selected_tokens, keep=profile.screen.max_screens,
                                    count=token_counter(getattr(models.answerer, "tokenizer", None)))
         screen = ScreenReader(models.reader, profile.screen, worker, emit, screen_notes, changes)
         answering = NotesWithQuestion(answering, screen_notes)
+    grounding = None  # with it, a question nothing heard or shown mentions is answered "not known yet"
+    if profile.lm.grounded:  # (load_models refuses it beside a vision-language model's video memory)
+        grounding = Grounding(conversation, screens=screen_notes.shown if screen_notes is not None else None)
     answers = QuestionProcessor(questions, answering, emit, conversation, heard, activity, changes,
-                                prefiller=prefiller)
+                                prefiller=prefiller, grounding=grounding)
     requests = ResponseRequests(questions, answers, activity, heard, settings, emit)
     turns = TurnTaking(models.turns, settings, activity) if models.turns is not None else None
     parts = SessionParts(

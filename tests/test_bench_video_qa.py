@@ -49,5 +49,10 @@ def test_quick_run_end_to_end(capsys) -> None:
     assert "On screen: Budget | - Total budget: 4.2 million euros" in talk["context"]
     assert 0 < talk["screen_tokens"] < talk["context_tokens"]
     assert all(q["first_token_s"] is not None and q["first_token_s"] <= q["done_s"] for q in result["questions"])
+    # the profile answers grounded: the question nothing by 14 s mentions is answered without the model, and only it
+    assert result["answering"] == {"grounded": True, "answers_in_context": False}
+    assert [(q["kind"], q["not_heard"]) for q in result["questions"] if q["not_heard"]] == [
+        ("not_yet", ["public", "release"])]
+    assert "Assistant:" not in talk["context"] and "] User: When is the public release?" in talk["context"]
     assert set(result["targets"]) == {"realtime_accuracy", "backward_accuracy", "speech_screen_accuracy",
                                       "not_yet_accuracy", "ocr_cpu_s_per_video_s"}

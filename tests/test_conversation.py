@@ -124,3 +124,19 @@ def test_a_call_cut_short_is_not_continued_and_hidden_items_are_not_addressable(
                       _typed("s1", "Slide", "system", label="On screen", in_api=False)])
     assert c.calls_since_user() == []
     assert c.api_item("s1") is None and c.get("s1") is not None and c.api_item("u1") is not None
+
+
+def test_without_answers_in_context_the_assistants_messages_leave_the_context_and_its_calls_stay():
+    items = [Item("u1", 0.0, 1.0, stable="Weather in Paris?"),
+             Item("a1", 1.0, 1.0, role="assistant", audio=False, stable="Checking."),
+             Item("c1", 1.0, 1.0, role="assistant", audio=False, type="function_call", name="get_weather",
+                  call_id="call_a", stable='{"city": "Paris"}'),
+             Item("o1", 1.5, 1.5, audio=False, type="function_call_output", name="get_weather", call_id="call_a",
+                  stable="sunny"),
+             Item("a2", 2.0, 2.0, role="assistant", audio=False, stable="It is sunny in Paris.")]
+    full = Conversation(list(items)).context()
+    assert "Assistant: Checking." in full and "Assistant: It is sunny" in full
+    lean = Conversation(list(items), answers_in_context=False).context()
+    assert lean.splitlines() == [line for line in full.splitlines() if "Assistant: " not in line]
+    assert "Assistant called get_weather" in lean and "returned: sunny" in lean
+    assert Conversation(list(items), answers_in_context=False).pending_user_text() == ""  # answered: nothing pends

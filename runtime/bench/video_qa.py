@@ -130,18 +130,22 @@ async def play(profile: Profile, models: Models, worker: DeviceWorker, path: Pat
 
 
 def answers_of(events: list[Event]) -> list[dict[str, Any]]:
-    """Each response in order: its question, text, and wall seconds to first token and to done."""
+    """Each response in order: its question, text, wall seconds to first token and to done, and the words nothing
+    heard or shown mentioned when `lm.grounded` answered without the model (else None)."""
     out: dict[str, dict[str, Any]] = {}
     for e in events:
         if isinstance(e, ResponseCreated):
             out[str(e.response.get("id"))] = {"question": e.response.get("question"), "created": e.wall_time,
-                                              "text": "", "first": None, "done": None}
+                                              "text": "", "first": None, "done": None, "not_heard": None}
         elif isinstance(e, ResponseTextDelta) and e.response_id in out:
             r = out[e.response_id]
             r["first"] = r["first"] or e.wall_time
             r["text"] += e.delta
         elif isinstance(e, ResponseDone) and str(e.response.get("id")) in out:
-            out[str(e.response.get("id"))]["done"] = e.wall_time
+            r = out[str(e.response.get("id"))]
+            r["done"] = e.wall_time
+            grounding = e.response.get("grounding")
+            r["not_heard"] = grounding.get("not_heard") if isinstance(grounding, dict) else None
     return list(out.values())
 
 
@@ -176,7 +180,8 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
                 rows.append({"talk": talk["id"], "at": q["at"], "kind": q["kind"], "question": q["q"],
                              "answer": a["text"].strip(), "right": score(q, a["text"], data["not_known"]),
                              "first_token_s": round(a["first"] - a["created"], 3) if a["first"] else None,
-                             "done_s": round(a["done"] - a["created"], 3) if a["done"] else None})
+                             "done_s": round(a["done"] - a["created"], 3) if a["done"] else None,
+                             "not_heard": a["not_heard"]})
             metrics = [e for e in events if isinstance(e, Metrics)][-1].metrics
             screen = metrics.get("screen", {})
             screen_lines = "\n".join(line for line in context.splitlines() if "] On screen: " in line)
@@ -199,13 +204,16 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     targets = {f"{k}_accuracy": at_least(accuracy[k]["rate"], TARGETS[k]) for k in KINDS}
     targets["ocr_cpu_s_per_video_s"] = at_most(ocr, OCR_CPU_S_PER_VIDEO_S)
     return {"bench": "video-qa", "quick": bool(args.quick), "profile": profile.name, "lm": profile.lm.model,
-            "asr": profile.asr.model, "accuracy": accuracy, "latency_median_s": latency, "talks": per_talk,
+            "asr": profile.asr.model,
+            "answering": {"grounded": profile.lm.grounded, "answers_in_context": profile.lm.answers_in_context},
+            "accuracy": accuracy, "latency_median_s": latency, "talks": per_talk,
             "targets": targets, "questions": rows, "machine": machine("cpu", profile.dtype, profile.threads)}
 
 
 def _rate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     right = sum(r["right"] for r in rows)
-    return {"right": right, "asked": len(rows), "rate": round(right / len(rows), 3) if rows else None}
+    return {"right": right, "asked": len(rows), "rate": round(right / len(rows), 3) if rows else None,
+            "not_known_without_model": sum(r["not_heard"] is not None for r in rows)}  # `lm.grounded` answered
 
 
 def _median(values: list[float]) -> float | None:

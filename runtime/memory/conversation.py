@@ -41,6 +41,7 @@ class Item:
     type: ItemType = "message"
     call_id: str = ""
     name: str = ""  # the function a call calls (an output's too: the call it answers names it)
+    question: bool = False  # a question the runtime recorded (a script's, the terminal's): asks, tells nothing
 
     @property
     def text(self) -> str:
@@ -84,6 +85,9 @@ def _stamp(seconds: float) -> str:
 @dataclass
 class Conversation:
     items: list[Item] = field(default_factory=list)
+    # whether the context shows the assistant's own answers (`lm.answers_in_context`): a small model reading them
+    # copies them into answers to other questions; without them, a follow-up about an answer ("why?") loses it
+    answers_in_context: bool = True
 
     def apply(self, update: TranscriptUpdate) -> Item:
         """A transcript update of a user audio item (the open one, or a new one)."""
@@ -140,21 +144,25 @@ class Conversation:
         """What a response answers by default: the user's typed items since the last answer, back to and
         including the latest spoken one (earlier speech, say an hour of captioned talk, is context, not the
         question)."""
-        texts: list[str] = []
+        return " ".join(it.text for it in self.pending_user_items())
+
+    def pending_user_items(self) -> list[Item]:
+        """The items `pending_user_text` reads, in order."""
+        pending: list[Item] = []
         calls = False
         for item in reversed(self.items):
             if item.is_call:  # a call and its output belong to the exchange the user's message opened
                 calls = True
                 continue
             if item.role == "assistant":
-                if calls and not texts:  # what the calling response said beside its calls: the same exchange
+                if calls and not pending:  # what the calling response said beside its calls: the same exchange
                     continue
                 break
             if item.role == "user" and item.text:
-                texts.append(item.text)
+                pending.append(item)
                 if item.audio:
                     break
-        return " ".join(reversed(texts))
+        return pending[::-1]
 
     def calls_since_user(self) -> list[Item]:
         """The exchange a response continues: the function calls made since the user's latest message (a
@@ -173,8 +181,13 @@ class Conversation:
 
     def context(self, without: frozenset[str] = frozenset()) -> str:
         """One line per item: `[mm:ss.s] text` (spoken) or `[mm:ss.s] Role: text`, in order; empty items and the
-        items named in `without` left out."""
-        return "\n".join(it.line() for it in self.items if it.text and it.item_id not in without)
+        items named in `without` left out, and the assistant's messages unless `answers_in_context` (its function
+        calls stay: their outputs need them)."""
+        return "\n".join(it.line() for it in self.items if it.item_id not in without and self.shows(it))
+
+    def shows(self, item: Item) -> bool:
+        """Whether the context has a line for `item`."""
+        return bool(item.text) and (self.answers_in_context or item.role != "assistant" or item.is_call)
 
     def final_text(self) -> str:
         """The spoken words alone, as a transcript."""

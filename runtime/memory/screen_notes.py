@@ -208,9 +208,13 @@ class ScreenNotes:
         """Context tokens from the item at `position` (where the first change was) to the end, estimated (words
         * 1.3): only a metric, and tokenizing a long talk's tail at every batch would hold the event loop."""
         return sum(math.ceil(len(it.line().split()) * 1.3) + 1 for it in self.conversation.items[position:]
-                   if it.text)
+                   if self.conversation.shows(it))
 
     # -- the question ---------------------------------------------------------------------------------------
+
+    def shown(self) -> list[str]:
+        """Every screen kept, whole, however the context holds it now (what `lm.grounded` checks against)."""
+        return [note.full for note in self.notes]
 
     def select(self, question: str) -> list[Note]:
         """The screens `question` points at that the context does not hold whole, in time order, as many as fit

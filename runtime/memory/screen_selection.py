@@ -46,7 +46,8 @@ def words(text: str) -> list[str]:
     """Lower-case words and numbers ("4.2", "12:30" whole), a plural's "s" cut, function words left out."""
     out = []
     for word in _WORD.findall(text.lower()):
-        if len(word) > 3 and word.endswith("s") and not word.endswith(("ss", "us", "is")):  # previous, status
+        if len(word) > 3 and word.endswith("s") and not word.endswith(("ss", "us", "is")) and word not in STOP:
+            # not "previous", "status", nor "does"
             word = word[:-1]
         out.append(word)
     return out

@@ -19,7 +19,8 @@ from runtime.channels import BlockingChannel
 from runtime.events import ItemAdded, ItemDone, ResponseCreated, ResponseDone, error_event, new_id
 from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item
-from runtime.models.lm.answering import Answering, AnswerRequest, PastCall, RunningAnswer, Step
+from runtime.memory.grounding import Grounding, not_known_answer
+from runtime.models.lm.answering import Answering, AnswerRequest, PastCall, RunningAnswer, Step, TextAnswer
 from runtime.models.lm.backend import DecodingStats
 from runtime.models.lm.remote_answerer import RemoteError
 from runtime.pipeline import Emit
@@ -59,6 +60,8 @@ class Question:
     record_question: bool = False  # a question from a script or the terminal joins the conversation with its answer
     metadata: dict[str, object] | None = None
     tools: ToolUse = field(default_factory=ToolUse)  # the functions it may call (the session's or the request's)
+    asks_about_stream: bool = True  # False: the runtime's own prompt (the idle nudge), never checked by `grounding`
+    input_items: tuple[str, ...] = ()  # conversation items whose text `text` holds (`response.input` references)
     response_id: str = field(default_factory=lambda: new_id("resp"))
     asked_wall: float = field(default_factory=time.perf_counter)
     answered: asyncio.Event = field(default_factory=asyncio.Event, compare=False)  # set once its answer ended
@@ -72,10 +75,11 @@ class QuestionProcessor:
 
     def __init__(self, channel: BlockingChannel[Question], answering: Answering, emit: Emit,
                  conversation: Conversation, heard: HeardClock, activity: AnswerActivity, changes: ContextChanges, *,
-                 prefiller: QuestionPrefill | None = None) -> None:
+                 prefiller: QuestionPrefill | None = None, grounding: Grounding | None = None) -> None:
         self.channel, self.answering, self.emit = channel, answering, emit
         self.conversation, self.heard, self.activity, self.changes = conversation, heard, activity, changes
         self.prefiller = prefiller
+        self.grounding = grounding  # with it, a question nothing heard or shown mentions is "not known yet"
         self.current: Question | None = None
         self._cancelled: dict[str, str] = {}  # response id -> why
         self._cancel_signal = asyncio.Event()  # set while the current answer is cancelled
@@ -113,7 +117,9 @@ class QuestionProcessor:
         # A copy: `response` is completed below, and a consumer reading this event later must see it in progress.
         await self.emit(ResponseCreated(response=dict(response), media_time=q.media_time))
         await self.heard.reached(q.hear_until, q.commits)
-        question = q.text if q.text is not None else self.conversation.pending_user_text()
+        asked = self.conversation.pending_user_items() if q.text is None else [
+            it for it in map(self.conversation.get, q.input_items) if it is not None]
+        question = q.text if q.text is not None else " ".join(it.text for it in asked)
         calls = self.conversation.calls_since_user() if q.text is None else []
         items = self.conversation.items
         output = ResponseOutput(q.response_id, q.media_time, q.in_conversation, self.conversation, self.emit,
@@ -123,17 +129,25 @@ class QuestionProcessor:
         answer: RunningAnswer | None = None
         decoding: DecodingStats | None = None
         selected: list[tuple[float, float]] = []  # memory segments the question chose
+        not_heard: list[str] = []  # with `grounding`: the question's words that nothing heard or shown mentions
         try:
             if not question.strip():
                 raise NothingToAnswer("nothing to answer: no user message since the last answer")
-            if self.prefiller is not None:  # usually only the question's memory selection is left to prefill
+            # with tools, a function may know what the stream does not
+            if self.grounding is not None and q.asks_about_stream and not q.tools.active:
+                not_heard = self.grounding.not_heard(question, asked, q.instructions)
+            # usually only the question's memory selection is left to prefill
+            if self.prefiller is not None and not not_heard:
                 await self.prefiller.catch_up(question)
                 selected = list(self.prefiller.selected)
             request = AnswerRequest(self.conversation.context(), q.prompt(question), q.max_tokens, q.tools,
                                     context_before_calls=self.conversation.context(
                                         without=frozenset(it.item_id for it in calls)),
                                     calls=past_calls(calls))
-            answer = await self._start_or_cancel(request, q.response_id)
+            if not_heard:  # the model is not asked: it would guess
+                answer = TextAnswer(not_known_answer(not_heard))
+            else:
+                answer = await self._start_or_cancel(request, q.response_id)
             prompt_tokens = answer.prompt_tokens if answer is not None else 0
             while answer is not None:
                 step = await self._step_or_cancel(answer, q.response_id)
@@ -174,10 +188,11 @@ class QuestionProcessor:
             await output.add_text("")
         if q.in_conversation and q.record_question and question.strip():  # the question goes before its answer
             previous = self.conversation.previous_id(output.items[0].item_id)
-            asked = Item(new_id("item"), q.media_time, q.media_time, audio=False, stable=question, completed=True)
-            before = self.conversation.add(asked, after=previous or "root")
+            recorded = Item(new_id("item"), q.media_time, q.media_time, audio=False, stable=question,
+                            completed=True, question=True)
+            before = self.conversation.add(recorded, after=previous or "root")
             for kind in (ItemAdded, ItemDone):
-                await self.emit(kind(item=asked.to_api(), previous_item_id=before, media_time=q.media_time))
+                await self.emit(kind(item=recorded.to_api(), previous_item_id=before, media_time=q.media_time))
         items = await output.finish(completed=status == "completed")
         if q.in_conversation:
             self.changes.mark()  # the answer (and its question) join the context
@@ -193,6 +208,8 @@ class QuestionProcessor:
         )
         if decoding is not None:  # speculative decoding: target forwards, drafted and accepted tokens
             response["decoding"] = decoding
+        if not_heard:
+            response["grounding"] = {"not_heard": not_heard}
         if self.prefiller is not None and self.prefiller.sees_video:
             response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in selected]}
         await self.emit(ResponseDone(response=response, media_time=q.media_time))

@@ -53,7 +53,7 @@ class ResponseRequests:
         the session's settings were when it fired (`settings`; None: now)."""
         config = settings or self.settings.config
         await self.request(Question(IDLE_QUESTION, at, at, commits=self.heard.commits, instructions=config.instructions,
-                                    max_tokens=config.max_output_tokens))
+                                    max_tokens=config.max_output_tokens, asks_about_stream=False))
 
     def speech_started(self) -> None:
         """Barge-in: the user speaking again cuts the answer in progress short, when the session asks for that."""

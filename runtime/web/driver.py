@@ -305,7 +305,7 @@ class SessionDriver:
         await self.session.create_response(client_event_id=command.event_id, text=text,
                                            instructions=command.instructions, max_tokens=command.max_tokens,
                                            in_conversation=command.in_conversation, metadata=command.metadata,
-                                           tools=tools)
+                                           tools=tools, input_items=command.input_refs)
 
     async def _update(self, command: UpdateSession) -> None:
         session = self.session

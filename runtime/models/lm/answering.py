@@ -71,3 +71,19 @@ class RunningAnswer(Protocol):
 
 class Answering(Protocol):
     async def start(self, request: AnswerRequest) -> RunningAnswer: ...
+
+
+class TextAnswer:
+    """An answer whose text is known without a model (`memory/grounding.py`'s "not known yet"): one step."""
+
+    prompt_tokens = 0
+
+    def __init__(self, text: str) -> None:
+        self.text: str | None = text
+
+    async def step(self) -> Step:
+        text, self.text = self.text or "", None
+        return Step(text=text, done=True, finish_reason="stop")
+
+    async def close(self) -> DecodingStats | None:
+        return None
