@@ -19,7 +19,7 @@ from runtime.errors import ConfigError
 from runtime.function_tools import FunctionTool, ToolUse
 from runtime.loaded_models import Models, load_models
 from runtime.memory.conversation import Conversation, Item
-from runtime.memory.grounding import Grounding, not_known_answer, stem, terms, unheard
+from runtime.memory.grounding import Grounding, is_question, not_known_answer, stem, terms, unheard
 from runtime.memory.screen_notes import LABEL, ScreenNotes
 from runtime.models.lm.answering import Step
 from runtime.models.lm.prompt import IDLE_QUESTION
@@ -73,6 +73,21 @@ def test_unheard_names_the_words_as_written_only_when_none_was_heard():
     "What are they discussing?", "Give me an overview", "Recap please", "What was the conclusion?", "Any questions?",
     "Tell me more"])
 def test_an_open_question_always_goes_to_the_model(question):
+    assert unheard(question, "") == []
+
+
+@pytest.mark.parametrize(("text", "asks"), [
+    ("When is the webinar?", True), ("when is the webinar", True), ("what's the plan", True),
+    ("OK. And what about the webinar?", True), ("Is it Monday", True), ("Let me show you the next slide.", False),
+    ("Good morning everyone.", False), ("Tell me the budget.", False), ("Thanks!", False)])
+def test_only_a_question_is_checked(text, asks):
+    assert is_question(text) == asks
+    if not asks:  # a statement, a greeting or a request goes to the model, whatever its words
+        assert unheard(text, "") == []
+
+
+@pytest.mark.parametrize("question", ["Hello, how are you?", "Hey, good morning?", "Okay, thanks?"])
+def test_greetings_go_to_the_model(question):
     assert unheard(question, "") == []
 
 
@@ -158,7 +173,7 @@ async def test_one_shared_word_the_setting_off_declared_tools_or_the_runtimes_ow
     calendar = (FunctionTool("calendar", "", {}),)
     for question, grounded in [(Question("What does the pro plan cost?", 14.0, 0.0), True),
                                (Question("When is the webinar?", 14.0, 0.0), False),
-                               (Question(IDLE_QUESTION, 14.0, 0.0, asks_about_stream=False), True),
+                               (Question("When is the webinar?", 14.0, 0.0, asks_about_stream=False), True),
                                (Question("When is the webinar?", 14.0, 0.0, tools=ToolUse(calendar)), True)]:
         answering, done = await ask(conversation, question, grounded)
         assert len(answering.requests) == 1 and answer_text(done) == "June." and "grounding" not in done
@@ -184,10 +199,6 @@ async def test_a_question_does_not_vouch_for_itself_spoken_or_referenced():
                                  spoken("u1", "When is the public release?")])
     answering, done = await ask(conversation, Question(None, 6.0, 0.0))
     assert len(answering.requests) == 1
-
-
-def test_the_idle_nudge_would_be_caught_as_a_question():
-    assert unheard(IDLE_QUESTION, "") != []  # which is why the idle request says it does not ask about the stream
 
 
 @pytest.mark.asyncio

@@ -32,7 +32,11 @@ happen going talk speaker speak spoke presenter present presentation lecture mee
 discussion topic subject summary summarize summarise overview recap gist conclusion question main point far
 everyone someone anyone person people mean think know explain describe see seen saw hear heard said say
 give please again repeat detail thing anything something everything stuff
+hello hey thank thanks okay bye goodbye good morning afternoon evening great nice cool sorry sure welcome
 """
+# how a question starts: a statement ("let me show the next slide") is never answered "not known yet"
+_ASKING = frozenset(("what", "when", "where", "who", "whom", "whose", "which", "why", "how", "is", "are", "was",
+                     "were", "do", "does", "did", "can", "could", "will", "would", "should", "has", "have", "had"))
 _WORD = re.compile(r"[a-z0-9]+(?:[.,:][0-9]+)*")
 _SUFFIXES = ("ing", "ed", "er", "ly")
 _VOWELS = frozenset("aeiouy")
@@ -77,9 +81,19 @@ def terms(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def is_question(text: str) -> bool:
+    """Whether `text` asks: a sentence of it ends with "?" or starts with a question word (speech transcribed
+    without its question mark)."""
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s.strip()]
+    return any(s.endswith("?") or re.split(r"[^a-z]", s.lower())[0] in _ASKING for s in sentences)
+
+
 def unheard(question: str, evidence: str) -> list[str]:
-    """The question's words as written, in its order, when none of them occurs in `evidence` and at least one asks
-    about something specific (not only the stream as a whole); otherwise [] (ask the model)."""
+    """The question's words as written, in its order, when it asks (`is_question`), none of its words occurs in
+    `evidence` and at least one asks about something specific (not only the stream as a whole); otherwise []
+    (ask the model)."""
+    if not is_question(question):
+        return []
     asked = dict(terms(question))  # word -> stem, first occurrence first
     if all(key in _OPEN for key in asked.values()):
         return []
