@@ -15,7 +15,7 @@ What is shown counts whole: a screen the context keeps only as its title still v
 
 It cannot tell a question about the stream from a general one ("what is the capital of France?" abstains too),
 see a word the ASR misheard or OCR misread, or see what a picture shows without text: it is a setting for
-text-only answerers of talks and meetings (`session_builder` refuses it beside a vision-language model).
+text-only answerers of talks and meetings (`load_models` refuses it beside a vision-language model).
 """
 
 from __future__ import annotations
