@@ -57,6 +57,9 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
                 answers: bool = True) -> Models:
     """Load the profile's models on the worker thread (the thread that will run them). `answers=False` loads
     the ASR alone (`runtime transcribe`: no question comes, so neither the language model nor its vision)."""
+    if answers and profile.lm.grounded and _sees_video(profile):  # before anything loads
+        raise ConfigError(f"lm.grounded answers only from what was heard and read, and {profile.lm.model} also "
+                          "sees the video: set one of lm.grounded=false or video.memory=false")
     worker.call(Priority.CONTROL, configure_threads, profile.threads)
     asr = worker.call(Priority.CONTROL, load_asr, profile.asr, device=profile.device,
                       dtype=profile.dtype, progress=progress)
@@ -79,11 +82,14 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
         elif profile.lm.backend != "engine":
             if progress:
                 progress("video memory needs lm.backend = engine: video frames are counted, not remembered")
-        elif profile.lm.grounded:
-            raise ConfigError(f"lm.grounded answers only from what was heard and read, and {profile.lm.model} also "
-                              "sees the video: set one of lm.grounded=false or video.memory=false")
         else:
             check_memory_fits(profile)
             vision = worker.call(Priority.CONTROL, VisionEncoder.load, profile.lm.model, grid=profile.video.grid,
                                  device=profile.device, dtype=profile.dtype, progress=progress)
     return Models(asr=asr, answerer=answerer, vision=vision, turns=turns, reader=reader)
+
+
+def _sees_video(profile: Profile) -> bool:
+    """Whether the profile's answerer will keep a video memory: a vision-language model on the engine."""
+    return (profile.video.memory and profile.lm.backend == "engine"
+            and is_vlm(resolve_checkpoint(profile.lm.model, role="lm")))

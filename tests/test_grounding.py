@@ -78,7 +78,8 @@ def test_an_open_question_always_goes_to_the_model(question):
 
 @pytest.mark.parametrize(("text", "asks"), [
     ("When is the webinar?", True), ("when is the webinar", True), ("what's the plan", True),
-    ("OK. And what about the webinar?", True), ("Is it Monday", True), ("Let me show you the next slide.", False),
+    ("OK. And what about the webinar?", True), ("Is it Monday", True), ("Thanks. So when is the release", True),
+    ("okay um where's the office", True), ("Let me show you the next slide.", False),
     ("Good morning everyone.", False), ("Tell me the budget.", False), ("Thanks!", False)])
 def test_only_a_question_is_checked(text, asks):
     assert is_question(text) == asks
@@ -152,6 +153,7 @@ async def test_a_question_nothing_mentions_is_not_known_yet_and_the_model_is_not
     assert answering.requests == []
     assert answer_text(done) == not_known_answer(["webinar"])
     assert done["status"] == "completed" and done["grounding"] == {"not_heard": ["webinar"]}
+    assert done["usage"]["output_tokens"] == done["usage"]["decode_steps"] == 0  # nothing was decoded
     # the question and its answer join the conversation as any other's; neither vouches for the question again
     texts = [it.text for it in conversation.items]
     assert texts.index("When is the webinar?") < texts.index(not_known_answer(["webinar"]))

@@ -216,3 +216,16 @@ def test_a_revised_final_transcript_replaces_its_line(monkeypatch) -> None:
         printer.write(event)
     assert log.getvalue().splitlines() == ["[00:01.0] Try again. Fair again. Fair,",
                                            "[00:01.0] (revised) Try again. Fail again. Fail better."]
+
+
+def test_an_answer_made_without_the_model_says_why_and_how_to_ask_it() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, error_stream=io.StringIO())
+    printer.write(ResponseCreated(response={"id": "r"}))
+    printer.write(ResponseTextDelta(delta="Not known yet: nothing heard or shown so far mentions webinar.",
+                                    response_id="r", item_id="a"))
+    printer.write(ResponseDone(response={"id": "r", "status": "completed", "grounding": {"not_heard": ["webinar"]}}))
+    printer.close()
+    assert out.getvalue().splitlines() == [
+        "A: Not known yet: nothing heard or shown so far mentions webinar. [the model was not asked: lm.grounded; "
+        "--set lm.grounded=false asks it]"]

@@ -188,6 +188,9 @@ class TextPrinter:
         if status != "completed":
             self._open(f"answer:{response_id}", "A: ")
             self._out(f" [{status}]")
+        elif event.response.get("grounding"):  # answered without the model: say why, and what turns it off
+            self._open(f"answer:{response_id}", "A: ")
+            self._out(" [the model was not asked: lm.grounded; --set lm.grounded=false asks it]")
         if self._line in (f"answer:{response_id}", "answer:"):
             self._end_line()
         self._answered.discard(response_id)

@@ -35,6 +35,7 @@ give please again repeat detail thing anything something everything stuff
 hello hey thank thanks okay bye goodbye good morning afternoon evening great nice cool sorry sure welcome
 """
 # how a question starts: a statement ("let me show the next slide") is never answered "not known yet"
+_FILLERS = frozenset(("so", "and", "but", "okay", "ok", "well", "um", "uh", "then", "also", "now", "oh", "right"))
 _ASKING = frozenset(("what", "when", "where", "who", "whom", "whose", "which", "why", "how", "is", "are", "was",
                      "were", "do", "does", "did", "can", "could", "will", "would", "should", "has", "have", "had"))
 _WORD = re.compile(r"[a-z0-9]+(?:[.,:][0-9]+)*")
@@ -82,10 +83,16 @@ def terms(text: str) -> list[tuple[str, str]]:
 
 
 def is_question(text: str) -> bool:
-    """Whether `text` asks: a sentence of it ends with "?" or starts with a question word (speech transcribed
-    without its question mark)."""
+    """Whether `text` asks: a sentence of it ends with "?" or starts with a question word, after any fillers
+    ("so when is ..."; speech is often transcribed without its question mark)."""
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s.strip()]
-    return any(s.endswith("?") or re.split(r"[^a-z]", s.lower())[0] in _ASKING for s in sentences)
+    return any(s.endswith("?") or _first_word(s) in _ASKING for s in sentences)
+
+
+def _first_word(sentence: str) -> str:
+    said = [w for w in re.split(r"[^a-z']+", sentence.lower()) if w]
+    first = next((w for w in said if w not in _FILLERS), "")
+    return first.split("'")[0]  # "what's"
 
 
 def unheard(question: str, evidence: str) -> list[str]:

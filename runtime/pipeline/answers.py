@@ -202,7 +202,7 @@ class QuestionProcessor:
             status_details=details,
             output=[item.to_api() for item in items],
             usage={"total_tokens": prompt_tokens + tokens, "input_tokens": prompt_tokens, "output_tokens": tokens,
-                   "decode_steps": steps},
+                   "decode_steps": 0 if not_heard else steps},
             timing={"first_token_s": None if first_token_s is None else round(first_token_s, 4),
                     "total_s": round(total_s, 4)},
         )
