@@ -68,6 +68,9 @@ def test_load_reports_progress_and_checks_config() -> None:
     lines: list[str] = []
     LMEngine.load(LMConfig(), device="cpu", dtype="float32", progress=lines.append)
     assert lines[0] == "loading lm tiny:qwen2 on cpu/float32 ..." and lines[-1].startswith("lm loaded in ")
+    lines.clear()
+    LMEngine.load(LMConfig(weights="int8"), device="cpu", dtype="float32", progress=lines.append)
+    assert lines[0] == "loading lm tiny:qwen2 on cpu/float32, int8 weights ..."
     with pytest.raises(ConfigError, match="window_tokens"):
         LMEngine.load(LMConfig(window_tokens=0), device="cpu", dtype="float32")
 

@@ -143,7 +143,9 @@ class LMEngine:
     @classmethod
     def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,
              progress: Callable[[str], None] | None = None, **options: int | bool | None) -> LMEngine:
-        with load_progress(progress, "lm", cfg.model, device, dtype):
+        # the weights' format is said beside the activations' dtype ("cpu/float32, int4 weights")
+        shown = dtype if cfg.weights == "auto" else f"{dtype}, {cfg.weights} weights"
+        with load_progress(progress, "lm", cfg.model, device, shown):
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
             tokenizer, eos = load_tokenizer(path)
             model = Transformer.from_pretrained(path, device=device, dtype=torch_dtype(dtype), weights=cfg.weights)
