@@ -20,6 +20,7 @@ text-only answerers of talks and meetings (`load_models` refuses it beside a vis
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Sequence
 
@@ -43,6 +44,7 @@ _SUFFIXES = ("ing", "ed", "er", "ly")
 _VOWELS = frozenset("aeiouy")
 
 
+@functools.lru_cache(maxsize=65536)  # a talk repeats its words: each is stemmed once per process
 def stem(word: str) -> str:
     """A crude stem, the same for a word's common forms: "release", "released", "releasing" -> "releas";
     "plan", "planned" -> "plan"; "city", "cities" -> "city"; "early", "earlier" -> "early"; "engineer",
