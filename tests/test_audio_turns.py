@@ -7,7 +7,7 @@ import pytest
 
 from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
-from runtime.memory.conversation import Conversation
+from runtime.memory.conversation import Conversation, Item
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.pipeline.audio import AudioProcessor, BufferEnd, IdleTimeout, TurnEvent
 from runtime.session_state import ContextChanges, HeardClock
@@ -57,13 +57,14 @@ def _you(i: int) -> list[TranscriptUpdate]:
     return [TranscriptUpdate("a0", "you", "", 0.0, (i + 1) / 10)]
 
 
-async def _run(entries: list[int | BufferEnd], stream: _Stream, turns: _Turns, *, gate: bool = True):
+async def _run(entries: list[int | BufferEnd], stream: _Stream, turns: _Turns, *, gate: bool = True,
+               conversation: Conversation | None = None):
     channel: BlockingChannel[AudioChunk | BufferEnd] = BlockingChannel(len(entries), "audio")
     for entry in entries:
         await channel.put(entry if isinstance(entry, BufferEnd)
                           else AudioChunk(np.zeros(STEP, np.float32), entry * STEP))
     channel.close()
-    conversation, emitted = Conversation(), []
+    conversation, emitted = conversation or Conversation(), []
 
     async def emit(event) -> None:
         emitted.append(event)
@@ -214,3 +215,61 @@ async def test_the_audio_processor_hands_the_turn_its_own_settings():
         await AudioProcessor(channel, lambda: stream, worker, emit, Conversation(), HeardClock(), ContextChanges(),
                              first_stream=stream, turns=turns, sink=Sink()).run()
     assert ended == [then]
+
+
+@pytest.mark.asyncio
+async def test_a_turn_starts_where_its_speech_began_not_where_its_buffer_did():
+    # the buffer opens at 0 (where the previous turn was committed); the VAD hears speech from 0.3 s: the
+    # transcript events and the context line start there, the words written over the silence before included
+    for gate in (True, False):
+        stream = _Stream({1: _you(1), 4: [TranscriptUpdate("a0", " red ball", "", 0.0, 0.5)]},
+                         [TranscriptUpdate("a0", "", "", 0.0, 0.6, True, "you red ball")])
+        turns = _Turns({3: [TurnEvent(True, 3 * STEP)], 5: [TurnEvent(False, 6 * STEP)]})
+        out, conversation = await _run([0, 1, 2, 3, 4, 5], stream, turns, gate=gate)
+        (item,) = conversation.items
+        assert item.start == 0.3 and conversation.context() == "[00:00.3] you red ball", gate
+        starts = [e.start for e in out if e.type.startswith("conversation.item.input_audio")]
+        # without the gate, "you" was shown before the speech, at the buffer's start
+        assert starts[0] == (0.3 if gate else 0.0) and set(starts[1:]) == {0.3} and len(starts) >= 3, gate
+
+
+@pytest.mark.asyncio
+async def test_without_turn_detection_a_line_is_stamped_at_its_buffers_start():
+    stream = _Stream({2: [TranscriptUpdate("a0", "hi", "", 0.0, 0.3)]},
+                     [TranscriptUpdate("a0", "", "", 0.0, 0.4, True, "hi")])
+    _, conversation = await _run([0, 1, 2, 3], stream, _Turns({}, on=False))
+    assert conversation.context() == "[00:00.0] hi"
+
+
+def _screen_at(start: float) -> Conversation:
+    """A conversation holding one screen's line, read at `start` (the screen reader ahead of the ASR)."""
+    return Conversation([Item("s", start, start, role="system", audio=False, stable="Budget", label="On screen",
+                              in_api=False)])
+
+
+@pytest.mark.asyncio
+async def test_a_turn_whose_words_come_only_at_its_commit_still_goes_before_a_later_screen():
+    stream = _Stream({}, [TranscriptUpdate("a0", "red ball", "", 0.0, 0.6)])
+    turns = _Turns({3: [TurnEvent(True, 3 * STEP)], 5: [TurnEvent(False, 6 * STEP)]})
+    _, conversation = await _run([0, 1, 2, 3, 4, 5], stream, turns, conversation=_screen_at(0.4))
+    assert conversation.context() == "[00:00.3] red ball\n[00:00.4] On screen: Budget"
+
+
+@pytest.mark.asyncio
+async def test_a_turn_restamped_at_its_speech_moves_past_a_screen_read_before_it():
+    stream = _Stream({1: _you(1), 4: [TranscriptUpdate("a0", " red", "", 0.0, 0.5)]},
+                     [TranscriptUpdate("a0", "", "", 0.0, 0.6, True, "you red")])
+    turns = _Turns({3: [TurnEvent(True, 3 * STEP)], 5: [TurnEvent(False, 6 * STEP)]})
+    _, conversation = await _run([0, 1, 2, 3, 4, 5], stream, turns, gate=False, conversation=_screen_at(0.2))
+    assert conversation.context() == "[00:00.2] On screen: Budget\n[00:00.3] you red"
+
+
+@pytest.mark.asyncio
+async def test_turn_detection_switched_on_mid_buffer_does_not_restamp_words_heard_before():
+    # its first "speech started" is only when it began to listen, not where the words began
+    stream = _Stream({1: [TranscriptUpdate("a0", "the board", "", 0.0, 0.2)]},
+                     [TranscriptUpdate("a0", "", "", 0.0, 0.6, True, "the board")])
+    turns = _Turns({4: [TurnEvent(True, 4 * STEP)]}, on=False, flip_after=(3,))
+    out, conversation = await _run([0, 1, 2, 3, 4, 5, BufferEnd()], stream, turns)
+    assert conversation.context() == "[00:00.0] the board"
+    assert {e.start for e in out if e.type.startswith("conversation.item.input_audio")} == {0.0}

@@ -5,6 +5,7 @@ import pytest
 
 from runtime.memory.conversation import Conversation, Item
 from runtime.models.asr.base import TranscriptUpdate as U
+from runtime.pipeline.answers import Question
 from runtime.pipeline.input_buffer import BufferTranscript
 
 
@@ -140,3 +141,48 @@ def test_without_answers_in_context_the_assistants_messages_leave_the_context_an
     assert lean.splitlines() == [line for line in full.splitlines() if "Assistant: " not in line]
     assert "Assistant called get_weather" in lean and "returned: sunny" in lean
     assert Conversation(list(items), answers_in_context=False).pending_user_text() == ""  # answered: nothing pends
+
+
+def _screen(item_id: str, start: float, text: str) -> Item:
+    return Item(item_id, start, start, role="system", audio=False, stable=text, label="On screen", in_api=False)
+
+
+@pytest.mark.parametrize("speech_first", [True, False])
+def test_the_context_is_in_media_time_order_whichever_of_the_asr_and_the_screen_reader_was_behind(speech_first):
+    # unpaced, the screen reader reads the slide at 9 s before the ASR has published the speech from 8 s; live,
+    # the other way round: both orders of arrival give the same context
+    talk = Conversation()
+    talk.apply(U("a1", "hello", "", 0.0, 2.0, completed=True, transcript="hello"))
+    speech, screen = U("a2", "the budget", "", 8.0, 9.5), _screen("s1", 9.0, "Budget")
+    if speech_first:
+        talk.apply(speech)
+        talk.add_in_time(screen)
+    else:
+        talk.add_in_time(screen)
+        talk.apply(speech)
+    assert talk.context() == "[00:00.0] hello\n[00:08.0] the budget\n[00:09.0] On screen: Budget"
+    assert talk.previous_id("a2") == "a1"
+
+
+def test_only_the_runtimes_own_items_move_for_a_new_spoken_one_and_the_api_order_stays():
+    talk = Conversation()
+    talk.add(Item("typed", 5.0, 5.0, audio=False, stable="what now?"))  # a client's item: never reordered
+    talk.add_in_time(_screen("s1", 6.0, "Roadmap"))
+    talk.apply(U("a1", "we ship", "", 4.0, 7.0))  # said from 4 s, published after both
+    assert [it.item_id for it in talk.items] == ["typed", "a1", "s1"]
+    assert talk.previous_id("a1") == "typed"
+    talk.add_in_time(_screen("s0", 4.5, "Intro"))  # a screen read late goes back to its time, past API items too
+    assert [it.item_id for it in talk.items] == ["typed", "a1", "s0", "s1"]
+    talk.add_in_time(_screen("s2", 2.0, "Title"))
+    assert [it.item_id for it in talk.items] == ["s2", "typed", "a1", "s0", "s1"]
+    assert talk.line_before("a1") == "typed" and talk.line_before("s2") == "root" and talk.line_before("x") is None
+
+
+@pytest.mark.asyncio
+async def test_a_recorded_question_goes_right_before_its_answer_after_a_screen_read_since_the_last_turn():
+    from test_grounding import ask, screen, spoken
+
+    conversation = Conversation([spoken("u1", "Here is the budget."), screen("s1", "Budget | 4.2 million euros")])
+    await ask(conversation, Question("What is the budget?", 14.0, 0.0, record_question=True), grounded=False)
+    assert [it.text for it in conversation.items] == ["Here is the budget.", "Budget | 4.2 million euros",
+                                                      "What is the budget?", "June."]

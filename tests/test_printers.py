@@ -218,6 +218,15 @@ def test_a_revised_final_transcript_replaces_its_line(monkeypatch) -> None:
                                            "[00:01.0] (revised) Try again. Fail again. Fail better."]
 
 
+def test_a_revised_transcript_is_stamped_where_its_speech_began() -> None:
+    # without the speech gate, words written before the VAD heard the speech come stamped at the buffer's start
+    log = io.StringIO()
+    printer = TextPrinter(log)
+    printer.write(TranscriptionDelta(item_id="i", delta="you", unstable="", start=0.0, end=0.2))
+    printer.write(TranscriptionCompleted(item_id="i", transcript="Red ball.", start=0.3, end=0.9))
+    assert log.getvalue().splitlines() == ["[00:00.0] you", "[00:00.3] (revised) Red ball."]
+
+
 def test_an_answer_made_without_the_model_says_why_and_how_to_ask_it() -> None:
     out = io.StringIO()
     printer = TextPrinter(out, error_stream=io.StringIO())

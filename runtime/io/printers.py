@@ -150,7 +150,8 @@ class TextPrinter:
 
     def _transcript_done(self, event: TranscriptionCompleted) -> None:
         item = event.item_id
-        start = self._starts.pop(item, event.start)
+        self._starts.pop(item, None)
+        start = event.start  # (where the speech began: later than a stamp printed before the VAD heard it)
         self._heard.pop(item, None)
         printed = self._stable.pop(item, "")
         final = event.transcript.strip()

@@ -7,12 +7,15 @@ stable text and an unstable tail that the ASR may still revise; the context show
 asked mid-sentence sees the words already heard.
 
 The context is one line per item with its media time: spoken words as they were heard, everything else
-labelled with its role. New items land at the end, so the context grows append-only and the language model's
-KV (prefilled as it streams) stays valid; only an edit of the open audio item cuts it back.
+labelled with its role, in media-time order. New items land at the end, or before the last lines when the ASR
+or the screen reader was behind (`_in_time`), so the context grows near its end and the language model's KV
+(prefilled as it streams) stays valid up to there; only an edit of the open audio item, or a line landing before
+it, cuts it back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -90,11 +93,11 @@ class Conversation:
     answers_in_context: bool = True
 
     def apply(self, update: TranscriptUpdate) -> Item:
-        """A transcript update of a user audio item (the open one, or a new one)."""
+        """A transcript update of a user audio item (the open one, or a new one, placed by its start)."""
         item = self.get(update.item_id)
         if item is None:
             item = Item(update.item_id, update.start, update.end, status="in_progress")
-            self.items.append(item)
+            self.add_spoken(item)
         item.end = update.end
         if update.completed:
             item.stable, item.unstable, item.completed, item.status = update.transcript, "", True, "completed"
@@ -117,6 +120,36 @@ class Conversation:
         self.items.insert(index, item)
         return self._api_before(index)
 
+    def add_spoken(self, item: Item) -> None:
+        """Add a new user audio item where its start puts it: before the runtime's own lines at the end that
+        started after it (client-visible items keep their order)."""
+        self.items.insert(self._in_time(item.start, movable=lambda it: not it.in_api), item)
+
+    def restamp(self, item: Item, start: float) -> None:
+        """Its words began at `start`, later than it was stamped: it moves past the runtime's own lines right after
+        it that started before that (client-visible items keep their order)."""
+        item.start = start
+        at = self.items.index(item)
+        while at + 1 < len(self.items) and not self.items[at + 1].in_api and self.items[at + 1].start < start:
+            self.items[at], self.items[at + 1] = self.items[at + 1], item
+            at += 1
+
+    def add_in_time(self, item: Item) -> None:
+        """Add the runtime's own `item` (a screen's text) where its media time puts it: before the items at the end
+        that started after it. Clients never see it, so no API order changes."""
+        self.items.insert(self._in_time(item.start, movable=lambda it: True), item)
+
+    def _in_time(self, start: float, movable: Callable[[Item], bool]) -> int:
+        """Where an item that started at `start` goes: before the run of `movable` items at the end that started
+        after it. The context is then in media-time order whichever of the ASR and the screen reader was behind
+        (a file played unpaced runs ahead of one; a live stream keeps both near the present). Only lines since
+        the lagging one's time move, so the prefilled KV is cut back by about that lag's lines (bounded: the audio
+        channel blocks its producer when full, and the screen reader reads one frame at a time)."""
+        index = len(self.items)
+        while index > 0 and movable(self.items[index - 1]) and self.items[index - 1].start > start:
+            index -= 1
+        return index
+
     def get(self, item_id: str) -> Item | None:
         return next((it for it in reversed(self.items) if it.item_id == item_id), None)
 
@@ -129,6 +162,15 @@ class Conversation:
         """The id of the API item before `item_id` (the runtime's own items are skipped: clients never saw them)."""
         ids = [it.item_id for it in self.items]
         return self._api_before(ids.index(item_id) if item_id in ids else 0)
+
+    def line_before(self, item_id: str) -> str | None:
+        """What `add(..., after=)` takes to put an item right before `item_id` in the context: the id of the item
+        just before it, the runtime's own included ("root": it is the first; None, the end: no such item)."""
+        ids = [it.item_id for it in self.items]
+        if item_id not in ids:
+            return None
+        at = ids.index(item_id)
+        return ids[at - 1] if at > 0 else "root"
 
     def _api_before(self, index: int) -> str | None:
         return next((it.item_id for it in reversed(self.items[:index]) if it.in_api), None)

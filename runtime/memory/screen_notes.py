@@ -15,7 +15,7 @@ rewrites older lines, which cuts the prefilled KV back to the first rewritten li
 At question time `with_question` picks the screens the question points at (`screen_selection.pick`: shared
 words, "before"/"after"/"first"/"last"), and gives those not already whole in the context with the question,
 as the context writes them, within `selected_tokens`. The question is the one part of the prompt prefilled
-per answer, so the append-only context and its KV stay as they are. A talk under budget changes nothing.
+per answer, so the context and its prefilled KV stay as they are. A talk under budget changes nothing.
 
 Everything here runs on the event loop (publishing and answering both do), on strings copied from the screen
 reader's screens, which the worker may be merging meanwhile.
@@ -107,7 +107,7 @@ class ScreenNotes:
         note = next((n for n in reversed(self.notes) if n.screen_id == screen_id), None)
         if note is None:
             item = Item(new_id(screen_id), start, end, role="system", audio=False, label=LABEL, in_api=False)
-            self.conversation.add(item)
+            self.conversation.add_in_time(item)
             note = Note(screen_id, start, end, list(lines), item)
             self.notes.append(note)
         note.end, note.lines = end, list(lines)

@@ -187,10 +187,9 @@ class QuestionProcessor:
         if not output.items:  # every response has an output item, an empty message at least
             await output.add_text("")
         if q.in_conversation and q.record_question and question.strip():  # the question goes before its answer
-            previous = self.conversation.previous_id(output.items[0].item_id)
             recorded = Item(new_id("item"), q.media_time, q.media_time, audio=False, stable=question,
                             completed=True, question=True)
-            before = self.conversation.add(recorded, after=previous or "root")
+            before = self.conversation.add(recorded, after=self.conversation.line_before(output.items[0].item_id))
             for kind in (ItemAdded, ItemDone):
                 await self.emit(kind(item=recorded.to_api(), previous_item_id=before, media_time=q.media_time))
         items = await output.finish(completed=status == "completed")

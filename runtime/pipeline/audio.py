@@ -138,6 +138,7 @@ class AudioProcessor:
         self.commits = 0
         self.speech_gate = speech_gate
         self.heard_speech = False  # the VAD heard speech in the open buffer
+        self._listened_from_open = False  # turn detection listened from the open buffer's first chunk
         self._held: TranscriptUpdate | None = None  # the open buffer's words, joined, while the gate waits
         self._flowing = False  # the open buffer's words have been published: the gate stays open for it
 
@@ -169,6 +170,7 @@ class AudioProcessor:
         if self.stream is None:
             self.stream, self._spare = self._spare or await self.worker.run(Priority.CONTROL, self.open_asr), None
             self.buffer = BufferTranscript(new_id("item"), chunk.start)
+            self._listened_from_open = self.turns is not None and self.turns.listening()
             self.buffer_samples = 0
         self.buffer_samples += len(chunk.samples)
         self.audio_end = chunk.end
@@ -207,6 +209,8 @@ class AudioProcessor:
             return
         at_ms = round(turn.sample * 1000 / SAMPLE_RATE)
         if turn.started:
+            if not self.heard_speech and self._listened_from_open:
+                self._speech_from(turn.sample / SAMPLE_RATE)
             self.speaking = self.heard_speech = True
             await self.emit(SpeechStarted(item_id=self.buffer.item_id, audio_start_ms=at_ms,
                                           media_time=turn.sample / SAMPLE_RATE))
@@ -220,6 +224,18 @@ class AudioProcessor:
             await self._end(BufferEnd())
             if self.sink is not None:
                 await self.sink.turn_ended(item_id, self.audio_end, turn.settings)
+
+    def _speech_from(self, at: float) -> None:
+        """The open buffer's speech began at `at`: its transcript starts there (`BufferTranscript`), and so does
+        its item's line in the context, if words the ASR wrote over the silence before had opened it already.
+        Only for a buffer turn detection listened to from its start: switched on mid-buffer, the detector's first
+        speech start is merely when it began to listen."""
+        assert self.buffer is not None
+        self.buffer.speech_from(at)
+        item = self.conversation.get(self.buffer.item_id)
+        if item is not None and item.start != self.buffer.start:
+            self.conversation.restamp(item, self.buffer.start)
+            self.changes.mark()
 
     async def _step(self, fn: Callable[..., list[TranscriptUpdate]], chunk: AudioChunk | None,
                     at: float) -> list[TranscriptUpdate]:
@@ -266,7 +282,7 @@ class AudioProcessor:
         item = self.conversation.get(buffer.item_id)
         if item is None:  # nothing was heard yet: the item joins now, empty
             item = Item(buffer.item_id, buffer.start, at, status="in_progress")
-            self.conversation.add(item)
+            self.conversation.add_spoken(item)
         previous = self.conversation.previous_id(item.item_id)
         await self.emit(AudioBufferCommitted(item_id=item.item_id, previous_item_id=previous, media_time=at))
         await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=at))
@@ -304,6 +320,8 @@ class AudioProcessor:
         """Publish what the gate held (already folded), as one update."""
         held, self._held = self._held, None
         if held is not None:
+            if self.buffer is not None:  # (held before speech was heard: it starts where the speech did)
+                held = replace(held, start=self.buffer.start)
             self._flowing = True
             self.conversation.apply(held)
             await self.emit(transcript_event(held))

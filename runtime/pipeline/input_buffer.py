@@ -5,6 +5,10 @@ turn detection's) is one user message. An ASR backend may cut that audio into se
 pauses; `BufferTranscript` folds them into the buffer's one item, so every transcript event carries the item id
 that `input_audio_buffer.committed` names, the deltas still add up to the text, and the completed transcript
 is the backend's final text of each of its items, joined.
+
+Its updates' `start` is where its words begin: the buffer's first sample, until turn detection hears speech in it
+(`speech_from`). With turn detection a buffer opens where the previous turn was committed, a pause before the
+next words, and a transcript stamped there would put every turn seconds early beside what was on screen.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ class BufferTranscript:
         self._item_text = ""  # stable text the open item has streamed
         self._streamed = ""  # everything streamed as deltas for this buffer
         self._fresh = False  # the open backend item has streamed nothing yet: its first words need a space
+
+    def speech_from(self, at: float) -> None:
+        """Turn detection heard the buffer's speech begin at `at` (media seconds): later updates start there."""
+        self.start = max(self.start, at)
 
     @property
     def text(self) -> str:
