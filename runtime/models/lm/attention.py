@@ -6,7 +6,9 @@ decode steps in bf16 activations, enough to flip greedy near-ties. Each token at
 one-token step makes at its place (its query rows over exactly the keys it sees) removes that difference; with
 row-independent matmuls around it (the int8/int4 weight-only kernels) a verified draft gets bitwise the
 logits of plain decoding, and greedy speculative decoding stays token-identical (tests/test_smollm2.py). bf16
-and fp32 `F.linear` are not row-independent, so there the logits agree only to rounding.
+and fp32 `F.linear` are not row-independent, so there the logits agree only to rounding. The engine prefills a
+context the same way on the CPU with int8/int4 weights (`LMEngine.by_token`): the pieces a streamed context is
+prefilled in depend on timing, and with one SDPA call per piece so did the answers.
 """
 
 from __future__ import annotations

@@ -126,6 +126,15 @@ class LMEngine:
         self.reserve = reserve_tokens or 2 * self.chunk
         self.max_question_tokens = max_question_tokens
         self.target = max_question_tokens + cfg.max_new_tokens + tree_tokens
+        # With int8/int4 weights on the CPU the context is prefilled with each token attending as a one-token step
+        # would (`attention_by_token`, as verification does): torch's CPU SDPA rounds with a call's shape, so a
+        # context prefilled in other pieces (as its text happened to land, which depends on how busy the machine
+        # is) gave logits up to 0.3 apart in their bf16 activations, and other greedy answers. Their matmuls are
+        # row-independent, so the KV is then bitwise the same however the text was cut into prefill jobs. It
+        # costs prefill time (SmolLM2-135M int4, 2 cores: 350 tokens a line at a time, 0.70 -> 1.03 s; docs/llm.md).
+        # fp32 agrees to rounding (3e-5) anyway, and bf16's own `F.linear` is not row-independent: both keep one
+        # call per chunk. The question's tail is one call at any timing, so it stays one call.
+        self.by_token = model.device.type == "cpu" and cfg.weights in ("int8", "int4")
         self._encoded: dict[str, list[int]] = {}
         self.compiled: CompiledStep | None = None  # the CPU decode step compiled at load (`lm.compile`)
         if wanted(cfg.compile, model, cfg.drafter):
@@ -293,7 +302,8 @@ class EngineSession:
         start = len(self._hist)
         ids = self._ids[start : start + n]
         attend = self.cache.append_source(n)
-        self.source_logits = self._forward(ids, attend, last_only=True, embeds=self._embeds(ids))[0]
+        self.source_logits = self._forward(ids, attend, last_only=True, embeds=self._embeds(ids),
+                                           by_token=self.engine.by_token)[0]
         self._hist.extend(ids)
         self.stats.prefilled += n
         return n
@@ -338,7 +348,7 @@ class EngineSession:
         self.cache.begin_target()
         self._answer_prefix = self.source_ids()
         attend = self.cache.append_target(len(ids))
-        self._next = self._forward(ids, attend, last_only=True)[0]
+        self._next = self._forward(ids, attend, last_only=True)[0]  # one call whatever the timing: no need
         self._target, self._tree = list(ids), None
         self.stats.answers += 1
         return list(ids)
