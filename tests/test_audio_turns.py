@@ -4,10 +4,11 @@ what follows a turn decided by the settings where it ended. Scripted ASR stream 
 
 import numpy as np
 import pytest
+from test_grounding import screen
 
 from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
-from runtime.memory.conversation import Conversation, Item
+from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.pipeline.audio import AudioProcessor, BufferEnd, IdleTimeout, TurnEvent
 from runtime.session_state import ContextChanges, HeardClock
@@ -218,19 +219,19 @@ async def test_the_audio_processor_hands_the_turn_its_own_settings():
 
 
 @pytest.mark.asyncio
-async def test_a_turn_starts_where_its_speech_began_not_where_its_buffer_did():
+@pytest.mark.parametrize("gate", [True, False])
+async def test_a_turn_starts_where_its_speech_began_not_where_its_buffer_did(gate: bool):
     # the buffer opens at 0 (where the previous turn was committed); the VAD hears speech from 0.3 s: the
     # transcript events and the context line start there, the words written over the silence before included
-    for gate in (True, False):
-        stream = _Stream({1: _you(1), 4: [TranscriptUpdate("a0", " red ball", "", 0.0, 0.5)]},
-                         [TranscriptUpdate("a0", "", "", 0.0, 0.6, True, "you red ball")])
-        turns = _Turns({3: [TurnEvent(True, 3 * STEP)], 5: [TurnEvent(False, 6 * STEP)]})
-        out, conversation = await _run([0, 1, 2, 3, 4, 5], stream, turns, gate=gate)
-        (item,) = conversation.items
-        assert item.start == 0.3 and conversation.context() == "[00:00.3] you red ball", gate
-        starts = [e.start for e in out if e.type.startswith("conversation.item.input_audio")]
-        # without the gate, "you" was shown before the speech, at the buffer's start
-        assert starts[0] == (0.3 if gate else 0.0) and set(starts[1:]) == {0.3} and len(starts) >= 3, gate
+    stream = _Stream({1: _you(1), 4: [TranscriptUpdate("a0", " red ball", "", 0.0, 0.5)]},
+                     [TranscriptUpdate("a0", "", "", 0.0, 0.6, True, "you red ball")])
+    turns = _Turns({3: [TurnEvent(True, 3 * STEP)], 5: [TurnEvent(False, 6 * STEP)]})
+    out, conversation = await _run([0, 1, 2, 3, 4, 5], stream, turns, gate=gate)
+    (item,) = conversation.items
+    assert item.start == 0.3 and conversation.context() == "[00:00.3] you red ball"
+    starts = [e.start for e in out if e.type.startswith("conversation.item.input_audio")]
+    # without the gate, "you" was shown before the speech, at the buffer's start
+    assert starts[0] == (0.3 if gate else 0.0) and set(starts[1:]) == {0.3} and len(starts) >= 3
 
 
 @pytest.mark.asyncio
@@ -243,8 +244,7 @@ async def test_without_turn_detection_a_line_is_stamped_at_its_buffers_start():
 
 def _screen_at(start: float) -> Conversation:
     """A conversation holding one screen's line, read at `start` (the screen reader ahead of the ASR)."""
-    return Conversation([Item("s", start, start, role="system", audio=False, stable="Budget", label="On screen",
-                              in_api=False)])
+    return Conversation([screen("s", "Budget", start)])
 
 
 @pytest.mark.asyncio

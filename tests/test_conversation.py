@@ -2,6 +2,7 @@
 worked out by hand."""
 
 import pytest
+from test_grounding import ask, screen, spoken
 
 from runtime.memory.conversation import Conversation, Item
 from runtime.models.asr.base import TranscriptUpdate as U
@@ -143,22 +144,18 @@ def test_without_answers_in_context_the_assistants_messages_leave_the_context_an
     assert Conversation(list(items), answers_in_context=False).pending_user_text() == ""  # answered: nothing pends
 
 
-def _screen(item_id: str, start: float, text: str) -> Item:
-    return Item(item_id, start, start, role="system", audio=False, stable=text, label="On screen", in_api=False)
-
-
 @pytest.mark.parametrize("speech_first", [True, False])
 def test_the_context_is_in_media_time_order_whichever_of_the_asr_and_the_screen_reader_was_behind(speech_first):
     # unpaced, the screen reader reads the slide at 9 s before the ASR has published the speech from 8 s; live,
     # the other way round: both orders of arrival give the same context
     talk = Conversation()
     talk.apply(U("a1", "hello", "", 0.0, 2.0, completed=True, transcript="hello"))
-    speech, screen = U("a2", "the budget", "", 8.0, 9.5), _screen("s1", 9.0, "Budget")
+    speech, slide = U("a2", "the budget", "", 8.0, 9.5), screen("s1", "Budget", 9.0)
     if speech_first:
         talk.apply(speech)
-        talk.add_in_time(screen)
+        talk.add_in_time(slide)
     else:
-        talk.add_in_time(screen)
+        talk.add_in_time(slide)
         talk.apply(speech)
     assert talk.context() == "[00:00.0] hello\n[00:08.0] the budget\n[00:09.0] On screen: Budget"
     assert talk.previous_id("a2") == "a1"
@@ -167,21 +164,19 @@ def test_the_context_is_in_media_time_order_whichever_of_the_asr_and_the_screen_
 def test_only_the_runtimes_own_items_move_for_a_new_spoken_one_and_the_api_order_stays():
     talk = Conversation()
     talk.add(Item("typed", 5.0, 5.0, audio=False, stable="what now?"))  # a client's item: never reordered
-    talk.add_in_time(_screen("s1", 6.0, "Roadmap"))
+    talk.add_in_time(screen("s1", "Roadmap", 6.0))
     talk.apply(U("a1", "we ship", "", 4.0, 7.0))  # said from 4 s, published after both
     assert [it.item_id for it in talk.items] == ["typed", "a1", "s1"]
     assert talk.previous_id("a1") == "typed"
-    talk.add_in_time(_screen("s0", 4.5, "Intro"))  # a screen read late goes back to its time, past API items too
+    talk.add_in_time(screen("s0", "Intro", 4.5))  # a screen read late goes back to its time, past API items too
     assert [it.item_id for it in talk.items] == ["typed", "a1", "s0", "s1"]
-    talk.add_in_time(_screen("s2", 2.0, "Title"))
+    talk.add_in_time(screen("s2", "Title", 2.0))
     assert [it.item_id for it in talk.items] == ["s2", "typed", "a1", "s0", "s1"]
     assert talk.line_before("a1") == "typed" and talk.line_before("s2") == "root" and talk.line_before("x") is None
 
 
 @pytest.mark.asyncio
 async def test_a_recorded_question_goes_right_before_its_answer_after_a_screen_read_since_the_last_turn():
-    from test_grounding import ask, screen, spoken
-
     conversation = Conversation([spoken("u1", "Here is the budget."), screen("s1", "Budget | 4.2 million euros")])
     await ask(conversation, Question("What is the budget?", 14.0, 0.0, record_question=True), grounded=False)
     assert [it.text for it in conversation.items] == ["Here is the budget.", "Budget | 4.2 million euros",

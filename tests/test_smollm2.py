@@ -152,6 +152,7 @@ def test_a_context_prefilled_in_any_pieces_gives_bitwise_the_logits_of_one_prefi
     prefilled at once: the answer does not depend on how busy the machine was. Chunked, torch's CPU SDPA gave
     logits up to 0.3 apart here, and another greedy first token."""
     engine = engines(weights)
+    assert engine.by_token
     lines = ["[00:00.0] Good morning everyone. Welcome to the quarterly update.",
              "[00:01.0] On screen: Quarterly update | - Presented by Maria Chen | - November 2026",
              "[00:08.1] The board approved the budget on Monday.",
@@ -167,9 +168,13 @@ def test_a_context_prefilled_in_any_pieces_gives_bitwise_the_logits_of_one_prefi
             streamed.set_context(text)
             while streamed.prefill_step():
                 pass
-        if i == 4:
+        if i == 4:  # an answer open while the next line lands, and is revised, and is prefilled
             streamed.begin_answer("What is the total budget shown on the slide?")
             streamed.next_logits()
+            for text in ("\n".join([*lines[:5], lines[5][:20]]), "\n".join([*lines[:5], lines[5][:12] + "x"])):
+                streamed.set_context(text)
+                while streamed.prefill_step():
+                    pass
             streamed.end_answer()
     at_once = engine.open_session()
     at_once.set_context(final)

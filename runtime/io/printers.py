@@ -150,8 +150,7 @@ class TextPrinter:
 
     def _transcript_done(self, event: TranscriptionCompleted) -> None:
         item = event.item_id
-        self._starts.pop(item, None)
-        start = event.start  # (where the speech began: later than a stamp printed before the VAD heard it)
+        self._starts.pop(item, None)  # the line's stamp is the completed event's: where the speech began
         self._heard.pop(item, None)
         printed = self._stable.pop(item, "")
         final = event.transcript.strip()
@@ -163,11 +162,11 @@ class TextPrinter:
         elif self.tty and self._line == f"item:{item}":  # a final pass revised the line: rewrite it in place
             self._clear_tail()
             self._erase_open_line()
-            self._out(f"{timestamp(start)} {final}")
+            self._out(f"{timestamp(event.start)} {final}")
         else:  # nothing shown yet, another line came between, or the final text differs: print it whole
             self._end_line()
             revised = "(revised) " if printed and not final.startswith(printed.strip()) else ""
-            self._out(f"{timestamp(start)} {revised}{final}")
+            self._out(f"{timestamp(event.start)} {revised}{final}")
         self._out("\n")
         self._line = None
         held, self._held = self._held, []  # video notes that waited for this line

@@ -128,6 +128,7 @@ class Conversation:
     def restamp(self, item: Item, start: float) -> None:
         """Its words began at `start`, later than it was stamped: it moves past the runtime's own lines right after
         it that started before that (client-visible items keep their order)."""
+        assert start >= item.start, "a restamp only moves an item later"
         item.start = start
         at = self.items.index(item)
         while at + 1 < len(self.items) and not self.items[at + 1].in_api and self.items[at + 1].start < start:

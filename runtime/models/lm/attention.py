@@ -1,4 +1,5 @@
-"""Which cache slots each new token attends to, and attention computed token by token for verification.
+"""Which cache slots each new token attends to, and attention computed token by token (verification, and the
+context's prefill with int8/int4 weights).
 
 Why token by token: torch's CPU SDPA kernel rounds differently with a call's shape (the other queries in the
 call, the masked keys), so one masked forward over k draft tokens gave logits up to 0.6 away from k one-token

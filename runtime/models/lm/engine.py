@@ -114,7 +114,10 @@ class LMEngine:
 
     def __init__(self, model: Transformer, tokenizer: PreTrainedTokenizerBase, cfg: LMConfig, *, name: str,
                  seed: int = 0, eos_ids: int | Iterable[int] | None = None, max_question_tokens: int = 256,
-                 tree_tokens: int = 128, reserve_tokens: int | None = None, pin_head: bool = True) -> None:
+                 tree_tokens: int = 128, reserve_tokens: int | None = None, pin_head: bool = True,
+                 exact_prefill: bool = True) -> None:
+        """`exact_prefill`: the context's KV the same however it was cut into prefill jobs (`by_token`); a draft
+        engine, whose guesses the target verifies, does without it."""
         if cfg.sink_tokens < 0 or cfg.window_tokens <= 0 or cfg.prefill_chunk_tokens <= 0:
             raise ConfigError("lm.sink_tokens must be >= 0, lm.window_tokens and lm.prefill_chunk_tokens > 0")
         self.model, self.tokenizer, self.cfg, self.name, self.seed = model, tokenizer, cfg, name, seed
@@ -127,14 +130,11 @@ class LMEngine:
         self.max_question_tokens = max_question_tokens
         self.target = max_question_tokens + cfg.max_new_tokens + tree_tokens
         # With int8/int4 weights on the CPU the context is prefilled with each token attending as a one-token step
-        # would (`attention_by_token`, as verification does): torch's CPU SDPA rounds with a call's shape, so a
-        # context prefilled in other pieces (as its text happened to land, which depends on how busy the machine
-        # is) gave logits up to 0.3 apart in their bf16 activations, and other greedy answers. Their matmuls are
-        # row-independent, so the KV is then bitwise the same however the text was cut into prefill jobs. It
-        # costs prefill time (SmolLM2-135M int4, 2 cores: 350 tokens a line at a time, 0.70 -> 1.03 s; docs/llm.md).
-        # fp32 agrees to rounding (3e-5) anyway, and bf16's own `F.linear` is not row-independent: both keep one
-        # call per chunk. The question's tail is one call at any timing, so it stays one call.
-        self.by_token = model.device.type == "cpu" and cfg.weights in ("int8", "int4")
+        # would (`attention_by_token`): a chunk's SDPA call rounds with its shape, so the pieces the text happened
+        # to land in (how busy the machine was) changed the answers. Their matmuls are row-independent, so the KV
+        # is then bitwise the same however it was cut, until the window first slides (docs/llm.md says why and
+        # what it costs). fp32 agrees to rounding anyway, and bf16's `F.linear` is not row-independent.
+        self.by_token = exact_prefill and model.device.type == "cpu" and cfg.weights in ("int8", "int4")
         self._encoded: dict[str, list[int]] = {}
         self.compiled: CompiledStep | None = None  # the CPU decode step compiled at load (`lm.compile`)
         if wanted(cfg.compile, model, cfg.drafter):
@@ -348,7 +348,8 @@ class EngineSession:
         self.cache.begin_target()
         self._answer_prefix = self.source_ids()
         attend = self.cache.append_target(len(ids))
-        self._next = self._forward(ids, attend, last_only=True)[0]  # one call whatever the timing: no need
+        # not by token: the tail is one call whatever the timing, so its rounding does not depend on it
+        self._next = self._forward(ids, attend, last_only=True)[0]
         self._target, self._tree = list(ids), None
         self.stats.answers += 1
         return list(ids)

@@ -117,11 +117,13 @@ class EngineAnswerer:
         if cfg.drafter == "draft-model":
             draft_cfg = replace(cfg, model=cfg.draft_model, drafter="none",  # verified in trees: eager
                                 compile="off" if cfg.compile == "auto" else cfg.compile)
-            draft = LMEngine.load(draft_cfg, device=device, dtype=dtype, seed=seed, progress=progress)
+            draft = LMEngine.load(draft_cfg, device=device, dtype=dtype, seed=seed, progress=progress,
+                                  exact_prefill=False)
         elif cfg.drafter == "swift":  # the model itself through a subset of its layers: shared weights
             draft = LMEngine(layer_skip_view(engine.model), engine.tokenizer,
                              replace(cfg, drafter="none", compile="off" if cfg.compile == "auto" else cfg.compile),
-                             name=f"{cfg.model} (layer-skip draft)", seed=seed, eos_ids=engine.eos_ids)
+                             name=f"{cfg.model} (layer-skip draft)", seed=seed, eos_ids=engine.eos_ids,
+                             exact_prefill=False)
         return cls(engine, draft)
 
     def open_stream(self) -> StreamLM:

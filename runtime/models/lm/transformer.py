@@ -287,7 +287,8 @@ class Transformer(nn.Module):
         the reference the engine is tested against. `embeds` [n, hidden], when given, are the input embeddings
         instead of the token ids' (a VLM's visual tokens); `tokens` then only sets n and the device. `by_token`
         (cached forwards): each token attends as its own one-token step would (`attention_by_token`), so a
-        verified draft gets exactly the logits plain decoding would."""
+        verified draft gets exactly the logits plain decoding would, and a context prefilled in any pieces the
+        KV of one prefill."""
         tokens = tokens.reshape(-1)
         n = tokens.shape[0]
         cos, sin = self.rope(q_pos)
