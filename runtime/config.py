@@ -51,6 +51,8 @@ class ASRConfig:
     # the offline pass encodes the item padded to the next multiple of this many seconds, the rest of Whisper's 30 s
     # window being silence's states (whisper_window.py); 30: Whisper's own window for every item
     final_pass_window_s: float = 30.0
+    # the offline pass's search: beams of openai-whisper's beam search (whisper_beam.py); 1 = greedy
+    final_pass_beam: int = 1
     # causal-whisper: the decoders' vocabulary projection (stream and final pass): "" (the model's dtype) | int8
     # (weight-only, bfloat16 activations, on CPU: whisper_head.py)
     head_weights: str = ""
@@ -332,6 +334,8 @@ def validate(profile: Profile) -> Profile:
     asr = profile.asr
     if asr.final_pass_dtype and asr.final_pass_dtype not in DTYPES:
         raise ConfigError(f"asr.final_pass_dtype {asr.final_pass_dtype!r} is not one of {', '.join(DTYPES)}")
+    if asr.final_pass_beam < 1:
+        raise ConfigError(f"asr.final_pass_beam must be >= 1 (1: greedy), got {asr.final_pass_beam}")
     if asr.decoder not in ("greedy", "beam"):
         raise ConfigError(f"asr.decoder={asr.decoder!r} is not greedy or beam")
     if asr.beam < 1 or min(asr.lm_weight, asr.oov_penalty, asr.commit_after_s) < 0:

@@ -24,6 +24,26 @@ def test_scoring() -> None:
     assert not video_qa.score(not_yet, "The release is on Monday.", NOT_KNOWN)  # a guess, not "not known"
 
 
+CONTEXT = """[00:00.0] Good morning everyone.
+[00:01.0] On screen: Budget | - Total budget: 4.2 million euros
+[00:08.1] The more the proof the budget on Monday.
+[00:14.0] User: When did the board approve the budget?
+[00:21.5] We hire two designers.
+[01:02.0] On screen: Roadmap | - Beta launch in May"""
+
+
+def test_what_the_context_held_when_a_question_was_asked() -> None:
+    lines = video_qa.context_lines(CONTEXT)
+    assert lines[2] == (8.1, "The more the proof the budget on Monday.") and lines[-1][0] == 62.0
+    assert video_qa.spoken(lines) == ["Good morning everyone.", "The more the proof the budget on Monday.",
+                                      "We hire two designers."]
+    assert video_qa.held_before(lines, 14, [["monday"]])  # misheard around it, but the answer was there
+    assert not video_qa.held_before(lines, 14, [["designers"]])  # said at 21.5 s: not yet
+    assert video_qa.held_before(lines, 22, [["designers"]])
+    assert not video_qa.held_before(lines, 60, [["may"]]) and video_qa.held_before(lines, 63, [["may"]])
+    assert not video_qa.held_before(lines, 20, [["approve"]])  # the user's own question does not count
+
+
 def test_the_set_asks_every_kind_inside_its_talks() -> None:
     data = json.loads(video_qa.SET.read_text())
     for talk in data["talks"]:
@@ -49,6 +69,10 @@ def test_quick_run_end_to_end(capsys) -> None:
     assert "On screen: Budget | - Total budget: 4.2 million euros" in talk["context"]
     assert 0 < talk["screen_tokens"] < talk["context_tokens"]
     assert all(q["first_token_s"] is not None and q["first_token_s"] <= q["done_s"] for q in result["questions"])
+    # the slides' facts were read before their questions; what the narration held is the ASR's to say
+    assert all(q["answer_in_context"] for q in result["questions"] if q["kind"] in ("realtime", "backward"))
+    assert result["accuracy"]["not_yet"]["answer_in_context"] is None
+    assert 0 <= talk["narration_wer"] < 100
     # the profile answers grounded: the question nothing by 14 s mentions is answered without the model, and only it
     assert result["answering"] == {"grounded": True, "answers_in_context": False}
     assert [(q["kind"], q["not_heard"]) for q in result["questions"] if q["not_heard"]] == [

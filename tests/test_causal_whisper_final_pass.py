@@ -12,25 +12,38 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+import torch
 from test_causal_whisper_decoder import chunk_sizes, make_audio, run_stream
 
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.asr import FRAME_SAMPLES, CausalWhisperASR
 from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder
-from runtime.models.asr.causal_whisper.final_pass import DecoderPass, OfflinePass
+from runtime.models.asr.causal_whisper.emission import Token
+from runtime.models.asr.causal_whisper.final_pass import LOOP_RATIO, DecoderPass, OfflinePass, compression_ratio, loops
 from runtime.models.asr.causal_whisper.reference import offline_transcript
 
 
 class Recorder:
-    """A stand-in full-context decoder: remembers the audio it was given, answers with fixed ids."""
+    """A stand-in full-context decoder: remembers the audio it was given, answers with fixed ids (`by_beams`: other
+    ids for a search with that many beams) and spells id i as `words[i]`."""
 
-    def __init__(self, ids: list[int]) -> None:
-        self.ids, self.heard = ids, []
+    def __init__(self, ids: list[int], *, by_beams: dict[int, list[int]] | None = None,
+                 words: list[str] | None = None) -> None:
+        self.ids, self.by_beams, self.words, self.heard, self.searches = ids, by_beams or {}, words, [], []
+        self.beams = 1
 
-    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
+    def encode(self, audio: np.ndarray) -> torch.Tensor:
         self.heard.append(audio.copy())
-        return list(self.ids)
+        return torch.from_numpy(audio)
+
+    def decode(self, states: torch.Tensor, forced: Sequence[int] = (), beams: int | None = None) -> list[int]:
+        beams = self.beams if beams is None else beams
+        self.searches.append(beams)
+        return list(self.by_beams.get(beams, self.ids))
+
+    def text(self, ids: Sequence[int]) -> str:
+        return "".join(self.words[i] for i in ids) if self.words else " ".join(map(str, ids))
 
 
 def cfg(**kw) -> ASRConfig:
@@ -91,3 +104,47 @@ def test_an_item_without_words_is_not_decoded_again(base: CausalWhisperASR) -> N
 def test_unknown_final_pass_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="final_pass"):
         CausalWhisperASR.load(cfg(final_pass="twice"), device="cpu", dtype="float32")
+
+
+WORDS = [" the", " moon", " of", " we", " landed", " on", "."]
+LOOP = [0, 1] + [2, 0, 1] * 30  # " the moon of the moon of the moon ..."
+SENTENCE = [3, 4, 5, 0, 1, 6]  # " we landed on the moon."
+
+
+def test_a_transcript_written_over_and_over_is_a_loop() -> None:
+    text = lambda ids: "".join(WORDS[i] for i in ids)  # noqa: E731
+    assert compression_ratio(text(LOOP)) > LOOP_RATIO and loops(text(LOOP))
+    assert not loops(text(SENTENCE)) and not loops(" Ever tried. Ever failed. No matter. Try again. Fail again.")
+    assert not loops("") and compression_ratio("") == 0.0
+
+
+def item_with(base: CausalWhisperASR, ids: list[int]):
+    item = base.item(IncrementalDecoder(base.model), None)
+    item.tokens = [Token(i, 1.0, 0) for i in ids]  # what the stream wrote
+    return item
+
+
+def test_a_looping_pass_is_decoded_again_with_beams_from_the_same_states(base: CausalWhisperASR) -> None:
+    recorder = Recorder(LOOP, by_beams={5: SENTENCE}, words=WORDS)
+    final = OfflinePass(recorder)
+    audio = make_audio(1.0)
+    assert final.revise(item_with(base, [4]), audio) == SENTENCE
+    assert recorder.searches == [1, 5] and len(recorder.heard) == 1  # encoded once
+    assert (final.retried, final.kept_stream) == (1, 0)
+
+
+def test_a_pass_that_loops_with_beams_too_keeps_the_streams_text(base: CausalWhisperASR) -> None:
+    recorder = Recorder(LOOP, words=WORDS)
+    final = OfflinePass(recorder)
+    assert final.revise(item_with(base, [3, 4]), make_audio(1.0)) == [3, 4]
+    assert recorder.searches == [1, 5] and (final.retried, final.kept_stream) == (1, 1)
+
+
+def test_a_pass_that_does_not_loop_is_searched_once(base: CausalWhisperASR) -> None:
+    recorder = Recorder(SENTENCE, by_beams={5: LOOP}, words=WORDS)
+    assert OfflinePass(recorder).revise(item_with(base, [4]), make_audio(1.0)) == SENTENCE
+    assert recorder.searches == [1]
+    recorder = Recorder(LOOP, words=WORDS)
+    recorder.beams = 5  # a pass that searched with 5 beams already keeps the stream's text at once
+    final = OfflinePass(recorder)
+    assert final.revise(item_with(base, [4]), make_audio(1.0)) == [4] and recorder.searches == [5]

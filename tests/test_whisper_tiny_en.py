@@ -150,3 +150,60 @@ def test_offline_final_pass_is_the_offline_transcript(ct2_folder, buffered) -> N
         done = [u for u in updates if u.completed]
         assert len(done) == 1, name
         assert done[0].transcript == buffered.text(buffered.hypothesis(audio)), name
+
+
+class UncachedRows:
+    """`whisper_beam.BeamDecoder` without caches: every step runs the whole decoder over each row's whole sequence,
+    the reference the cached beam rows (`whisper_buffered._BeamRows`) must match."""
+
+    def __init__(self, whisper, states) -> None:
+        self.whisper, self.states, self.rows = whisper, states, []
+
+    def _logprobs(self) -> torch.Tensor:
+        ids = torch.tensor(self.rows)
+        logits = self.whisper._next_logits(ids, self.states.expand(len(ids), -1, -1), None)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def start(self, prefix) -> torch.Tensor:
+        self.rows = [list(prefix)]
+        return self._logprobs()
+
+    def extend(self, sources, tokens) -> torch.Tensor:
+        self.rows = [self.rows[int(s)] + [int(t)] for s, t in zip(sources, tokens, strict=True)]
+        return self._logprobs()
+
+
+def test_beam_search_with_caches_equals_it_without(buffered) -> None:
+    """Five beams over the cached decoder (self-attention rows reordered as beams are kept, one cross-attention row
+    that every beam reads) give the tokens of the same search re-running the decoder over whole sequences."""
+    from runtime.models.asr.whisper_beam import beam_search
+    from runtime.models.asr.whisper_buffered import WhisperBuffered
+
+    beamed = WhisperBuffered(buffered.model, buffered.tokenizer, buffered.feature_extractor, buffered.cfg, beams=5)
+    demo, _ = soundfile.read(DEMO, dtype="float32")
+    clips = [("demo", demo[: 30 * SAMPLE_RATE])] + [(n, a) for n, a, _ in (dev_clips() if has_dev_clips() else [])]
+    for name, audio in clips:
+        with torch.inference_mode():
+            reference = beam_search(UncachedRows(beamed, beamed.encode(audio)), beamed.prompt_ids, beams=5,
+                                    eos=beamed.eos_id, max_tokens=beamed.max_tokens)
+        assert beamed.hypothesis(audio) == reference, name
+    # the demo recording is one where beams and greedy decoding part ways: this test must exercise the search
+    assert beamed.hypothesis(demo[: 30 * SAMPLE_RATE]) != buffered.hypothesis(demo[: 30 * SAMPLE_RATE])
+
+
+def test_beam_search_equals_ctranslate2s_on_human_speech(ct2_folder, buffered) -> None:
+    """An independent beam search, CTranslate2's (faster-whisper's engine), gives the same tokens on real people
+    reading. Its rules are not exactly openai-whisper's (it pools 2 x beams candidates and stops on its own terms), so
+    on other audio the two may part: on the demo recording CTranslate2 writes "The red ball", we "Red ball"."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from runtime.models.asr.whisper_buffered import WhisperBuffered
+
+    clips = dev_clips()  # skips without the human clips
+    engine = ctranslate2.models.Whisper(str(ct2_folder), device="cpu", compute_type="float32", intra_threads=1)
+    beamed = WhisperBuffered(buffered.model, buffered.tokenizer, buffered.feature_extractor, buffered.cfg, beams=5)
+    for name, audio, _ in clips:
+        features = buffered.feature_extractor(audio, sampling_rate=SAMPLE_RATE, return_tensors="np").input_features
+        theirs = engine.generate(ctranslate2.StorageView.from_array(features), [buffered.prompt_ids], beam_size=5,
+                                 max_length=448, suppress_blank=False,
+                                 suppress_tokens=buffered.suppress)[0].sequences_ids[0]
+        assert beamed.hypothesis(audio) == theirs, name

@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", default=None, help="asr-quality: a LoRA folder merged into the causal Whisper")
     parser.add_argument("--preview-ms", type=int, default=100, help="asr-quality: the `previewed` systems' "
                         "asr.preview_ms, for each --chunks size it divides (default: 100)")
+    parser.add_argument("--final-pass-beam", type=int, default=None, help="asr-quality: beams of the two-pass "
+                        "systems' offline pass, asr.final_pass_beam (default: the whisper-tiny-en profile's; "
+                        "1: greedy)")
     parser.add_argument("--prompts", default=None, help="answers: prompt variants, comma-separated, of "
                         "plain, short, quote (default: all)")
     parser.add_argument("--profile", default=None, help="answers: the profile whose language model and ASR answer "

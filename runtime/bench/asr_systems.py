@@ -218,20 +218,29 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         if any(p for _, p, _ in rows):
             pass_dtype = profile.final_pass_dtype or dtype
             window = profile.final_pass_window_s
+            beams = getattr(args, "final_pass_beam", None)
+            beams = profile.final_pass_beam if beams is None else beams
             second = offline_decoder(copy.deepcopy(offline.model), offline.tokenizer, whisper_path(ref),
                                      replace(offline.cfg, max_new_tokens=OFFLINE_TOKENS, head_weights=
                                              profile.head_weights, decoder_weights=profile.decoder_weights,
-                                             final_pass_window_s=window), device, pass_dtype)
+                                             final_pass_window_s=window, final_pass_beam=beams), device,
+                                     pass_dtype)
             passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second)})
         for ms, name, every in rows:
             each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none", preview_ms=every)
-            asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=passes[name])
+            final = OfflinePass(second) if name == "offline" else passes[name]  # its own count of loops
+            asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=final)
             settings[causal_id(ms, name, every)] = (
                 f"{ref}, block-causal, {ms} ms chunks, look-back {cfg.lookback_tokens} tokens, adapter "
                 f"{cfg.adapter or 'none'}{head}" + (f", previewed every {every} ms" if every else "")
                 + (f", final pass {name} at the end of each clip" if name else "")
-                + (f" ({pass_dtype}, {window:g} s windows)" if name == "offline" else ""))
+                + (f" ({pass_dtype}, {window:g} s windows, "
+                   f"{'greedy' if beams == 1 else f'{beams} beams'}, a loop decoded again with beams)"
+                   if name == "offline" else ""))
             streamed(causal_id(ms, name, every), asr)
+            if isinstance(final, OfflinePass):  # counted over every set, the warm-up clip included
+                settings[causal_id(ms, name, every)] += (f"; items that looped: {final.retried} decoded again with "
+                                                         f"beams, {final.kept_stream} kept the stream's text")
     if "buffered" in kinds:
         settings[BUFFERED] = (f"{ref}, LocalAgreement-2, re-decoded every {buffered.cfg.step_s:g} s, items of "
                               f"{buffered.cfg.segment_s:g} s")

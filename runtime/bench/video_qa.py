@@ -9,7 +9,10 @@ questions are asked at their media times, as `runtime ask --at` asks them; unpac
 an answer runs, so every machine answers from the same stream.
 
 Per question kind (realtime, backward, speech_screen, not_yet): accuracy by expected keywords (`answers.is_right`;
-a not_yet answer is right when it says the answer is not known and does not give it). Per talk: answer latency
+a not_yet answer is right when it says the answer is not known and does not give it), and how many of the
+questions had their answer in the context when asked (`answer_in_context`: a miss with the answer there is the
+answerer's, one without it the ASR's or the screen reader's; per talk, `narration_wer` is the transcript's word
+error rate against the script). Per talk: answer latency
 (response created to first token and to done, wall seconds), the context the answerer holds at the end (tokens,
 and those of the "On screen" lines; the screen notes' budget, consolidations and selections), and cost: screen
 reads, their CPU seconds per video second, and the whole process's CPU seconds per video minute.
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +41,7 @@ from runtime.errors import UserError
 from runtime.events import Event, Metrics, ResponseCreated, ResponseDone, ResponseTextDelta
 from runtime.io.sample import default_cache_dir, write_media_file
 from runtime.io.slides import Slide, slide_frames
+from runtime.train.text_norm import wer
 from runtime.worker import DeviceWorker
 
 if TYPE_CHECKING:
@@ -95,6 +100,29 @@ def talk_video(talk: dict[str, Any], folder: Path) -> Path:
     write_media_file(partial, audio, frames, FPS)
     partial.rename(path)
     return path
+
+
+_STAMP = re.compile(r"^\[(\d+):(\d+(?:\.\d+)?)\] (.*)$")
+
+
+def context_lines(context: str) -> list[tuple[float, str]]:
+    """(media seconds, text) of each stamped line of an answerer's context ("[00:08.1] The board ...")."""
+    out = []
+    for line in context.splitlines():
+        if found := _STAMP.match(line):
+            out.append((int(found[1]) * 60 + float(found[2]), found[3]))
+    return out
+
+
+def spoken(lines: list[tuple[float, str]]) -> list[str]:
+    """The transcript's lines: neither a screen read nor a user's question."""
+    return [text for _, text in lines if not text.startswith(("On screen: ", "User: "))]
+
+
+def held_before(lines: list[tuple[float, str]], at: float, expect: list[list[str]]) -> bool:
+    """Whether the context stamped before `at` holds the expected answer: a wrong answer to a question whose
+    answer was there is the answerer's miss; one whose answer was not is the ASR's or the screen reader's."""
+    return is_right("\n".join(text for t, text in lines if t < at and not text.startswith("User: ")), expect)
 
 
 def score(question: dict[str, Any], answer: str, not_known: list[str]) -> bool:
@@ -176,9 +204,11 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
             got = answers_of(events)
             if len(got) != len(talk["questions"]):
                 raise RuntimeError(f"{talk['id']}: {len(got)} responses for {len(talk['questions'])} questions")
+            lines = context_lines(context)
             for q, a in zip(talk["questions"], got, strict=True):
                 rows.append({"talk": talk["id"], "at": q["at"], "kind": q["kind"], "question": q["q"],
                              "answer": a["text"].strip(), "right": score(q, a["text"], data["not_known"]),
+                             "answer_in_context": held_before(lines, q["at"], q["expect"]) if "expect" in q else None,
                              "first_token_s": round(a["first"] - a["created"], 3) if a["first"] else None,
                              "done_s": round(a["done"] - a["created"], 3) if a["done"] else None,
                              "not_heard": a["not_heard"]})
@@ -187,6 +217,9 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
             screen_lines = "\n".join(line for line in context.splitlines() if "] On screen: " in line)
             per_talk.append({
                 "talk": talk["id"], "video_s": round(seconds, 1), "questions": len(got),
+                # the narration as the transcript holds it, against the script (percent, text_norm.normalize)
+                "narration_wer": round(100 * wer([" ".join(s["say"] for s in talk["scenes"])],
+                                                 [" ".join(spoken(lines))]), 1),
                 "context_tokens": len(tokenizer(context)["input_ids"]) if tokenizer else None,
                 "screen_tokens": len(tokenizer(screen_lines)["input_ids"]) if tokenizer else None,
                 "screens": screen.get("screens"), "ocr_reads": screen.get("reads"),
@@ -213,7 +246,10 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
 def _rate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     right = sum(r["right"] for r in rows)
     return {"right": right, "asked": len(rows), "rate": round(right / len(rows), 3) if rows else None,
-            "not_known_without_model": sum(r["not_heard"] is not None for r in rows)}  # `lm.grounded` answered
+            "not_known_without_model": sum(r["not_heard"] is not None for r in rows),  # `lm.grounded` answered
+            # questions whose answer the context held when asked (None: not_yet, whose answer must not be there)
+            "answer_in_context": (sum(bool(r["answer_in_context"]) for r in rows)
+                                  if all(r["answer_in_context"] is not None for r in rows) else None)}
 
 
 def _median(values: list[float]) -> float | None:

@@ -7,9 +7,10 @@ every later hypothesis, so stable text is never contradicted and the completed t
 with everything already emitted. At `segment_s` (or at the end of input) the item is completed and the
 buffer cut. Its cost grows with the buffer, which is exactly what the causal backends avoid.
 
-Decoding is our own greedy loop over the decoder with a KV cache: Whisper's `generate()` needs a
-generation config with many attributes (alignment heads, language maps, ...) that checkpoints and the
-tiny test model do not all have, and it runs the whole policy-free search we do not want here.
+Decoding is our own greedy loop over the decoder with a KV cache (or, for the final pass that borrows this class,
+`whisper_beam.py`'s beam search over the same decoder): Whisper's `generate()` needs a generation config with many
+attributes (alignment heads, language maps, ...) that checkpoints and the tiny test model do not all have, and it
+runs the whole policy-free search we do not want here.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.asr.whisper_beam import beam_search
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
 from runtime.models.asr.whisper_window import WindowedEncoder
 from runtime.models.loading import load_progress
@@ -63,9 +65,11 @@ class WhisperBuffered:
         *,
         name: str = "whisper",
         window_s: float = MAX_BUFFER_S,
+        beams: int = 1,
     ) -> None:
         """`window_s` < 30 encodes only the audio padded to the next multiple of `window_s` (`whisper_window.py`):
-        the `offline` final pass's setting; the buffered peer keeps Whisper's 30 s."""
+        the `offline` final pass's setting; the buffered peer keeps Whisper's 30 s. `beams` > 1 decodes by beam
+        search (`whisper_beam.py`), as the final pass may; 1 is greedy."""
         if cfg.step_s <= 0 or not 0 < cfg.segment_s <= MAX_BUFFER_S:
             raise ConfigError(
                 f"asr.step_s must be > 0 and asr.segment_s in (0, {MAX_BUFFER_S:g}] "
@@ -76,6 +80,9 @@ class WhisperBuffered:
         self.feature_extractor = feature_extractor
         self.cfg = cfg
         self.name = name
+        if beams < 1:
+            raise ConfigError(f"asr.final_pass_beam must be >= 1, got {beams}")
+        self.beams = beams
         self.encoder = WindowedEncoder(model.model.encoder, feature_extractor, window_s)
         self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
         self.suppress = suppressed_ids(model)
@@ -105,22 +112,34 @@ class WhisperBuffered:
         return self.encoder(audio)
 
     def _next_logits(self, ids: torch.Tensor, states: torch.Tensor, cache: EncoderDecoderCache | None) -> torch.Tensor:
+        """Next-token logits [rows, vocab] after each row of `ids`, suppressed tokens at -inf."""
         hidden = self.model.model.decoder(
             input_ids=ids, encoder_hidden_states=states, use_cache=cache is not None, **{CACHE_ARG: cache}
         ).last_hidden_state
-        logits = self.model.proj_out(hidden[:, -1])[0]
+        logits = self.model.proj_out(hidden[:, -1])
         if self.suppress:
-            logits[self.suppress] = float("-inf")
+            logits[:, self.suppress] = float("-inf")
         return logits
 
     @torch.inference_mode()
     def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
-        """Greedy transcript ids (no prompt, no eos) of `audio`, continuing the `forced` prefix."""
-        return self._greedy(self.encode(audio), forced, cached=True)
+        """Transcript ids (no prompt, no eos) of `audio`, continuing the `forced` prefix: greedy, or by beam search
+        with `beams` > 1."""
+        return self.decode(self.encode(audio), forced)
+
+    @torch.inference_mode()
+    def decode(self, states: torch.Tensor, forced: Sequence[int] = (), beams: int | None = None) -> list[int]:
+        """`hypothesis` from encoder states (`encode`), with `beams` instead of the decoder's own if given."""
+        beams = self.beams if beams is None else beams
+        if beams == 1 or len(forced) >= self.max_tokens:
+            return self._greedy(states, forced, cached=True)
+        rows = _BeamRows(self, states)
+        return list(forced) + beam_search(rows, self.prompt_ids + list(forced), beams=beams, eos=self.eos_id,
+                                          max_tokens=self.max_tokens - len(forced))
 
     @torch.inference_mode()
     def hypothesis_uncached(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
-        """The same search re-running the whole decoder every step: the reference the cache must match."""
+        """The greedy search re-running the whole decoder every step: the reference the cache must match."""
         return self._greedy(self.encode(audio), forced, cached=False)
 
     def _greedy(self, states: torch.Tensor, forced: Sequence[int], *, cached: bool) -> list[int]:
@@ -131,7 +150,7 @@ class WhisperBuffered:
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache()) if cached else None
         pending = torch.tensor([self.prompt_ids + out], device=device)
         while len(out) < self.max_tokens:
-            token = int(self._next_logits(pending, states, cache).argmax())
+            token = int(self._next_logits(pending, states, cache)[0].argmax())
             if token == self.eos_id:
                 break
             out.append(token)
@@ -140,6 +159,32 @@ class WhisperBuffered:
             else:
                 pending = torch.tensor([self.prompt_ids + out], device=device)
         return out
+
+
+class _BeamRows:
+    """`whisper_beam.BeamDecoder` over a `WhisperBuffered`'s decoder: one row per beam in the self-attention cache,
+    reordered as beams are kept; the cross-attention K/V, the same for every beam, stay one row that every beam
+    reads (`expand`, no copy)."""
+
+    def __init__(self, whisper: WhisperBuffered, states: torch.Tensor) -> None:
+        self._whisper, self._states = whisper, states
+        self._cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+    def _logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        states = self._states.expand(len(ids), -1, -1)
+        return torch.log_softmax(self._whisper._next_logits(ids, states, self._cache).float(), dim=-1)
+
+    def start(self, prefix: Sequence[int]) -> torch.Tensor:
+        return self._logprobs(torch.tensor([list(prefix)], device=self._states.device))
+
+    def extend(self, sources: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        device = self._states.device
+        self._cache.self_attention_cache.reorder_cache(sources.to(device))
+        cross = self._cache.cross_attention_cache
+        for layer in cross.layers:
+            layer.keys = layer.keys[:1].expand(len(sources), -1, -1, -1)
+            layer.values = layer.values[:1].expand(len(sources), -1, -1, -1)
+        return self._logprobs(tokens.to(device)[:, None])
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -207,12 +207,14 @@ class CausalWhisperASR:
 
 def offline_decoder(model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, path: Path,
                     cfg: ASRConfig, device: str, dtype: str) -> WhisperBuffered:
-    """Full-context greedy Whisper over the same checkpoint (the `offline` final pass), in `dtype`, its encoder on
-    `cfg.final_pass_window_s` windows, its head in `cfg.head_weights` and its decoder in `cfg.decoder_weights`."""
+    """Full-context Whisper over the same checkpoint (the `offline` final pass), in `dtype`, its encoder on
+    `cfg.final_pass_window_s` windows, its head in `cfg.head_weights`, its decoder in `cfg.decoder_weights`, searching
+    with `cfg.final_pass_beam` beams (1: greedy)."""
     model = quantize_head(model.to(device=device, dtype=torch_dtype(dtype)).eval(), cfg.head_weights)
     model = quantize_decoder(model, cfg.decoder_weights)
     return WhisperBuffered(model, tokenizer, WhisperFeatureExtractor.from_pretrained(path),
-                           replace(cfg, backend="whisper-buffered"), name=cfg.model, window_s=cfg.final_pass_window_s)
+                           replace(cfg, backend="whisper-buffered"), name=cfg.model, window_s=cfg.final_pass_window_s,
+                           beams=cfg.final_pass_beam)
 
 
 class _Samples:

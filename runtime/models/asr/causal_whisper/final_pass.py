@@ -10,7 +10,15 @@ show the first pass as it streams; the completed event carries the second, which
   again from its context (cheap: decoder steps only; the encoder frames and their cross-attention K/V exist).
 - `offline`: the base checkpoint (without the streaming adapter) decodes the item's audio with full context: the
   offline ceiling, for one encoder pass and one decode per item. Padded to 30 s as Whisper was trained, or
-  (`asr.final_pass_window_s`) to its own windows with silence's encoder states after them (`whisper_window.py`).
+  (`asr.final_pass_window_s`) to its own windows with silence's encoder states after them (`whisper_window.py`);
+  greedy, or by beam search with `asr.final_pass_beam` beams (`whisper_beam.py`).
+
+Decoded greedily with full context, Whisper sometimes loops ("wait, wait, wait, ..." to the token limit: 5 of the
+200 synthetic held-out clips, which lifted the pass's word error rate there from 50 % to 114 %). So the offline pass
+takes openai-whisper's test: a transcript that zlib compresses more than 2.4 times is a loop. A looping greedy
+transcript is decoded again from the same encoder states with 5 beams (openai-whisper and faster-whisper fall back
+on temperature sampling instead: this one stays deterministic); if that loops too, the item keeps the stream's own
+text, whose decoding ends loops (`asr.loop_repeats`).
 
 An item that the stream heard no words in stays empty (Whisper given silence says "Thank you."), and an item
 completed by a 30 s cache reset keeps its first pass (its audio was cut mid-stream; only the item a commit
@@ -19,10 +27,12 @@ ends is decoded again).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.emission import ItemDecoder
@@ -30,10 +40,32 @@ from runtime.models.asr.causal_whisper.emission import ItemDecoder
 FINAL_PASSES = ("none", "decoder", "offline")
 
 
-class Hypothesis(Protocol):
-    """A full-context Whisper decoder: greedy transcript ids of some audio (`whisper_buffered.WhisperBuffered`)."""
+# openai-whisper's `compression_ratio_threshold`: a transcript that zlib compresses more than this is a decoding loop
+LOOP_RATIO = 2.4
+RETRY_BEAMS = 5  # the beams a looping transcript is decoded again with (openai-whisper's and faster-whisper's default)
 
-    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]: ...
+
+class Hypothesis(Protocol):
+    """A full-context Whisper decoder (`whisper_buffered.WhisperBuffered`): encoder states of some audio, their
+    transcript ids by its own search (`beams`: 1 is greedy) or by `beams` given, and the text of ids."""
+
+    beams: int
+
+    def encode(self, audio: np.ndarray) -> torch.Tensor: ...
+
+    def decode(self, states: torch.Tensor, forced: Sequence[int] = (), beams: int | None = None) -> list[int]: ...
+
+    def text(self, ids: Sequence[int]) -> str: ...
+
+
+def compression_ratio(text: str) -> float:
+    """UTF-8 bytes over zlib-compressed bytes: about 1.5-2 for speech, far more for a phrase written over and over."""
+    data = text.encode()
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+def loops(text: str) -> bool:
+    return compression_ratio(text) > LOOP_RATIO
 
 
 class FinalPass(Protocol):
@@ -57,9 +89,22 @@ class OfflinePass:
 
     def __init__(self, offline: Hypothesis) -> None:
         self.offline = offline
+        self.retried = 0  # items whose transcript looped and were decoded again with RETRY_BEAMS
+        self.kept_stream = 0  # items that looped with beams too and kept the stream's text
 
     def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
-        return self.offline.hypothesis(audio)
+        offline = self.offline
+        states = offline.encode(audio)
+        ids = offline.decode(states)
+        looped = loops(offline.text(ids))
+        if looped and offline.beams < RETRY_BEAMS:
+            self.retried += 1
+            ids = offline.decode(states, beams=RETRY_BEAMS)
+            looped = loops(offline.text(ids))
+        if looped:
+            self.kept_stream += 1
+            return [t.id for t in item.tokens]
+        return ids
 
 
 def check(kind: str) -> str:
