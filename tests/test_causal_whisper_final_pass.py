@@ -22,6 +22,7 @@ from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, Recomp
 from runtime.models.asr.causal_whisper.emission import Token
 from runtime.models.asr.causal_whisper.final_pass import LOOP_RATIO, DecoderPass, OfflinePass, compression_ratio, loops
 from runtime.models.asr.causal_whisper.reference import offline_transcript
+from runtime.models.asr.whisper_window import Encoded
 
 
 class Recorder:
@@ -33,11 +34,11 @@ class Recorder:
         self.ids, self.by_beams, self.words, self.heard, self.searches = ids, by_beams or {}, words, [], []
         self.beams = 1
 
-    def encode(self, audio: np.ndarray) -> torch.Tensor:
+    def encode(self, audio: np.ndarray) -> Encoded:
         self.heard.append(audio.copy())
-        return torch.from_numpy(audio)
+        return Encoded(torch.from_numpy(audio), len(audio))
 
-    def decode(self, states: torch.Tensor, forced: Sequence[int] = (), beams: int | None = None) -> list[int]:
+    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None) -> list[int]:
         beams = self.beams if beams is None else beams
         self.searches.append(beams)
         return list(self.by_beams.get(beams, self.ids))

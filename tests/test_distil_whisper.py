@@ -120,7 +120,8 @@ def test_the_batched_ctranslate2_teacher_gives_the_runtimes_own_tokens(sources, 
             assert ours == theirs
             continue
         with torch.inference_mode():
-            logits = teacher._next_logits(torch.tensor([teacher.prompt_ids + ours[:k]]), teacher.encode(audio), None)[0]
+            logits = teacher._next_logits(torch.tensor([teacher.prompt_ids + ours[:k]]), teacher.encode(audio).states,
+                                          None)[0]
         top = logits.log_softmax(-1).topk(2)
         assert {ours[k], theirs[k]} == set(top.indices.tolist()) and float(top.values[0] - top.values[1]) < 1e-3
 

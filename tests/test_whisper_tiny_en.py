@@ -184,7 +184,7 @@ def test_beam_search_with_caches_equals_it_without(buffered) -> None:
     clips = [("demo", demo[: 30 * SAMPLE_RATE])] + [(n, a) for n, a, _ in (dev_clips() if has_dev_clips() else [])]
     for name, audio in clips:
         with torch.inference_mode():
-            reference = beam_search(UncachedRows(beamed, beamed.encode(audio)), beamed.prompt_ids, beams=5,
+            reference = beam_search(UncachedRows(beamed, beamed.encode(audio).states), beamed.prompt_ids, beams=5,
                                     eos=beamed.eos_id, max_tokens=beamed.max_tokens)
         assert beamed.hypothesis(audio) == reference, name
     # the demo recording is one where beams and greedy decoding part ways: this test must exercise the search

@@ -5,7 +5,9 @@ int8 vocabulary projection (`asr.head_weights`, whisper_head.py), on the tiny ra
 - A short turn is encoded on its own window only: those frames equal transformers' encoder run on a copy of the
   model cut to that many positions, over the 30 s log-mel cut to the window; the frames after it are the states
   transformers' encoder gives a silent 30 s clip; the decoder still reads 1500 frames.
-- The final pass's transcript is the greedy decode of exactly those states, streamed or offline.
+- The final pass's transcript is the greedy decode of exactly those states, streamed or offline; the decoder's
+  cross-attention keys and values of silence's frames are computed once, and a turn's cache holds what the decoder
+  would compute from all 1500 frames.
 - The int8 head's logits are a float product with its dequantised weights (bfloat16 activations), and a stream
   with it equals its offline computation.
 - So are the int8 decoder linears' outputs (`asr.decoder_weights`), and a stream with them and the int8 head
@@ -81,8 +83,9 @@ def test_at_30_s_the_encoder_is_whispers_own(buffered: WhisperBuffered) -> None:
         theirs = buffered.model.model.encoder(full_features(buffered, audio)).last_hidden_state
     assert buffered.encoder.silence is None  # nothing extra encoded at load
     ours = buffered.encode(audio)
-    assert ours.shape == theirs.shape == (1, 1500, buffered.model.config.d_model)
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert ours.frames == 1500 and ours.states.shape == theirs.shape == (1, 1500, buffered.model.config.d_model)
+    torch.testing.assert_close(ours.states, theirs, rtol=0, atol=1e-6)
+    assert len(buffered.cache(ours).cross_attention_cache.layers) == 0  # no silence: the decoder projects all 1500
 
 
 def test_a_short_turn_is_encoded_on_its_window_with_silence_after_it(buffered: WhisperBuffered) -> None:
@@ -93,10 +96,12 @@ def test_a_short_turn_is_encoded_on_its_window_with_silence_after_it(buffered: W
     try:
         windowed = WindowedEncoder(enc, buffered.feature_extractor, 5.0)
         assert seen == [(1, 1500, enc.config.d_model)]  # the silence, once, at set-up
-        states = windowed(audio)
+        encoded = windowed(audio)
     finally:
         hook.remove()
     assert seen[1:] == [(1, 250, enc.config.d_model)]  # the turn: 2.7 s in one 5 s window, not 30 s
+    states = encoded.states
+    assert encoded.frames == 250
     assert states.shape == (1, 1500, enc.config.d_model)
     with torch.inference_mode():
         head = cut_encoder(buffered.model, 250)(full_features(buffered, audio)[..., :500]).last_hidden_state
@@ -106,6 +111,40 @@ def test_a_short_turn_is_encoded_on_its_window_with_silence_after_it(buffered: W
     with torch.inference_mode():
         whole = buffered.model.model.encoder(full_features(buffered, audio)).last_hidden_state
     assert (states - whole).abs().max() > 1e-3  # not the 30 s encoding: the window did change the computation
+
+
+def test_a_turns_cache_holds_the_cross_attention_of_all_1500_frames_with_silences_computed_once() -> None:
+    cfg = ASRConfig(max_new_tokens=24, final_pass_window_s=1.0)
+    asr = load_asr(cfg, device="cpu", dtype="float32")
+    assert isinstance(asr, WhisperBuffered)
+    windowed = WhisperBuffered(asr.model, asr.tokenizer, asr.feature_extractor, cfg, window_s=1.0)
+    calls: list[int] = []  # frames each cross-attention key projection is given
+    layers = asr.model.model.decoder.layers
+    hooks = [layer.encoder_attn.k_proj.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[1]))
+             for layer in layers]
+    try:
+        for seconds, frames in ((0.7, 50), (2.3, 150)):
+            calls.clear()
+            encoded = windowed.encode(make_audio(seconds))
+            assert encoded.frames == frames
+            cache = windowed.cache(encoded)
+            assert calls == [frames] * len(layers)  # only the turn's own frames
+            with torch.inference_mode():
+                for i, layer in enumerate(layers):
+                    attn = layer.encoder_attn
+                    for proj, cached in ((attn.k_proj, cache.cross_attention_cache.layers[i].keys),
+                                         (attn.v_proj, cache.cross_attention_cache.layers[i].values)):
+                        whole = proj(encoded.states).view(1, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
+                        torch.testing.assert_close(cached, whole, rtol=0, atol=1e-6)
+                    assert cache.is_updated[i]
+            calls.clear()
+            ids = windowed.decode(encoded)
+            assert calls == [frames] * len(layers)  # its cache's; the decoder read the rest from it
+            with torch.inference_mode():
+                assert ids == windowed._greedy(encoded, (), cached=False) != []
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def test_the_offline_pass_decodes_the_windowed_states_streamed_or_offline(buffered: WhisperBuffered) -> None:

@@ -151,7 +151,7 @@ class Aligner:
     def word_ends(self, audio: np.ndarray, ids: list[int]) -> list[tuple[str, float]]:
         """(normalised word, end seconds) of transcript `ids` (no prompt, no eos) of `audio`."""
         prompt = self.offline.prompt_ids
-        states = self.offline.encode(audio).to("cpu", torch.float32)  # the aligner runs on the cpu
+        states = self.offline.encode(audio).states.to("cpu", torch.float32)  # the aligner runs on the cpu
         out = self.model.model.decoder(input_ids=torch.tensor([prompt + ids]), encoder_hidden_states=states,
                                        output_attentions=True)
         frames = max(1, -(-len(audio) // 320))

@@ -10,7 +10,9 @@ buffer cut. Its cost grows with the buffer, which is exactly what the causal bac
 Decoding is our own greedy loop over the decoder with a KV cache (or, for the final pass that borrows this class,
 `whisper_beam.py`'s beam search over the same decoder): Whisper's `generate()` needs a generation config with many
 attributes (alignment heads, language maps, ...) that checkpoints and the tiny test model do not all have, and it
-runs the whole policy-free search we do not want here.
+runs the whole policy-free search we do not want here. The final pass encodes on windows shorter than 30 s and
+silence's states after them (`whisper_window.py`): the cross-attention keys and values of those silent frames are
+computed here once, and each turn projects only its own frames.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.asr.whisper_beam import beam_search
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
-from runtime.models.asr.whisper_window import WindowedEncoder
+from runtime.models.asr.whisper_window import Encoded, WindowedEncoder
 from runtime.models.loading import load_progress
 
 MAX_BUFFER_S = 30.0  # Whisper's encoder sees exactly 30 s
@@ -84,6 +86,10 @@ class WhisperBuffered:
             raise ConfigError(f"asr.final_pass_beam must be >= 1, got {beams}")
         self.beams = beams
         self.encoder = WindowedEncoder(model.model.encoder, feature_extractor, window_s)
+        # the decoder's dtype, which the encoder's states are cast to (`offline_decoder` may run the two in two)
+        self.dtype = model.model.decoder.embed_tokens.weight.dtype
+        silence = self.encoder.silence
+        self._silence_kv = None if silence is None else self._cross_kv(silence.to(self.dtype))
         self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
         self.suppress = suppressed_ids(model)
         self.eos_id = tokenizer.eos_token_id
@@ -106,10 +112,37 @@ class WhisperBuffered:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     @torch.inference_mode()
-    def encode(self, audio: np.ndarray) -> torch.Tensor:
+    def encode(self, audio: np.ndarray) -> Encoded:
         """Encoder states [1, 1500, d] of up to 30 s of audio: Whisper's own 30 s window, or with `window_s` < 30
         the audio's windows and silence after them (`whisper_window.WindowedEncoder`)."""
-        return self.encoder(audio)
+        encoded = self.encoder(audio)
+        return Encoded(encoded.states.to(self.dtype), encoded.frames)
+
+    @torch.inference_mode()
+    def _cross_kv(self, states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each decoder layer's cross-attention keys and values [1, heads, frames, head_dim] of `states`."""
+        out = []
+        for layer in self.model.model.decoder.layers:
+            attn = layer.encoder_attn
+            shape = (1, -1, attn.num_heads, attn.head_dim)
+            out.append(tuple(proj(states).view(shape).transpose(1, 2).contiguous()
+                             for proj in (attn.k_proj, attn.v_proj)))
+        return out
+
+    @torch.inference_mode()
+    def cache(self, encoded: Encoded) -> EncoderDecoderCache:
+        """A decoder cache for `encoded`: its cross-attention keys and values filled in already where silence's are
+        known (only the audio's frames projected), else left to the decoder's first call (all 1500 frames)."""
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        if self._silence_kv is None or encoded.frames >= encoded.states.shape[1]:
+            return cache
+        frames = encoded.frames
+        for i, (keys, values) in enumerate(self._cross_kv(encoded.states[:, :frames])):
+            silent_keys, silent_values = self._silence_kv[i]
+            cache.cross_attention_cache.update(torch.cat([keys, silent_keys[:, :, frames:]], dim=2),
+                                               torch.cat([values, silent_values[:, :, frames:]], dim=2), i)
+            cache.is_updated[i] = True
+        return cache
 
     def _next_logits(self, ids: torch.Tensor, states: torch.Tensor, cache: EncoderDecoderCache | None) -> torch.Tensor:
         """Next-token logits [rows, vocab] after each row of `ids`, suppressed tokens at -inf."""
@@ -128,12 +161,12 @@ class WhisperBuffered:
         return self.decode(self.encode(audio), forced)
 
     @torch.inference_mode()
-    def decode(self, states: torch.Tensor, forced: Sequence[int] = (), beams: int | None = None) -> list[int]:
+    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None) -> list[int]:
         """`hypothesis` from encoder states (`encode`), with `beams` instead of the decoder's own if given."""
         beams = self.beams if beams is None else beams
         if beams == 1 or len(forced) >= self.max_tokens:
-            return self._greedy(states, forced, cached=True)
-        rows = _BeamRows(self, states)
+            return self._greedy(encoded, forced, cached=True)
+        rows = _BeamRows(self, encoded)
         return list(forced) + beam_search(rows, self.prompt_ids + list(forced), beams=beams, eos=self.eos_id,
                                           max_tokens=self.max_tokens - len(forced))
 
@@ -142,12 +175,13 @@ class WhisperBuffered:
         """The greedy search re-running the whole decoder every step: the reference the cache must match."""
         return self._greedy(self.encode(audio), forced, cached=False)
 
-    def _greedy(self, states: torch.Tensor, forced: Sequence[int], *, cached: bool) -> list[int]:
+    def _greedy(self, encoded: Encoded, forced: Sequence[int], *, cached: bool) -> list[int]:
+        """Greedy decoding; `cached` False runs the whole decoder again for every token, over all 1500 states."""
         out = list(forced)
         if len(out) >= self.max_tokens:
             return out
-        device = self.model.device
-        cache = EncoderDecoderCache(DynamicCache(), DynamicCache()) if cached else None
+        device, states = self.model.device, encoded.states
+        cache = self.cache(encoded) if cached else None
         pending = torch.tensor([self.prompt_ids + out], device=device)
         while len(out) < self.max_tokens:
             token = int(self._next_logits(pending, states, cache)[0].argmax())
@@ -166,9 +200,9 @@ class _BeamRows:
     reordered as beams are kept; the cross-attention K/V, the same for every beam, stay one row that every beam
     reads (`expand`, no copy)."""
 
-    def __init__(self, whisper: WhisperBuffered, states: torch.Tensor) -> None:
-        self._whisper, self._states = whisper, states
-        self._cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    def __init__(self, whisper: WhisperBuffered, encoded: Encoded) -> None:
+        self._whisper, self._states = whisper, encoded.states
+        self._cache = whisper.cache(encoded)
 
     def _logprobs(self, ids: torch.Tensor) -> torch.Tensor:
         states = self._states.expand(len(ids), -1, -1)

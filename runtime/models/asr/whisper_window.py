@@ -10,6 +10,8 @@ after it: given only the window, tiny.en loops ("1, 2, 3, 1, 2, 3, ..." for "One
 measured on the quick sets, docs/model_card_causal_whisper.md). So the frames past the window are the encoder's
 states of silence at those positions, encoded once when the encoder is set up (a log-mel of digital silence:
 Whisper's floor, `SILENCE_MEL`): the decoder reads 1500 frames as always, and only the window is encoded per turn.
+The states come with the number of frames encoded from the audio (`Encoded`), so the decoder can project the
+silence's cross-attention keys and values once as well (`WhisperBuffered.cache`).
 Those tail states are not what the padded turn itself would give (there each padding frame also attends to the
 speech), so the transcript may differ from the 30 s one; `runtime bench asr-quality` measures by how much.
 
@@ -18,6 +20,8 @@ frames): the same modules in the same order, with the first `frames` positional 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,6 +68,16 @@ def encoder_states(encoder: WhisperEncoder, features: torch.Tensor) -> torch.Ten
     return encoder.layer_norm(h)
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """Encoder states [1, 1500, d] of some audio: the first `frames` encoded from it, silence's states after them (all
+    1500 from the audio when `frames` is 1500). The decoder reads all 1500 as always, but the cross-attention keys and
+    values of silence's frames need computing only once (`WhisperBuffered`)."""
+
+    states: torch.Tensor
+    frames: int
+
+
 class WindowedEncoder:
     """Audio -> encoder states [1, 1500, d]: the audio's windows encoded, silence's states after them."""
 
@@ -89,9 +103,9 @@ class WindowedEncoder:
                                       max_length=samples).input_features
 
     @torch.inference_mode()
-    def __call__(self, audio: np.ndarray) -> torch.Tensor:
+    def __call__(self, audio: np.ndarray) -> Encoded:
         frames = encoder_frames(len(audio), self.window_s)
         states = encoder_states(self.encoder, self._on_device(self.features(audio, frames)))
         if self.silence is None or frames == self.frames:
-            return states
-        return torch.cat([states, self.silence[:, frames:]], dim=1)
+            return Encoded(states, frames)
+        return Encoded(torch.cat([states, self.silence[:, frames:]], dim=1), frames)

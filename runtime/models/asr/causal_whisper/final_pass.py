@@ -32,10 +32,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.emission import ItemDecoder
+from runtime.models.asr.whisper_window import Encoded
 
 FINAL_PASSES = ("none", "decoder", "offline")
 
@@ -51,9 +51,9 @@ class Hypothesis(Protocol):
 
     beams: int
 
-    def encode(self, audio: np.ndarray) -> torch.Tensor: ...
+    def encode(self, audio: np.ndarray) -> Encoded: ...
 
-    def decode(self, states: torch.Tensor, forced: Sequence[int] = (), beams: int | None = None) -> list[int]: ...
+    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None) -> list[int]: ...
 
     def text(self, ids: Sequence[int]) -> str: ...
 
@@ -94,12 +94,12 @@ class OfflinePass:
 
     def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
         offline = self.offline
-        states = offline.encode(audio)
-        ids = offline.decode(states)
+        encoded = offline.encode(audio)
+        ids = offline.decode(encoded)
         looped = loops(offline.text(ids))
         if looped and offline.beams < RETRY_BEAMS:
             self.retried += 1
-            ids = offline.decode(states, beams=RETRY_BEAMS)
+            ids = offline.decode(encoded, beams=RETRY_BEAMS)
             looped = loops(offline.text(ids))
         if looped:
             self.kept_stream += 1
