@@ -150,7 +150,19 @@ def test_resume_continues_the_same_trajectory(data_dir: Path, tmp_path: Path) ->
     assert [json.loads(line)["loss"] for line in log.read_text().splitlines()] == straight
 
 
+def test_init_starts_a_new_run_from_an_adapters_weights(data_dir: Path, tmp_path: Path) -> None:
+    first, _ = train(config(data_dir, tmp_path / "first", steps=6, save_every=6))
+    trained = probe_logits(first, data_dir)
+    # lr this small moves no weight past float rounding: the run starts where the adapter ended, not at zero
+    again, losses = train(config(data_dir, tmp_path / "again", steps=1, lr=1e-30, init=str(tmp_path / "first/adapter")))
+    torch.testing.assert_close(probe_logits(again, data_dir), trained, rtol=0, atol=1e-6)
+    fresh, fresh_losses = train(config(data_dir, tmp_path / "fresh", steps=1, lr=1e-30))
+    assert not torch.allclose(probe_logits(fresh, data_dir), trained, atol=1e-3)
+    assert losses[0] < fresh_losses[0]  # it had learned the clips already
+
+
 @pytest.mark.parametrize(("flags", "message"), [
+    (["--init", "no-such-adapter"], "--init no-such-adapter: no adapter there"),
     (["--rank", "0"], "--rank must be at least 1"), (["--steps", "0"], "--steps must be at least 1"),
     (["--batch-size", "0"], "--batch-size must be at least 1"), (["--save-every", "-1"], "--save-every"),
     (["--chunk-ms", "30"], "--chunk-ms must be positive multiples of 20"), (["--chunk-ms", "0"], "--chunk-ms"),

@@ -10,6 +10,8 @@ padding changes no clip's loss target; labels are padded with -100.
 Run state is exact: data order is a pure function of (seed, step), and `checkpoint-N/` holds the adapter,
 the optimizer, the step and the RNG state, so `--resume` continues the loss trajectory of an uninterrupted
 run. The final adapter goes to `--out/adapter/` (peft layout), loadable with `--set asr.adapter=DIR`.
+`--init ADAPTER` starts a new run from an adapter's weights instead of zero (its rank, a fresh optimizer): to
+specialise an adapter trained over several chunk sizes to one of them, or to go on with new data.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.encoder import FRAME_MS, CausalWhisperEncoder, block_frames_for
 from runtime.models.asr.causal_whisper.features import log_mel, mel_frames_for
-from runtime.models.asr.causal_whisper.lora import DEFAULT_RANK, add_lora, load_adapter
+from runtime.models.asr.causal_whisper.lora import DEFAULT_RANK, adapter_path, add_lora, load_adapter
 from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_prompt
 from runtime.train.data import load_examples
 from runtime.train.outputs import out_folder
@@ -55,6 +57,7 @@ class TrainConfig:
     device: str = "cpu"
     dtype: str = "float32"
     language: str = "en"
+    init: str = ""  # an adapter (folder or builtin:NAME) whose weights a new run starts from ("": zero, at --rank)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--language", default=d.language, help="language token of the transcripts")
+    parser.add_argument("--init", default=d.init, metavar="ADAPTER",
+                        help="start from this adapter's weights (a folder or builtin:NAME; its rank, not --rank) "
+                             "instead of zero; ignored by --resume, which continues its own checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,6 +210,9 @@ def check_config(cfg: TrainConfig) -> None:
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     chunk_sizes(cfg)
+    if cfg.init and not (adapter_path(cfg.init) / "adapter_config.json").is_file():
+        raise ConfigError(f"--init {cfg.init}: no adapter there (a folder with adapter_config.json, as "
+                          "`runtime train causal-whisper` writes in --out/adapter, or builtin:NAME)")
     if not 0.0 < cfg.lr < math.inf:
         raise ConfigError(f"--lr must be a finite number > 0, got {cfg.lr}")
 
@@ -232,7 +241,15 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
 
     lengths = [len(audio) for audio, _ in clips]
     torch.manual_seed(cfg.seed)  # after loading: building a tiny: base on first use draws from the global RNG
-    model = load_adapter(model, ckpt / "adapter", trainable=True) if ckpt else add_lora(model, cfg.rank)
+    if ckpt:
+        model = load_adapter(model, ckpt / "adapter", trainable=True)
+    elif cfg.init:
+        try:
+            model = load_adapter(model, cfg.init, trainable=True)
+        except ValueError as err:  # trained for another base
+            raise ConfigError(f"--init {cfg.init}: {err}") from None
+    else:
+        model = add_lora(model, cfg.rank)
     model.train()
     encoders = [CausalWhisperEncoder(model, block_frames=block_frames_for(ms)) for ms in sizes]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
