@@ -159,6 +159,19 @@ def test_init_starts_a_new_run_from_an_adapters_weights(data_dir: Path, tmp_path
     fresh, fresh_losses = train(config(data_dir, tmp_path / "fresh", steps=1, lr=1e-30))
     assert not torch.allclose(probe_logits(fresh, data_dir), trained, atol=1e-3)
     assert losses[0] < fresh_losses[0]  # it had learned the clips already
+    def base(run: str) -> str:
+        return json.loads((tmp_path / run / "adapter/adapter_config.json").read_text())["base_model_name_or_path"]
+
+    assert base("again") == base("fresh")  # the base this run trained for, recorded as a fresh run records it
+    # an init adapter that names another base (same shapes) is trained for this one and says so
+    config_path = tmp_path / "first/adapter/adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "base_model_name_or_path": "other"}))
+    train(config(data_dir, tmp_path / "renamed", steps=1, lr=1e-30, init=str(tmp_path / "first/adapter")))
+    assert base("renamed") == base("fresh") != "other"
+    # --resume continues its own checkpoint: an --init that has gone since does not stop it
+    _, resumed = train(config(data_dir, tmp_path / "again", steps=2, lr=1e-30, init=str(tmp_path / "gone"),
+                              resume=True))
+    assert len(resumed) == 1
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -210,9 +210,10 @@ def check_config(cfg: TrainConfig) -> None:
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     chunk_sizes(cfg)
-    if cfg.init and not (adapter_path(cfg.init) / "adapter_config.json").is_file():
+    if cfg.init and not cfg.resume and not (adapter_path(cfg.init) / "adapter_config.json").is_file():
         raise ConfigError(f"--init {cfg.init}: no adapter there (a folder with adapter_config.json, as "
-                          "`runtime train causal-whisper` writes in --out/adapter, or builtin:NAME)")
+                          "`runtime train causal-whisper` writes in --out/adapter and --out/checkpoint-N/adapter, "
+                          "or builtin:NAME)")
     if not 0.0 < cfg.lr < math.inf:
         raise ConfigError(f"--lr must be a finite number > 0, got {cfg.lr}")
 
@@ -248,6 +249,8 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
             model = load_adapter(model, cfg.init, trainable=True)
         except ValueError as err:  # trained for another base
             raise ConfigError(f"--init {cfg.init}: {err}") from None
+        # the base this run trains for, as a fresh adapter records it, not the one the init adapter was trained on
+        model.peft_config["default"].base_model_name_or_path = model.get_base_model().name_or_path
     else:
         model = add_lora(model, cfg.rank)
     model.train()

@@ -86,10 +86,8 @@ class WhisperBuffered:
             raise ConfigError(f"asr.final_pass_beam must be >= 1, got {beams}")
         self.beams = beams
         self.encoder = WindowedEncoder(model.model.encoder, feature_extractor, window_s)
-        # the decoder's dtype, which the encoder's states are cast to (`offline_decoder` may run the two in two)
-        self.dtype = model.model.decoder.embed_tokens.weight.dtype
         silence = self.encoder.silence
-        self._silence_kv = None if silence is None else self._cross_kv(silence.to(self.dtype))
+        self._silence_kv = None if silence is None else self._cross_kv(silence)
         self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
         self.suppress = suppressed_ids(model)
         self.eos_id = tokenizer.eos_token_id
@@ -113,10 +111,9 @@ class WhisperBuffered:
 
     @torch.inference_mode()
     def encode(self, audio: np.ndarray) -> Encoded:
-        """Encoder states [1, 1500, d] of up to 30 s of audio: Whisper's own 30 s window, or with `window_s` < 30
-        the audio's windows and silence after them (`whisper_window.WindowedEncoder`)."""
-        encoded = self.encoder(audio)
-        return Encoded(encoded.states.to(self.dtype), encoded.frames)
+        """Encoder states [1, 1500, d] of up to 30 s of audio, with how many were encoded from it: Whisper's own
+        30 s window, or with `window_s` < 30 the audio's windows and silence after them (`whisper_window.py`)."""
+        return self.encoder(audio)
 
     @torch.inference_mode()
     def _cross_kv(self, states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -125,8 +122,9 @@ class WhisperBuffered:
         for layer in self.model.model.decoder.layers:
             attn = layer.encoder_attn
             shape = (1, -1, attn.num_heads, attn.head_dim)
-            out.append(tuple(proj(states).view(shape).transpose(1, 2).contiguous()
-                             for proj in (attn.k_proj, attn.v_proj)))
+            keys, values = (proj(states).view(shape).transpose(1, 2).contiguous()
+                            for proj in (attn.k_proj, attn.v_proj))
+            out.append((keys, values))
         return out
 
     @torch.inference_mode()

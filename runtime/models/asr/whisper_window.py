@@ -68,7 +68,7 @@ def encoder_states(encoder: WhisperEncoder, features: torch.Tensor) -> torch.Ten
     return encoder.layer_norm(h)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Encoded:
     """Encoder states [1, 1500, d] of some audio: the first `frames` encoded from it, silence's states after them (all
     1500 from the audio when `frames` is 1500). The decoder reads all 1500 as always, but the cross-attention keys and
