@@ -23,23 +23,23 @@ stream (CarelessWhisper resets its caches at 30 s and carries text, not audio, a
 at every call, so peft LoRA wrappers injected into the model are used and trained through it. The stream calls
 them too in train mode or while a projection is wrapped (unmerged LoRA); otherwise its layers run on packed
 copies of the projections (q/k/v fused into one GEMM, [in, out] matrices on CPU), built from the current
-weights and rebuilt when they change (`CausalWhisperEncoder.stream_weights`).
+weights and rebuilt when they change (`CausalWhisperEncoder.stream_weights`). The layer math, both ways, is in
+encoder_layers.py.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.models.whisper.modeling_whisper import WhisperAttention, WhisperEncoder, WhisperEncoderLayer
+from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from runtime.errors import ConfigError
+from runtime.models.asr.causal_whisper.encoder_layers import KVCache, PackedLayer, hf_layer, pack_layer, packed_layer
 from runtime.models.asr.causal_whisper.features import HOP, INIT_MAX, StreamingLogMel, log_mel
 
 FRAME_MS = 20  # one encoder frame: two 10 ms mel hops
@@ -78,115 +78,7 @@ def block_causal_mask(
     return torch.arange(k_end, device=device)[None, :] < limit[:, None]
 
 
-class _KVCache:
-    """One layer's self-attention keys/values [heads, capacity, head_dim], allocated once for a full stream."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.n = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add k, v [heads, t, head_dim]; returns views of every cached key and value [heads, n + t, head_dim]."""
-        if self.k is None or self.v is None:
-            self.k = k.new_empty(k.shape[0], self.capacity, k.shape[2])
-            self.v = v.new_empty(v.shape[0], self.capacity, v.shape[2])
-        need = self.n + k.shape[1]
-        self.k[:, self.n : need] = k
-        self.v[:, self.n : need] = v
-        self.n = need
-        return self.k[:, :need], self.v[:, :need]
-
-    def truncate(self, n: int) -> None:
-        """Forget every key/value from position `n` on (a preview's block is taken back)."""
-        self.n = min(self.n, n)
-
-
-def _attention(
-    attn: WhisperAttention, x: torch.Tensor, mask: torch.Tensor | None, cache: _KVCache | None
-) -> torch.Tensor:
-    """Whisper self-attention with an explicit mask and optional K/V cache (HF's math: q scaled first)."""
-    b, t, _ = x.shape
-    shape = (b, t, attn.num_heads, attn.head_dim)
-    q = (attn.q_proj(x) * attn.scaling).view(shape).transpose(1, 2)
-    k = attn.k_proj(x).view(shape).transpose(1, 2)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)
-    if cache is not None:
-        k, v = (c[None] for c in cache.append(k[0], v[0]))
-    p = attn.dropout if attn.training else 0.0
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
-    return attn.out_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-def _layer(
-    layer: WhisperEncoderLayer, h: torch.Tensor, mask: torch.Tensor | None, cache: _KVCache | None
-) -> torch.Tensor:
-    """WhisperEncoderLayer.forward with our attention (pre-norm attention and MLP, residuals, fp16 clamp)."""
-    training = layer.training
-    x = _attention(layer.self_attn, layer.self_attn_layer_norm(h), mask, cache)
-    h = h + F.dropout(x, p=layer.dropout, training=training)
-    x = layer.activation_fn(layer.fc1(layer.final_layer_norm(h)))
-    x = layer.fc2(F.dropout(x, p=layer.activation_dropout, training=training))
-    h = h + F.dropout(x, p=layer.dropout, training=training)
-    if h.dtype == torch.float16:
-        bound = torch.finfo(h.dtype).max - 1000
-        h = torch.clamp(h, min=-bound, max=bound)
-    return h
-
-
-class _Packed(NamedTuple):
-    """One layer's weights laid out for the streaming path (see `CausalWhisperEncoder.stream_weights`)."""
-
-    norm1: tuple[torch.Tensor, torch.Tensor, float]  # self_attn_layer_norm weight, bias, eps
-    qkv: tuple[torch.Tensor, torch.Tensor]  # [d, 3d] = [q * scaling | k | v]^T, bias (k's is zero)
-    out: tuple[torch.Tensor, torch.Tensor]  # [d, d], bias
-    norm2: tuple[torch.Tensor, torch.Tensor, float]
-    fc1: tuple[torch.Tensor, torch.Tensor]  # [d, ffn], bias
-    act: Callable[[torch.Tensor], torch.Tensor]
-    fc2: tuple[torch.Tensor, torch.Tensor]  # [ffn, d], bias
-
-
-def _pack(layer: WhisperEncoderLayer) -> _Packed:
-    """`layer`'s current weights as [in, out] matrices: fused q/k/v, q pre-scaled (exact for 64-dim heads)."""
-    attn = layer.self_attn
-    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj
-    cpu = q.weight.device.type == "cpu"  # MKL's small-batch GEMM is much faster on [in, out] weights
-
-    def t(w: torch.Tensor) -> torch.Tensor:
-        return w.t().contiguous() if cpu else w.t()
-
-    def bias(m: nn.Linear) -> torch.Tensor:
-        return m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
-
-    def norm(ln: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor, float]:
-        return ln.weight, ln.bias, ln.eps
-
-    w_qkv = torch.cat([q.weight * attn.scaling, k.weight, v.weight]).t().contiguous()
-    b_qkv = torch.cat([bias(q) * attn.scaling, bias(k), bias(v)])
-    return _Packed(
-        norm(layer.self_attn_layer_norm), (w_qkv, b_qkv), (t(o.weight), bias(o)), norm(layer.final_layer_norm),
-        (t(layer.fc1.weight), bias(layer.fc1)), layer.activation_fn, (t(layer.fc2.weight), bias(layer.fc2)),
-    )  # fmt: skip
-
-
-_PACKED: weakref.WeakKeyDictionary[WhisperEncoder, tuple[tuple, list[_Packed]]] = weakref.WeakKeyDictionary()
-
-
-def _packed_layer(p: _Packed, h: torch.Tensor, mask: torch.Tensor | None, cache: _KVCache, heads: int) -> torch.Tensor:
-    """`_layer` in eval mode on one sequence h [t, d] with packed weights: what the stream runs."""
-    t, d = h.shape
-    x = F.layer_norm(h, (d,), *p.norm1)
-    q, k, v = torch.addmm(p.qkv[1], x, p.qkv[0]).view(t, 3, heads, d // heads).permute(1, 2, 0, 3)
-    k, v = cache.append(k, v)
-    x = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=1.0)[0]  # 4-D: CPU flash
-    h = h + torch.addmm(p.out[1], x.transpose(0, 1).reshape(t, d), p.out[0])
-    x = p.act(torch.addmm(p.fc1[1], F.layer_norm(h, (d,), *p.norm2), p.fc1[0]))
-    h = h + torch.addmm(p.fc2[1], x, p.fc2[0])
-    if h.dtype == torch.float16:
-        bound = torch.finfo(h.dtype).max - 1000
-        h = torch.clamp(h, min=-bound, max=bound)
-    return h
+_PACKED: weakref.WeakKeyDictionary[WhisperEncoder, tuple[tuple, list[PackedLayer]]] = weakref.WeakKeyDictionary()
 
 
 class CausalWhisperEncoder:
@@ -215,7 +107,7 @@ class CausalWhisperEncoder:
     def dtype(self) -> torch.dtype:
         return self.encoder.conv1.weight.dtype
 
-    def stream_weights(self) -> list[_Packed] | None:
+    def stream_weights(self) -> list[PackedLayer] | None:
         """Per-layer packed weights for streaming, or None where the stream must call the modules.
 
         None in train mode (dropout) and when any projection is not a plain `nn.Linear` (peft LoRA wrappers,
@@ -234,7 +126,7 @@ class CausalWhisperEncoder:
         if cached is None or cached[0] != key:
             _PACKED.pop(enc, None)  # free the stale copy before building the new one
             with torch.no_grad():
-                cached = _PACKED[enc] = (key, [_pack(layer) for layer in enc.layers])
+                cached = _PACKED[enc] = (key, [pack_layer(layer) for layer in enc.layers])
         return cached[1]
 
     def frames_for(self, mel_frames: int) -> int:
@@ -263,7 +155,7 @@ class CausalWhisperEncoder:
         h = F.dropout(h, p=enc.dropout, training=enc.training)
         mask = block_causal_mask(0, t, t, self.block_frames, x.device)
         for layer in enc.layers:
-            h = _layer(layer, h, mask, None)
+            h = hf_layer(layer, h, mask, None)
         return enc.layer_norm(h)
 
     @torch.inference_mode()
@@ -298,7 +190,7 @@ class MelEncoderStream:
         self._mel = torch.zeros(owner.n_mels, 1, device=device, dtype=dtype)  # conv1's left zero padding
         self._conv = torch.zeros(owner.d_model, 1, device=device, dtype=dtype)  # conv2's left zero padding
         self._pending = torch.empty(0, owner.d_model, device=device, dtype=dtype)  # embedded, not yet in a block
-        self._caches = [_KVCache(owner.max_frames) for _ in enc.layers]
+        self._caches = [KVCache(owner.max_frames) for _ in enc.layers]
         self._packed = owner.stream_weights()  # None: the modules' path (peft LoRA, train mode)
         self.mel_frames = 0  # mel frames received
         self.conv1_frames = 0
@@ -349,11 +241,11 @@ class MelEncoderStream:
         mask = None if single else block_causal_mask(start, end, end, gran, h.device)
         if self._packed is not None:
             for packed, cache in zip(self._packed, self._caches, strict=True):
-                h = _packed_layer(packed, h, mask, cache, self.owner.heads)
+                h = packed_layer(packed, h, mask, cache, self.owner.heads)
         else:
             h = h[None]
             for layer, cache in zip(self.owner.encoder.layers, self._caches, strict=True):
-                h = _layer(layer, h, mask, cache)
+                h = hf_layer(layer, h, mask, cache)
             h = h[0]
         return self.owner.encoder.layer_norm(h)
 
