@@ -1,10 +1,11 @@
-"""One Whisper encoder layer, computed two ways that give the same states.
+"""One Whisper encoder layer, computed two ways that give the same states (to float rounding).
 
 `hf_layer` runs the Hugging Face modules themselves (so peft's LoRA wrappers train through it) with an explicit
 mask; `packed_layer` runs the same math on `PackedLayer` copies of the weights laid out for small-batch CPU GEMMs
-(q/k/v fused, [in, out] matrices), which is what a stream runs once the adapter is merged. Both append a block's
-keys and values to a `KVCache`, so a block attends to every earlier block without recomputing it.
-`CausalWhisperEncoder` (encoder.py) decides which one runs.
+(q/k/v fused, [in, out] matrices), which a stream runs in eval mode while every projection is a plain
+`nn.Linear` (no adapter, or a merged one). Given a `KVCache`, both append a block's keys and values to it, so a
+block attends to every earlier block without recomputing it. `CausalWhisperEncoder` (encoder.py) decides which
+one runs.
 """
 
 from __future__ import annotations
