@@ -238,7 +238,8 @@ def test_two_pass_rows_end_where_the_offline_ceiling_does(capsys, tmp_path):
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"audio": "a.flac", "text": demo_script()}) + "\n")
     code, out, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--json", "--threads", "1", "--data",
                              str(tmp_path), "--systems", "offline,two-pass", "--chunks", "300", "--human",
-                             str(tmp_path / "none"), "--adapter", "builtin:causal-whisper-tiny.en")
+                             str(tmp_path / "none"), "--adapter", "builtin:causal-whisper-tiny.en",
+                             "--refresh-ms", "300")
     assert code == 0, err
     result = json.loads(out)
     assert set(result["systems"]) == {"whisper-offline", "causal-whisper-300ms+decoder", "causal-whisper-300ms+offline"}
@@ -250,5 +251,7 @@ def test_two_pass_rows_end_where_the_offline_ceiling_does(capsys, tmp_path):
     assert row["word_latency_s"]["words_timed"] > 0
     settings = result["system_settings"]["causal-whisper-300ms+offline"]
     assert profile.final_pass_dtype in settings and f"{profile.final_pass_window_s:g} s windows" in settings
+    # the stream runs as the profile does (its token budget), with the --refresh-ms asked for
+    assert f"{profile.max_new_tokens} tokens an item" in settings and "re-fed after 300 ms" in settings
     assert {"causal_300ms+offline_human_wer_within_1.25x_offline",
             "causal_300ms+decoder_compute_over_faster_whisper"} <= set(result["targets"])

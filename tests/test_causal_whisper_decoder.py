@@ -31,6 +31,12 @@ def asr40() -> CausalWhisperASR:
 
 
 @pytest.fixture(scope="module")
+def asr40_refresh() -> CausalWhisperASR:
+    """asr40, and a block that stops on eos or a loop re-feeds positions fed 200 ms or more before."""
+    return load(chunk_ms=40, reset_s=3.0, max_new_tokens=40, refresh_ms=200)
+
+
+@pytest.fixture(scope="module")
 def asr300() -> CausalWhisperASR:
     """Blocks of 15 encoder frames; the 3 s time limit triggers the resets. The random model loops at once, so
     the loop rule is off here (asr40 keeps it on) for transcripts long enough to cross resets."""
@@ -247,6 +253,48 @@ def test_suppressed_tokens_are_never_said() -> None:
     assert [t.id for t in free.tokens] == [3]
 
 
+class StaleScorer(ScriptedScorer):
+    """A fake decoder whose next token depends on the frames the oldest position was fed with, as a real one's
+    prefix fed early says "the sentence is over": eos after 1 while position 0 was fed with under 6 frames."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.seen: list[int] = []
+        self.from_start = 0  # feeds from position 0
+
+    def feed(self, ids: Sequence[int], last: int | None = None) -> torch.Tensor:
+        self.from_start += not self.ids
+        self.ids += list(ids)
+        self.seen += [self.n_frames] * len(ids)
+        fresh = self.seen[0] >= 6
+        table = {5: {1: 0.9}, 1: {2: 0.8} if fresh else {0: 0.8, 2: 0.1}, 2: {0: 0.9}}
+        return logprobs([table[i] for i in ids])[-(last or len(ids)) :]
+
+    def truncate(self, length: int) -> None:
+        super().truncate(length)
+        del self.seen[length:]
+
+    def drop_frames(self, n_frames: int) -> None:
+        self.n_frames = min(self.n_frames, n_frames)
+
+
+@pytest.mark.parametrize("refresh", [0, 4])
+def test_a_stopped_block_refeeds_stale_positions(refresh: int) -> None:
+    scorer = StaleScorer()
+    item = ItemDecoder(scorer, [5], eos_id=0, lookback=0, max_tokens=10, block_tokens=5, frame0=0, refresh=refresh)
+    item.step(torch.zeros(2, 1))  # position 0 fed with 2 frames: 5 -> 1 -> eos
+    assert [t.id for t in item.tokens] == [1] and item.stable == 1 and scorer.from_start == 1
+    item.step(torch.zeros(2, 1))  # 4 frames, fed 2 frames ago: too soon to re-feed
+    assert [t.id for t in item.tokens] == [1] and scorer.from_start == 1
+    assert item.preview(torch.zeros(2, 1)) == [1]  # a preview never re-feeds (it could not take it back)
+    item.step(torch.zeros(2, 1))  # 6 frames, fed 4 ago: re-fed from position 0, and 1 -> 2 follows
+    assert [t.id for t in item.tokens] == ([1, 2] if refresh else [1])
+    assert scorer.from_start == (2 if refresh else 1)
+    assert scorer.seen == [6] * len(scorer.ids) if refresh else scorer.seen[0] == 2
+    item.step(torch.zeros(2, 1))  # stops on eos again, but every position was fed 2 frames ago
+    assert scorer.from_start == (2 if refresh else 1)
+
+
 def test_reset_plan() -> None:
     toks = [Token(i, 1.0, f) for i, f in enumerate([10, 20, 120, 130, 140])]
     # last stable emitted at 140: restart 25 frames (0.5 s) before it; tokens emitted after 115 are forced
@@ -259,12 +307,14 @@ def test_reset_plan() -> None:
     assert (plan.restart_frame, plan.previous, plan.forced) == (125, [], [])
 
 
-@pytest.mark.parametrize("fixture", ["asr40", "asr300"])
+@pytest.mark.parametrize("fixture", ["asr40", "asr300", "asr40_refresh"])
 def test_streaming_equals_offline_reference(fixture: str, request: pytest.FixtureRequest) -> None:
     asr: CausalWhisperASR = request.getfixturevalue(fixture)
     audio = make_audio(4.5)
     reference = offline_transcript(asr, audio)
     assert len(reference) > 20
+    if fixture == "asr40_refresh":  # the re-feeds must change what is said, or this case could not tell
+        assert reference != offline_transcript(request.getfixturevalue("asr40"), audio)
     for kind in ("whole", "one-sample", "ragged", "big"):
         updates = run_stream(asr.open_stream(), audio, chunk_sizes(len(audio), kind))
         assert check_structure(updates) == reference, kind

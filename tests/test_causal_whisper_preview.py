@@ -135,6 +135,7 @@ def run_calls(asr: CausalWhisperASR, audio: np.ndarray, sizes: list[int]) -> Cal
 @pytest.mark.parametrize(("chunk_ms", "preview_ms", "kw"), [
     (300, 100, {"max_new_tokens": 60, "loop_repeats": 0}),  # the loop rule off: text long enough to reset
     (200, 40, {"max_new_tokens": 40}),
+    (200, 40, {"max_new_tokens": 40, "refresh_ms": 200}),  # stale positions re-fed, never in a preview
 ])
 def test_stream_shows_the_references_previews(chunk_ms: int, preview_ms: int, kw: dict) -> None:
     asr = load(chunk_ms=chunk_ms, preview_ms=preview_ms, reset_s=3.0, **kw)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 
@@ -212,3 +213,29 @@ def test_beam_search_equals_ctranslate2s_on_human_speech(ct2_folder, buffered) -
                                  max_length=448, suppress_blank=False,
                                  suppress_tokens=buffered.suppress)[0].sequences_ids[0]
         assert beamed.hypothesis(audio) == theirs, name
+
+
+def test_refresh_keeps_the_100ms_stream_going_and_equals_its_reference(causal) -> None:
+    """Under 100 ms blocks with the shipped adapter, the decoder's prompt fed on the first 100 ms makes the model
+    predict end-of-text after "Ever tried." for the rest of the clip; re-fed (`asr.refresh_ms`), it goes on. The
+    re-fed stream still equals its offline reference, token for token, over uneven chunks."""
+    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+    from runtime.models.asr.causal_whisper.lora import load_adapter
+    from runtime.models.asr.causal_whisper.reference import offline_transcript
+    from runtime.train.text_norm import wer
+
+    name, audio, text = next(c for c in dev_clips() if c[0] == "beckett")
+    model = load_adapter(copy.deepcopy(causal.model), "builtin:causal-whisper-tiny.en").merge_and_unload()
+    plain, fresh = (CausalWhisperASR(model, causal.tokenizer, replace(causal.cfg, chunk_ms=100, refresh_ms=ms),
+                                     name=causal.name) for ms in (0, 300))
+    stopped, going = offline_transcript(plain, audio), offline_transcript(fresh, audio)
+    assert wer([text], [going]) < wer([text], [stopped]), (stopped, going)
+    assert len(going.split()) >= 2 * len(stopped.split()), (stopped, going)
+    stream, updates, pos = fresh.open_stream(), [], 0
+    for size in [1600, 4000, 333, 8000, 2400] * 20:
+        if pos >= len(audio):
+            break
+        updates += stream.accept(AudioChunk(audio[pos : pos + size], pos))
+        pos += size
+    updates += stream.finish()
+    assert "".join(u.transcript for u in updates if u.completed) == going, name

@@ -207,10 +207,12 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
     preview = getattr(args, "preview_ms", 0) or 0
     rows = variants(kinds, chunks, preview)
     if rows:  # causal, two-pass, previewed
-        # as the whisper-tiny-en profile runs them: its decoders' head, its offline pass's dtype and window
+        # as the whisper-tiny-en profile runs them: its stream's settings (token budget, look-back, loop rule,
+        # resets, re-feeds), its decoders' weights, its offline pass's dtype and window; the Whisper and adapter given
         profile = load_profile("whisper-tiny-en").asr
-        cfg = ASRConfig(backend="causal-whisper", model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None)
-                        or "", head_weights=profile.head_weights, decoder_weights=profile.decoder_weights)
+        refresh = getattr(args, "refresh_ms", None)
+        cfg = replace(profile, model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None) or "",
+                      preview_ms=0, final_pass="none", refresh_ms=profile.refresh_ms if refresh is None else refresh)
         first = load_asr(cfg, device=device, dtype=dtype, progress=status)
         passes: dict[str, FinalPass | None] = {"": None}
         head = f", head {profile.head_weights}" if profile.head_weights else ""
@@ -232,7 +234,9 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
             asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=final)
             settings[causal_id(ms, name, every)] = (
                 f"{ref}, block-causal, {ms} ms chunks, look-back {cfg.lookback_tokens} tokens, adapter "
-                f"{cfg.adapter or 'none'}{head}" + (f", previewed every {every} ms" if every else "")
+                f"{cfg.adapter or 'none'}{head}, {cfg.max_new_tokens} tokens an item"
+                + (f", stale positions re-fed after {cfg.refresh_ms} ms" if cfg.refresh_ms else "")
+                + (f", previewed every {every} ms" if every else "")
                 + (f", final pass {name} at the end of each clip" if name else "")
                 + (f" ({pass_dtype}, {window:g} s windows, "
                    f"{'greedy' if beams == 1 else f'{beams} beams'}, a loop decoded again with beams)"

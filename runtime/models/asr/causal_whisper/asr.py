@@ -119,9 +119,10 @@ class CausalWhisperASR:
             raise ConfigError(f"asr.preview_ms must be a multiple of {FRAME_MS} ms that divides asr.chunk_ms "
                               f"({cfg.chunk_ms}) and is smaller, got {cfg.preview_ms} (0: no previews)")
         self.preview_frames = cfg.preview_ms // FRAME_MS
-        if cfg.lookback_tokens < 0 or cfg.loop_repeats < 0:
-            raise ConfigError(f"asr.lookback_tokens and asr.loop_repeats must be >= 0, got {cfg.lookback_tokens} "
-                              f"and {cfg.loop_repeats}")
+        if cfg.lookback_tokens < 0 or cfg.loop_repeats < 0 or cfg.refresh_ms < 0:
+            raise ConfigError(f"asr.lookback_tokens, asr.loop_repeats and asr.refresh_ms must be >= 0, got "
+                              f"{cfg.lookback_tokens}, {cfg.loop_repeats} and {cfg.refresh_ms}")
+        self.refresh_frames = math.ceil(cfg.refresh_ms / FRAME_MS)
         self.model, self.tokenizer, self.cfg, self.name = model, tokenizer, cfg, name
         self.final_pass = final_pass
         self.encoder = CausalWhisperEncoder(model, block_frames=self.block_frames)
@@ -184,7 +185,7 @@ class CausalWhisperASR:
         return ItemDecoder(scorer, context, eos_id=self.eos_id, lookback=self.cfg.lookback_tokens,
                            max_tokens=self.max_tokens, block_tokens=self.block_tokens,
                            frame0=carry.restart_frame if carry else 0, loop_repeats=self.cfg.loop_repeats,
-                           suppress=self.suppress)
+                           suppress=self.suppress, refresh=self.refresh_frames)
 
     def reset_due(self, item: ItemDecoder, frames: int) -> bool:
         """After a non-final step with `frames` frames in the segment: is it time to reset?"""
