@@ -223,8 +223,11 @@ def test_loops_are_phrases_said_three_times_running() -> None:
     assert loops([9, 1, 2, 3, 1, 2, 3, 1, 2], 3) and not loops([9, 1, 2, 3, 1, 2, 3, 1, 2], 4)
     six = [1, 2, 3, 4, 5, 6]
     assert loops([*six, *six, *six[:5]], 6) and not loops([9, *six, 8, *six[:5]], 6)
-    seven = [1, 2, 3, 4, 5, 6, 7]
-    assert not loops([*seven, *seven, *seven[:6]], 7)  # longer phrases are not looked for
+    long = list(range(1, 17))  # "I'm going to eat in the last 10th," over and over: 16 tokens
+    assert loops([*long, *long, *long[:15]], 16) and not loops([9, *long, 8, *long[:15]], 16)
+    assert not loops([*long, *long, *long[:15]], 16, longest=15)
+    seventeen = list(range(1, 18))
+    assert not loops([*seventeen, *seventeen, *seventeen[:16]], 17)  # longer phrases are not looked for
     assert not loops([], 3)
     assert not loops([7, 7, 7, 7, 7], 7, repeats=0) and loops([5, 6, 5], 6, repeats=2)
 

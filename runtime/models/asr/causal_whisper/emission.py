@@ -37,16 +37,20 @@ def keep_count(ids: Sequence[int], old_probs: Sequence[float], logprobs: torch.T
     return len(ids)
 
 
-def loops(ids: Sequence[int], tok: int, repeats: int = 3) -> bool:
-    """Would `tok` make the transcript's end a loop: one token said `repeats` + 1 times in a row, or a 2-6 token
-    phrase `repeats` times (`asr.loop_repeats`; 0 never)? Whisper reading past the audio it has falls into such
-    loops ("3. 3. 3. 3. ..."), and greedy decoding never leaves them; people almost never say a phrase three
-    times running. The rule treats a looping token as the end of what can be said for now (like eos): the next
-    block may go on with anything else."""
+LONGEST_LOOP = 16  # tokens in the longest phrase `loops` looks for
+
+
+def loops(ids: Sequence[int], tok: int, repeats: int = 3, longest: int = LONGEST_LOOP) -> bool:
+    """Would `tok` make the transcript's end a loop: one token said `repeats` + 1 times in a row, or a phrase of
+    2 to `longest` tokens `repeats` times (`asr.loop_repeats`; 0 never)? Whisper reading past the audio it has falls
+    into such loops ("3. 3. 3. 3. ...", or "I'm going to eat in the last 10th," fifteen times over a 100 ms
+    stream), and greedy decoding never leaves them; people almost never say a phrase three times running. The rule
+    treats a looping token as the end of what can be said for now (like eos): the next block may go on with
+    anything else."""
     if repeats < 1:
         return False
-    seq = [*ids[-(6 * repeats) :], tok]
-    for n in range(1, 7):
+    seq = [*ids[-(longest * repeats) :], tok]
+    for n in range(1, longest + 1):
         times = repeats + (n == 1)
         if len(seq) >= n * times and all(seq[-n * k - n : len(seq) - n * k] == seq[-n:] for k in range(1, times)):
             return True
