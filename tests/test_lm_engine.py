@@ -21,8 +21,9 @@ from transformers import (
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError
-from runtime.models.lm.engine import EngineSession, LMEngine, SourceTokens
+from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.generate_answerer import GenerateAnswerer
+from runtime.models.lm.source_tokens import SourceTokens
 
 TOL = 1e-4
 WORDS = [
