@@ -44,8 +44,9 @@ class ASRConfig:
     # block encoded and decoded, then taken back): the unstable tail of long blocks at a short cadence (0: off)
     preview_ms: int = 0
     loop_repeats: int = 3  # a phrase said this many times running is a decoding loop and ends the block (0: off)
-    # causal-whisper: a block that stops on eos with the item's decoder positions fed this long ago is decoded once
-    # more on all of them re-fed with every frame heard (emission.py: stale positions stop short blocks) (0: off)
+    # causal-whisper: a block that stops on eos or a loop with the item's decoder positions fed this long ago is
+    # decoded once more on all of them re-fed with every frame heard (emission.py: stale positions stop short
+    # blocks) (0: off)
     refresh_ms: int = 0
     # causal-whisper: decode a committed item once more with all it heard (final_pass.py): none | decoder (its
     # own decoder over all its block-causal frames) | offline (the checkpoint without adapter, full context).

@@ -223,7 +223,7 @@ def test_loops_are_phrases_said_three_times_running() -> None:
     assert loops([9, 1, 2, 3, 1, 2, 3, 1, 2], 3) and not loops([9, 1, 2, 3, 1, 2, 3, 1, 2], 4)
     six = [1, 2, 3, 4, 5, 6]
     assert loops([*six, *six, *six[:5]], 6) and not loops([9, *six, 8, *six[:5]], 6)
-    long = list(range(1, 17))  # "I'm going to eat in the last 10th," over and over: 16 tokens
+    long = list(range(1, 17))  # the longest phrase looked for (the runaway one in the model card: 11 tokens)
     assert loops([*long, *long, *long[:15]], 16) and not loops([9, *long, 8, *long[:15]], 16)
     assert not loops([*long, *long, *long[:15]], 16, longest=15)
     seventeen = list(range(1, 18))
@@ -296,7 +296,19 @@ def test_a_stopped_block_refeeds_stale_positions(refresh: int) -> None:
     assert scorer.seen == [6] * len(scorer.ids) if refresh else scorer.seen[0] == 2
     item.step(torch.zeros(2, 1))  # stops on eos again, but every position was fed 2 frames ago
     assert scorer.from_start == (2 if refresh else 1)
+    item.step(torch.zeros(2, 1), final=True)  # the final step stops on eos 4 frames after the re-feed: again
+    assert scorer.from_start == (3 if refresh else 1) and item.stable == len(item.tokens)
 
+
+def test_a_block_that_stops_on_its_budget_is_not_refed() -> None:
+    # 1 2 3 4 1 2 ... never eos: each block ends on its budget of one token, however stale the prefix
+    table = {5: {1: 0.9}, 1: {2: 0.9}, 2: {3: 0.9}, 3: {4: 0.9}, 4: {1: 0.9}}
+    scorer = ScriptedScorer(lambda frames, prev: table[prev])
+    item = ItemDecoder(scorer, [5], eos_id=0, lookback=0, max_tokens=10, block_tokens=1, frame0=0, refresh=2)
+    for _ in range(5):
+        item.step(torch.zeros(4, 1))
+    assert [t.id for t in item.tokens] == [1, 2, 3, 4, 1]
+    assert scorer.truncated.count(0) == 1  # fed from position 0 at the first block only
 
 def test_reset_plan() -> None:
     toks = [Token(i, 1.0, f) for i, f in enumerate([10, 20, 120, 130, 140])]
@@ -363,3 +375,5 @@ def test_stream_lifecycle_and_validation(asr300: CausalWhisperASR) -> None:
         CausalWhisperASR(asr300.model, asr300.tokenizer, ASRConfig(chunk_ms=1000, reset_s=1.5))
     with pytest.raises(ConfigError, match="chunk_ms"):
         CausalWhisperASR(asr300.model, asr300.tokenizer, ASRConfig(chunk_ms=30))
+    with pytest.raises(ConfigError, match="asr.refresh_ms must be >= 0, got .* and -100"):
+        CausalWhisperASR(asr300.model, asr300.tokenizer, ASRConfig(refresh_ms=-100))

@@ -135,7 +135,7 @@ def run_calls(asr: CausalWhisperASR, audio: np.ndarray, sizes: list[int]) -> Cal
 @pytest.mark.parametrize(("chunk_ms", "preview_ms", "kw"), [
     (300, 100, {"max_new_tokens": 60, "loop_repeats": 0}),  # the loop rule off: text long enough to reset
     (200, 40, {"max_new_tokens": 40}),
-    (200, 40, {"max_new_tokens": 40, "refresh_ms": 200}),  # stale positions re-fed, never in a preview
+    (40, 20, {"max_new_tokens": 40, "refresh_ms": 200}),  # stale positions re-fed (40 ms blocks stop); not in previews
 ])
 def test_stream_shows_the_references_previews(chunk_ms: int, preview_ms: int, kw: dict) -> None:
     asr = load(chunk_ms=chunk_ms, preview_ms=preview_ms, reset_s=3.0, **kw)
@@ -144,6 +144,9 @@ def test_stream_shows_the_references_previews(chunk_ms: int, preview_ms: int, kw
     ref = offline_run(asr, audio)
     blocks = offline_run(plain, audio)
     assert ref.text == blocks.text and len(ref.text) > 20
+    if "refresh_ms" in kw:  # the re-feeds must change the text, or this case could not tell them apart
+        unrefreshed = {k: v for k, v in kw.items() if k != "refresh_ms"}
+        assert ref.text != offline_run(load(chunk_ms=chunk_ms, reset_s=3.0, **unrefreshed), audio).text
     assert [e for e in ref.shown if e.kind != "preview"] == blocks.shown  # the previews were all taken back
     assert any(e.kind == "reset" for e in ref.shown), "the reference must cross a reset"
     # previews must show text the blocks never do: else this test could not tell a stream without them apart

@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", default=None, help="asr-quality: a LoRA folder merged into the causal Whisper")
     parser.add_argument("--preview-ms", type=int, default=100, help="asr-quality: the `previewed` systems' "
                         "asr.preview_ms, for each --chunks size it divides (default: 100)")
-    parser.add_argument("--refresh-ms", type=int, default=None, help="asr-quality: the causal systems' "
+    parser.add_argument("--refresh-ms", type=_count, default=None, help="asr-quality: the causal systems' "
                         "asr.refresh_ms, stale decoder positions re-fed when a block stops (default: the "
                         "whisper-tiny-en profile's; 300 suits 100 and 200 ms chunks)")
     parser.add_argument("--final-pass-beam", type=int, default=None, help="asr-quality: beams of the two-pass "

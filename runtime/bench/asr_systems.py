@@ -6,7 +6,8 @@ Systems (`--systems`, default all): `whisper-offline` (tiny.en greedy over the w
 ceiling), `causal-whisper-<ms>ms` (the block-causal stream at each `--chunks` size, `--adapter` merged),
 `causal-whisper-<ms>ms+decoder` / `+offline` (kind `two-pass`: the same stream, each committed clip decoded once
 more by its own decoder over all its frames / by the offline ceiling's model: `asr.final_pass`; the causal rows
-take the `whisper-tiny-en` profile's `head_weights` and `decoder_weights`, the offline pass its dtype and window too),
+run the stream as the `whisper-tiny-en` profile does (its token budget, look-back, loop rule, resets, decoders'
+weights and `refresh_ms`, which `--refresh-ms` overrides), the offline pass in its dtype and window too),
 `whisper-buffered-1s` (LocalAgreement-2 re-decoding every 1 s), `faster-whisper-int8` (CTranslate2 int8 on the
 same tiny.en folder, offline, one greedy pass, 2 threads: the speed peer; a row with a `reason` when the package
 is missing) and `fastconformer` (the shipped model under the demo profile's ASR settings). Sets: `synthetic`

@@ -12,7 +12,7 @@ Under short blocks this stale prefix makes the model predict eos after a sentenc
 predicting it while the speaker goes on. A block that stops on eos or a loop, when position 0 was last fed
 `refresh` frames or more before, is decoded once more with every position re-fed on all the frames heard, as the
 `decoder` final pass does once at the end. It costs one feed of the item's positions, only when a block stops, at
-most once per `refresh` frames (model card: it helps 100 and 200 ms blocks and not 300 ms ones).
+most once per `refresh` frames (model card: it keeps 100 ms blocks going, and does not help 300 ms ones).
 """
 
 from __future__ import annotations
@@ -88,8 +88,12 @@ class ItemDecoder:
         s.add_frames(frames)
         if not s.n_frames:
             return
+        stable = self.stable
         stopped = self._decode(final)
         if stopped and refresh and self.refresh and s.n_frames - self.fed_at >= self.refresh:
+            # what the stale pass made stable is re-judged too (nothing was shown in between); the re-fed pass
+            # has its own `block_tokens`, so a block after a stall may add up to twice as many
+            self.stable = stable
             s.truncate(0)
             self._decode(final)
 
