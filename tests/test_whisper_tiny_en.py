@@ -95,19 +95,23 @@ def test_encoder_stream_equals_offline_on_real_weights(causal, chunk_ms) -> None
     assert (streamed - offline).abs().max().item() <= TOL
 
 
-def test_transcript_stream_equals_offline_on_real_weights(causal) -> None:
-    from runtime.models.asr.causal_whisper.reference import offline_transcript
-
-    name, audio, _ = next(c for c in dev_clips() if c[0] == "new_home_stars")
-    offline = offline_transcript(causal, audio)
-    stream = causal.open_stream()
-    updates, pos = [], 0
+def stream_unevenly(asr, audio: np.ndarray) -> list:
+    """Every update of a stream of `audio` fed in uneven chunks (0.1, 0.25, 0.02, 0.5 and 0.15 s over and over)."""
+    stream, updates, pos = asr.open_stream(), [], 0
     for size in [1600, 4000, 333, 8000, 2400] * 20:
         if pos >= len(audio):
             break
         updates += stream.accept(AudioChunk(audio[pos : pos + size], pos))
         pos += size
-    updates += stream.finish()
+    return updates + stream.finish()
+
+
+def test_transcript_stream_equals_offline_on_real_weights(causal) -> None:
+    from runtime.models.asr.causal_whisper.reference import offline_transcript
+
+    name, audio, _ = next(c for c in dev_clips() if c[0] == "new_home_stars")
+    offline = offline_transcript(causal, audio)
+    updates = stream_unevenly(causal, audio)
     assert updates[-1].completed
     assert "".join(u.delta for u in updates) == offline
     assert offline.strip(), name
@@ -231,11 +235,4 @@ def test_refresh_keeps_the_100ms_stream_going_and_equals_its_reference(causal) -
     stopped, going = offline_transcript(plain, audio), offline_transcript(fresh, audio)
     assert wer([text], [going]) < wer([text], [stopped]), (stopped, going)
     assert len(going.split()) >= 2 * len(stopped.split()), (stopped, going)
-    stream, updates, pos = fresh.open_stream(), [], 0
-    for size in [1600, 4000, 333, 8000, 2400] * 20:
-        if pos >= len(audio):
-            break
-        updates += stream.accept(AudioChunk(audio[pos : pos + size], pos))
-        pos += size
-    updates += stream.finish()
-    assert "".join(u.transcript for u in updates if u.completed) == going, name
+    assert "".join(u.transcript for u in stream_unevenly(fresh, audio) if u.completed) == going, name
