@@ -1,4 +1,4 @@
-"""A growing text's token ids, kept equal to a full tokenisation while only the changed tail is re-tokenised.
+"""A growing text's token ids, re-tokenising only the changed tail where the tokenizer is seen to re-synchronise.
 
 The language engine's source is a transcript that grows and is revised many times a second; tokenising all of it
 each time costs more than the prefill it feeds (`engine.py` keeps the KV cache up to the first changed id).

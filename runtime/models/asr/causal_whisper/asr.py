@@ -9,7 +9,7 @@ Audio goes into a block-causal `AudioEncoderStream`; after each block of encoder
 2. greedily decode on until eos, a loop, `block_tokens` new tokens, or the item's token budget
    (`emission.py` holds the rule);
 3. with `asr.refresh_ms`, a block that stopped on eos or a loop while the decoder's positions were fed that long
-   ago does 1-2 once more with every position re-fed on all the frames heard.
+   ago does steps 1-2 once more with every position re-fed on all the frames heard.
 
 Tokens older than the look-back window are stable: emitted once as `delta`, never retracted. Deltas are the
 difference between decodes of the whole stable prefix (byte-level BPE safe; a trailing incomplete UTF-8
