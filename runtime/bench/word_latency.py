@@ -12,12 +12,12 @@ after which it can no longer change (a later word is stable, or the item is comp
 CTC beam's stable text of whole words, the event that makes it stable).
 
 Word ends (`Aligner`): the offline full-context Whisper transcript of the clip, aligned to the audio by the
-checkpoint's cross-attention alignment heads (normalised over tokens, median-filtered over 7 frames, averaged,
-dynamic time warping, as openai-whisper's word timestamps do); a word ends where the path reaches the row that
-predicts the next word. DTW puts that boundary anywhere in a following pause, so each end is then pulled back to
-the word's last 20 ms frame louder than 1/20 of the clip's loudest. Streamed words are matched to these timed
-words by a minimum edit-distance alignment (`matched`); only words equal to their match are timed. The ends are
-approximate (tens of ms where words abut, more in noise): read the figures as +/- 0.1 s.
+checkpoint's cross-attention alignment heads as openai-whisper's word timestamps do
+(`models/asr/whisper_alignment.py`); a word ends where the next token starts. DTW puts that boundary anywhere in
+a following pause, so each end is then pulled back to the word's last 20 ms frame louder than 1/20 of the clip's
+loudest. Streamed words are matched to these timed words by a minimum edit-distance alignment (`matched`); only
+words equal to their match are timed. The ends are approximate (tens of ms where words abut, more in noise):
+read the figures as +/- 0.1 s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
-from runtime.errors import ConfigError
+from runtime.models.asr.whisper_alignment import TokenAligner
 from runtime.train.text_norm import normalize
 
 if TYPE_CHECKING:
@@ -138,30 +138,13 @@ class Aligner:
     """Word end times of Whisper's own transcript of a clip, from its cross-attention alignment heads."""
 
     def __init__(self, offline: WhisperBuffered, path: Path) -> None:
-        from transformers import WhisperForConditionalGeneration
-
         self.offline = offline  # the WhisperBuffered whose encoder states and transcripts are aligned
-        self.model = WhisperForConditionalGeneration.from_pretrained(  # eager: attention weights are returned
-            path, attn_implementation="eager", dtype=torch.float32).eval()
-        self.heads = list(getattr(self.model.generation_config, "alignment_heads", None) or [])
-        if not self.heads:
-            raise ConfigError(f"{path}: its generation_config has no alignment_heads; word latency needs them")
+        self.tokens = TokenAligner.load(path, offline.prompt_ids, offline.eos_id)
 
-    @torch.inference_mode()
     def word_ends(self, audio: np.ndarray, ids: list[int]) -> list[tuple[str, float]]:
         """(normalised word, end seconds) of transcript `ids` (no prompt, no eos) of `audio`."""
-        prompt = self.offline.prompt_ids
         states = self.offline.encode(audio).states.to("cpu", torch.float32)  # the aligner runs on the cpu
-        out = self.model.model.decoder(input_ids=torch.tensor([prompt + ids]), encoder_hidden_states=states,
-                                       output_attentions=True)
-        frames = max(1, -(-len(audio) // 320))
-        w = torch.stack([out.cross_attentions[layer][0, head] for layer, head in self.heads])
-        w = w[:, len(prompt) - 1 :, :frames].numpy()  # rows predicting ids[0] ... eos
-        w = (w - w.mean(-2, keepdims=True)) / (w.std(-2, keepdims=True) + 1e-8)
-        padded = np.pad(w, ((0, 0), (0, 0), (3, 3)), mode="edge")
-        w = np.median(np.lib.stride_tricks.sliding_window_view(padded, 7, axis=-1), axis=-1).mean(0)
-        rows, cols = dtw(-w)
-        starts = cols[np.diff(rows, prepend=-1).astype(bool)] * FRAME_S  # where each row's path begins
+        starts = np.array(self.tokens.starts(audio, ids, states)) * FRAME_S  # each token's, then eos's
         loud = _loud_frames(audio)
         words: list[list[Any]] = []  # [raw text, start, end]
         for k, tok in enumerate(ids):
@@ -187,26 +170,6 @@ def _loud_frames(audio: np.ndarray) -> np.ndarray:
     n = max(1, len(audio) // hop)
     rms = np.sqrt(np.mean(np.square(audio[: n * hop].reshape(n, hop) if len(audio) >= hop else audio[None]), -1))
     return rms >= rms.max() / 20 if rms.max() > 0 else np.zeros(n, bool)
-
-
-def dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Monotone path (row, col indices) of least total cost through `cost` [rows, cols]."""
-    n, m = cost.shape
-    acc = np.full((n + 1, m + 1), np.inf)
-    acc[0, 0] = 0.0
-    step = np.zeros((n + 1, m + 1), np.int8)
-    for i in range(1, n + 1):
-        for j in range(1, m + 1):
-            options = (acc[i - 1, j - 1], acc[i - 1, j], acc[i, j - 1])
-            k = int(np.argmin(options))
-            acc[i, j], step[i, j] = cost[i - 1, j - 1] + options[k], k
-    path, i, j = [], n, m
-    while i > 0 and j > 0:
-        path.append((i - 1, j - 1))
-        k = step[i, j]
-        i, j = (i - 1, j - 1) if k == 0 else (i - 1, j) if k == 1 else (i, j - 1)
-    rows, cols = np.array(path[::-1]).T
-    return rows, cols
 
 
 def summary(lat: dict[str, list[float]]) -> dict[str, Any]:
