@@ -75,7 +75,7 @@ def test_data_pairs_and_resampling(data_dir: Path) -> None:
 def test_batch_layout_and_padding_masks() -> None:
     clips = [(np.zeros(3200, np.float32), [7, 8]), (np.full(1600, 0.1, np.float32), [9])]
     batch = make_batch(clips, [1, 2], 0, 80)
-    assert batch.mel.shape == (2, 80, 20) and batch.frames.tolist() == [10, 5]
+    assert batch.mel.shape == (2, 80, 20) and batch.frames.tolist() == [[10] * 4, [5] * 4]  # per position
     assert batch.input_ids.tolist() == [[1, 2, 7, 8], [1, 2, 9, 0]]
     assert batch.labels.tolist() == [[-100, 7, 8, 0], [-100, 9, 0, -100]]  # next token; prompt, padding ignored
     # The decoder reads only each row's own frames: changing row 1's padding frames changes nothing.
@@ -129,14 +129,16 @@ def test_training_lowers_loss_and_saved_adapter_reproduces_it(data_dir: Path, tm
     torch.testing.assert_close(probe_logits(asr.model, data_dir), trained, atol=1e-3, rtol=1e-4)
 
 
-def test_resume_continues_the_same_trajectory(data_dir: Path, tmp_path: Path) -> None:
-    _, straight = train(config(data_dir, tmp_path / "a", steps=8, save_every=3))
+@pytest.mark.parametrize("stale", [0.0, 0.5])
+def test_resume_continues_the_same_trajectory(data_dir: Path, tmp_path: Path, stale: float) -> None:
+    _, straight = train(config(data_dir, tmp_path / "a", steps=8, save_every=3, stale_share=stale))
     parser = argparse.ArgumentParser()
     causal_whisper.add_arguments(parser)
 
     def argv(steps: int) -> list[str]:
         return ["--base", "tiny:whisper", "--data", str(data_dir), "--out", str(tmp_path / "b"), "--steps",
-                str(steps), "--batch-size", "2", "--lr", "1e-2", "--save-every", "3", "--chunk-ms", "40"]
+                str(steps), "--batch-size", "2", "--lr", "1e-2", "--save-every", "3", "--chunk-ms", "40",
+                "--stale-share", str(stale)]
 
     assert causal_whisper.run(parser.parse_args(argv(5))) == 0
     # an interrupted run: the log went past the last checkpoint (6 steps logged, checkpoint-5 the latest)
@@ -148,6 +150,17 @@ def test_resume_continues_the_same_trajectory(data_dir: Path, tmp_path: Path) ->
     resumed = [json.loads(line)["loss"] for line in log.read_text().splitlines()][5:]
     assert resumed == straight[5:]
     assert [json.loads(line)["loss"] for line in log.read_text().splitlines()] == straight
+
+
+def test_stale_positions_train_on_token_times_kept_beside_the_run(data_dir: Path, tmp_path: Path) -> None:
+    _, fresh = train(config(data_dir, tmp_path / "fresh", steps=2, lr=1e-30))
+    _, stale = train(config(data_dir, tmp_path / "stale", steps=2, lr=1e-30, stale_share=1.0))
+    assert all(a != b for a, b in zip(fresh, stale, strict=True))  # the same clips, read through stale positions
+    assert not (tmp_path / "fresh" / "token_ends.json").exists()
+    timed = json.loads((tmp_path / "stale" / "token_ends.json").read_text())
+    assert sorted(timed) == [f"clip{i}.wav" for i in range(4)]
+    for entry in timed.values():
+        assert len(entry["ends"]) == len(entry["ids"]) and entry["ends"] == sorted(entry["ends"])
 
 
 def test_init_starts_a_new_run_from_an_adapters_weights(data_dir: Path, tmp_path: Path) -> None:
@@ -179,7 +192,8 @@ def test_init_starts_a_new_run_from_an_adapters_weights(data_dir: Path, tmp_path
     (["--rank", "0"], "--rank must be at least 1"), (["--steps", "0"], "--steps must be at least 1"),
     (["--batch-size", "0"], "--batch-size must be at least 1"), (["--save-every", "-1"], "--save-every"),
     (["--chunk-ms", "30"], "--chunk-ms must be positive multiples of 20"), (["--chunk-ms", "0"], "--chunk-ms"),
-    (["--lr", "0"], "--lr must be a finite number > 0"), (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr")])
+    (["--lr", "0"], "--lr must be a finite number > 0"), (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"),
+    (["--stale-share", "1.5"], "--stale-share must be between 0 and 1"), (["--stale-share", "nan"], "--stale-share")])
 def test_bad_numbers_are_one_line_before_the_model_loads(capsys, tmp_path: Path, flags: list[str],
                                                           message: str) -> None:
     code, _, err = run_cli(capsys, "train", "causal-whisper", "--base", "tiny:whisper", "--data",

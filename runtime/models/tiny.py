@@ -139,7 +139,8 @@ def build_whisper(out_dir: Path, seed: int) -> None:
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config)
     model.generation_config = GenerationConfig(
-        decoder_start_token_id=sot, eos_token_id=eot, pad_token_id=eot, bos_token_id=eot
+        decoder_start_token_id=sot, eos_token_id=eot, pad_token_id=eot, bos_token_id=eot,
+        alignment_heads=[[1, 0], [1, 1]],  # any heads: what the token-timing code reads, not what they learned
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -12,6 +12,12 @@ the optimizer, the step and the RNG state, so `--resume` continues the loss traj
 run. The final adapter goes to `--out/adapter/` (peft layout), loadable with `--set asr.adapter=DIR`.
 `--init ADAPTER` starts a new run from an adapter's weights instead of zero (its rank, a fresh optimizer): to
 specialise an adapter trained over several chunk sizes to one of them, or to go on with new data.
+
+`--stale-share S` trains that share of each batch's clips on decoder positions as stale as the stream leaves
+them: each position's cross-attention sees only the frames heard when a stream of the step's block size would
+first feed it (the prompt the first block, the position predicting a token the block where that token ends;
+`token_times.py`), instead of the whole clip. The token times come from the base model's alignment heads, once
+per clip, cached in `--out/token_ends.json`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import functools
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -37,6 +44,7 @@ from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_promp
 from runtime.train.data import load_examples
 from runtime.train.outputs import out_folder
 from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
+from runtime.train.token_times import cached_token_ends, fed_frames
 
 BUCKET_POOL = 16  # batches whose clips are sorted by length together (see batch_indices)
 
@@ -58,6 +66,7 @@ class TrainConfig:
     dtype: str = "float32"
     language: str = "en"
     init: str = ""  # an adapter (folder or builtin:NAME) whose weights a new run starts from ("": zero, at --rank)
+    stale_share: float = 0.0  # share of a batch's clips trained on positions fed as the stream feeds them
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", default=d.init, metavar="ADAPTER",
                         help="start from this adapter's weights (a folder or builtin:NAME; its rank, not --rank) "
                              "instead of zero; ignored by --resume, which continues its own checkpoint")
+    parser.add_argument("--stale-share", type=float, default=d.stale_share, metavar="S",
+                        help="share (0-1) of each batch's clips whose decoder positions see only the frames heard "
+                             "when the stream first feeds them, as it runs them (0: every position sees the clip)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,17 +103,24 @@ def run(args: argparse.Namespace) -> int:
 @dataclass
 class Batch:
     mel: torch.Tensor  # [B, n_mels, T] of the silence-padded audio
-    frames: torch.Tensor  # [B] encoder frames of each clip's own audio
+    frames: torch.Tensor  # [B, L] encoder frames each decoder position sees (at most its clip's own)
     input_ids: torch.Tensor  # [B, L] prompt + transcript (padded with eos)
     labels: torch.Tensor  # [B, L] next tokens: transcript + eos, -100 on prompt and padding
 
 
-def make_batch(clips: list[tuple[np.ndarray, list[int]]], sot: list[int], eos: int, n_mels: int) -> Batch:
-    """Clips are (audio, transcript ids)."""
+def make_batch(clips: list[tuple[np.ndarray, list[int]]], sot: list[int], eos: int, n_mels: int,
+               stale: Sequence[tuple[list[int], int] | None] = ()) -> Batch:
+    """Clips are (audio, transcript ids). `stale[i]`, where given and not None, is clip i's token end frames and
+    the block size (frames) whose stream feeds its positions (`fed_frames`); other clips' positions see it all."""
     longest = max(len(a) for a, _ in clips)
     mel = torch.stack([log_mel(np.pad(a, (0, longest - len(a))), n_mels) for a, _ in clips])
-    frames = torch.tensor([-(-mel_frames_for(len(a)) // 2) for a, _ in clips])
     width = len(sot) + max(len(ids) for _, ids in clips)
+    own = [-(-mel_frames_for(len(a)) // 2) for a, _ in clips]
+    frames = torch.tensor([[n] * width for n in own])
+    for i, how in enumerate(stale):
+        if how is not None:
+            ends, block = how
+            frames[i] = torch.tensor(fed_frames(ends, len(sot), width, own[i], block))
     input_ids = torch.full((len(clips), width), eos)
     labels = torch.full((len(clips), width), -100)
     for i, (_, ids) in enumerate(clips):
@@ -113,16 +132,19 @@ def make_batch(clips: list[tuple[np.ndarray, list[int]]], sot: list[int], eos: i
 
 def decoder_logits(model: torch.nn.Module, input_ids: torch.Tensor, states: torch.Tensor,
                    frames: torch.Tensor) -> torch.Tensor:
-    """Whisper's decoder over [B, L] ids with cross-attention limited to each row's first `frames[b]` encoder
-    states (WhisperDecoder.forward passes no encoder mask, so its layers are driven here)."""
+    """Whisper's decoder over [B, L] ids with cross-attention limited to each position's first `frames[b, p]`
+    encoder states, or each row's first `frames[b]` (WhisperDecoder.forward passes no encoder mask, so its
+    layers are driven here)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dec = base.model.decoder
     length, width = input_ids.shape[1], states.shape[1]
     h = dec.embed_tokens(input_ids) + dec.embed_positions.weight[:length]
     neg = torch.finfo(h.dtype).min
     causal = torch.full((length, length), neg, dtype=h.dtype, device=h.device).triu(1)[None, None]
-    visible = torch.arange(width, device=h.device)[None, :] < frames.to(h.device)[:, None]
-    cross = torch.zeros(visible.shape, dtype=h.dtype, device=h.device).masked_fill(~visible, neg)[:, None, None]
+    seen = frames.to(h.device)
+    seen = seen[:, None].expand(-1, length) if seen.dim() == 1 else seen
+    visible = torch.arange(width, device=h.device)[None, None, :] < seen[:, :, None]  # [B, L, frames]
+    cross = torch.zeros(visible.shape, dtype=h.dtype, device=h.device).masked_fill(~visible, neg)[:, None]
     for layer in dec.layers:
         h = layer(h, attention_mask=causal, encoder_hidden_states=states, encoder_attention_mask=cross,
                   use_cache=False)
@@ -172,6 +194,15 @@ def _bucketed_epoch(n: int, batch_size: int, seed: int, epoch: int, lengths: tup
     return [i for b in torch.randperm(len(batches), generator=gen).tolist() for i in batches[b]]
 
 
+def stale_rows(step: int, n: int, share: float, seed: int) -> list[bool]:
+    """Which of a step's `n` clips train on stale positions: each with probability `share`, a pure function
+    of (seed, step) as the batch order is, so a resumed run draws the same."""
+    if share <= 0:
+        return [False] * n
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 7_919)
+    return (torch.rand(n, generator=gen) < share).tolist()
+
+
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Transcript ids with Whisper's leading space (its outputs start with one); none for a blank transcript
     (the teacher heard nothing yet: the target is eos at once)."""
@@ -216,6 +247,8 @@ def check_config(cfg: TrainConfig) -> None:
                           "or builtin:NAME)")
     if not 0.0 < cfg.lr < math.inf:
         raise ConfigError(f"--lr must be a finite number > 0, got {cfg.lr}")
+    if not 0.0 <= cfg.stale_share <= 1.0:
+        raise ConfigError(f"--stale-share must be between 0 and 1, got {cfg.stale_share}")
 
 
 def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
@@ -233,12 +266,20 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
     model, tokenizer, _ = load_whisper(cfg.base, dtype=cfg.dtype, device=cfg.device)
     sot, eos = transcript_prompt(tokenizer, model.config, cfg.language), int(tokenizer.eos_token_id)
     room = model.config.max_target_positions - len(sot)
-    clips = []
+    clips, keys = [], []
     for ex in load_examples(cfg.data):
         ids = encode_text(tokenizer, ex.text)
         if len(ids) >= room:
             raise ConfigError(f"transcript of {ex.path} has {len(ids)} tokens; the decoder holds {room - 1}")
         clips.append((ex.audio, ids))
+        keys.append(str(ex.path.relative_to(Path(cfg.data).expanduser())))
+    ends: list[list[int]] = []
+    if cfg.stale_share:
+        try:
+            timed = [(key, audio, ids) for key, (audio, ids) in zip(keys, clips, strict=True)]
+            ends = cached_token_ends(cfg.base, timed, sot, eos, out / "token_ends.json")
+        except ConfigError as err:  # a base without alignment heads
+            raise ConfigError(f"--stale-share needs token times: {err}") from None
 
     lengths = [len(audio) for audio, _ in clips]
     torch.manual_seed(cfg.seed)  # after loading: building a tiny: base on first use draws from the global RNG
@@ -271,9 +312,12 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
                disable=None)
     with log_path.open("a") as log:
         for step in range(start, cfg.steps):
-            picked = [clips[i] for i in batch_indices(step, len(clips), cfg.batch_size, cfg.seed, lengths)]
+            indices = batch_indices(step, len(clips), cfg.batch_size, cfg.seed, lengths)
             encoder = encoders[step % len(encoders)]
-            loss, _ = loss_and_logits(model, encoder, make_batch(picked, sot, eos, encoder.n_mels))
+            stale = [(ends[i], encoder.block_frames) if s else None
+                     for i, s in zip(indices, stale_rows(step, len(indices), cfg.stale_share, cfg.seed), strict=True)]
+            batch = make_batch([clips[i] for i in indices], sot, eos, encoder.n_mels, stale)
+            loss, _ = loss_and_logits(model, encoder, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -6,7 +6,8 @@ frames, normalised over the positions, median-filtered over 7 frames, averaged o
 token-by-frame similarity, and the cheapest monotonic path through it (dynamic time warping) says at which
 encoder frame each token starts: openai-whisper's `find_alignment`, which CTranslate2's `Whisper.align`
 implements too (the tests hold the two equal frame for frame on tiny.en). `runtime bench asr-quality` times
-words with it (`bench/word_latency.py`).
+words with it (`bench/word_latency.py`), and `runtime train causal-whisper --stale-share` the positions a stream
+feeds (`train/token_times.py`).
 """
 
 from __future__ import annotations
