@@ -24,6 +24,7 @@ from runtime.models.loading import resolve_checkpoint
 from runtime.train import causal_whisper
 from runtime.train.causal_whisper import TrainConfig, decoder_logits, encode_text, loss_and_logits, make_batch, train
 from runtime.train.data import load_examples
+from runtime.train.token_times import cached_token_ends
 
 TEXTS = ["the quick brown fox", "good morning everyone", "listen carefully to the river", "thank you very much"]
 
@@ -161,6 +162,23 @@ def test_stale_positions_train_on_token_times_kept_beside_the_run(data_dir: Path
     assert sorted(timed) == [f"clip{i}.wav" for i in range(4)]
     for entry in timed.values():
         assert len(entry["ends"]) == len(entry["ids"]) and entry["ends"] == sorted(entry["ends"])
+    # timed once: clips whose ids the cache holds are not timed again (this base could not even be loaded)
+    clips = [(key, np.zeros(1), entry["ids"]) for key, entry in timed.items()]
+    ends = cached_token_ends("no-such-model", clips, [1], 0, tmp_path / "stale" / "token_ends.json")
+    assert ends == [entry["ends"] for entry in timed.values()]
+
+
+def test_stale_positions_need_a_base_with_alignment_heads(capsys, data_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(resolve_checkpoint("tiny:whisper", role="asr"), base)
+    generation = json.loads((base / "generation_config.json").read_text())
+    (base / "generation_config.json").write_text(json.dumps({**generation, "alignment_heads": None}))
+    code, _, err = run_cli(capsys, "train", "causal-whisper", "--base", str(base), "--data", str(data_dir),
+                           "--out", str(tmp_path / "out"), "--stale-share", "0.5", "--steps", "1")
+    assert code != 0 and "Traceback" not in err
+    assert "--stale-share needs token times" in one_error_line(err) and "alignment_heads" in err
 
 
 def test_init_starts_a_new_run_from_an_adapters_weights(data_dir: Path, tmp_path: Path) -> None:
