@@ -16,6 +16,8 @@ def test_fed_frames_follow_the_blocks_a_stream_feeds() -> None:
     # prompt of 3 (two positions before the one predicting the first token), 5-frame blocks (first block 10),
     # tokens ending at frames 3, 12, 30 of a 33-frame clip, a row 8 wide (the batch's longest)
     assert fed_frames([3, 12, 30], 3, 8, 33, 5) == [10, 10, 10, 15, 30, 33, 33, 33]
+    # fed two frames after each token's end
+    assert fed_frames([3, 12, 30], 3, 8, 33, 5, lag=2) == [10, 10, 10, 15, 33, 33, 33, 33]
     # a clip shorter than the first block sees only itself
     assert fed_frames([2], 2, 3, 4, 5) == [4, 4, 4]
 
@@ -34,7 +36,7 @@ def test_a_stale_row_sees_what_the_streaming_decoder_fed_each_position() -> None
     model = base_model()
     prompt, ids, eos = [1, 2], [7, 8, 9, 10], 0
     audio = np.zeros(16 * 320, np.float32)  # 16 encoder frames
-    batch = make_batch([(audio, ids), (audio, ids)], prompt, eos, 80, [([3, 5, 9, 16], 2), None])
+    batch = make_batch([(audio, ids), (audio, ids)], prompt, eos, 80, [([3, 5, 9, 16], 2, 0), None])
     seen = batch.frames[0].tolist()
     assert seen == [4, 4, 6, 10, 16, 16] and batch.frames[1].tolist() == [16] * 6
     states = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(0)).expand(2, -1, -1)

@@ -67,6 +67,7 @@ class TrainConfig:
     language: str = "en"
     init: str = ""  # an adapter (folder or builtin:NAME) whose weights a new run starts from ("": zero, at --rank)
     stale_share: float = 0.0  # share of a batch's clips trained on positions fed as the stream feeds them
+    stale_lag_ms: int = 0  # how long after a token's end its stale position is fed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stale-share", type=float, default=d.stale_share, metavar="S",
                         help="share (0-1) of each batch's clips whose decoder positions see only the frames heard "
                              "when the stream first feeds them, as it runs them (0: every position sees the clip)")
+    parser.add_argument("--stale-lag-ms", type=int, default=d.stale_lag_ms, metavar="MS",
+                        help="with --stale-share: a stale position is fed this long after its token ends (a multiple "
+                             f"of {FRAME_MS} ms; the alignment's ends can be early, and the stream re-checks its last "
+                             "tokens on later blocks)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,9 +114,10 @@ class Batch:
 
 
 def make_batch(clips: list[tuple[np.ndarray, list[int]]], sot: list[int], eos: int, n_mels: int,
-               stale: Sequence[tuple[list[int], int] | None] = ()) -> Batch:
-    """Clips are (audio, transcript ids). `stale[i]`, where given and not None, is clip i's token end frames and
-    the block size (frames) whose stream feeds its positions (`fed_frames`); other clips' positions see it all."""
+               stale: Sequence[tuple[list[int], int, int] | None] = ()) -> Batch:
+    """Clips are (audio, transcript ids). `stale[i]`, where given and not None, is clip i's token end frames, the
+    block size whose stream feeds its positions and the lag, in frames (`fed_frames`); other clips' positions see
+    it all."""
     longest = max(len(a) for a, _ in clips)
     mel = torch.stack([log_mel(np.pad(a, (0, longest - len(a))), n_mels) for a, _ in clips])
     width = len(sot) + max(len(ids) for _, ids in clips)
@@ -119,8 +125,8 @@ def make_batch(clips: list[tuple[np.ndarray, list[int]]], sot: list[int], eos: i
     frames = torch.tensor([[n] * width for n in own])
     for i, how in enumerate(stale):
         if how is not None:
-            ends, block = how
-            frames[i] = torch.tensor(fed_frames(ends, len(sot), width, own[i], block))
+            ends, block, lag = how
+            frames[i] = torch.tensor(fed_frames(ends, len(sot), width, own[i], block, lag))
     input_ids = torch.full((len(clips), width), eos)
     labels = torch.full((len(clips), width), -100)
     for i, (_, ids) in enumerate(clips):
@@ -249,6 +255,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"--lr must be a finite number > 0, got {cfg.lr}")
     if not 0.0 <= cfg.stale_share <= 1.0:
         raise ConfigError(f"--stale-share must be between 0 and 1, got {cfg.stale_share}")
+    if cfg.stale_lag_ms < 0 or cfg.stale_lag_ms % FRAME_MS:
+        raise ConfigError(f"--stale-lag-ms must be a multiple of {FRAME_MS} ms >= 0, got {cfg.stale_lag_ms}")
 
 
 def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
@@ -314,7 +322,7 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:
         for step in range(start, cfg.steps):
             indices = batch_indices(step, len(clips), cfg.batch_size, cfg.seed, lengths)
             encoder = encoders[step % len(encoders)]
-            stale = [(ends[i], encoder.block_frames) if s else None
+            stale = [(ends[i], encoder.block_frames, cfg.stale_lag_ms // FRAME_MS) if s else None
                      for i, s in zip(indices, stale_rows(step, len(indices), cfg.stale_share, cfg.seed), strict=True)]
             batch = make_batch([clips[i] for i in indices], sot, eos, encoder.n_mels, stale)
             loss, _ = loss_and_logits(model, encoder, batch)

@@ -22,13 +22,14 @@ from runtime.models.asr.causal_whisper.encoder import block_end
 from runtime.models.asr.whisper_alignment import TokenAligner
 
 
-def fed_frames(ends: Sequence[int], prompt_len: int, width: int, clip_frames: int, block_frames: int) -> list[int]:
+def fed_frames(ends: Sequence[int], prompt_len: int, width: int, clip_frames: int, block_frames: int,
+               lag: int = 0) -> list[int]:
     """Frames each decoder position of a training row sees, as a stream of `block_frames` blocks would first
     feed it: the prompt with the first block (`block_end(0)`), the position predicting token i when the block
-    holding its end is heard, the one predicting eos (and the padding after it) with the whole clip. `ends` are
-    the tokens' end frames; the row has `width` positions."""
+    holding its end, `lag` frames later, is heard; the one predicting eos (and the padding after it) with the
+    whole clip. `ends` are the tokens' end frames; the row has `width` positions."""
     out = [min(block_end(0, block_frames), clip_frames)] * (prompt_len - 1)
-    out += [min(block_end(max(e, 1) - 1, block_frames), clip_frames) for e in ends]
+    out += [min(block_end(max(e, 1) - 1 + lag, block_frames), clip_frames) for e in ends]
     out += [clip_frames] * (width - len(out))
     return out[:width]
 
