@@ -158,14 +158,21 @@ def test_stale_positions_train_on_token_times_kept_beside_the_run(data_dir: Path
     _, stale = train(config(data_dir, tmp_path / "stale", steps=2, lr=1e-30, stale_share=1.0))
     assert all(a != b for a, b in zip(fresh, stale, strict=True))  # the same clips, read through stale positions
     assert not (tmp_path / "fresh" / "token_ends.json").exists()
-    timed = json.loads((tmp_path / "stale" / "token_ends.json").read_text())
-    assert sorted(timed) == [f"clip{i}.wav" for i in range(4)]
+    cache = tmp_path / "stale" / "token_ends.json"
+    saved = json.loads(cache.read_text())
+    timed = saved["clips"]
+    assert saved["base"] == "tiny:whisper" and sorted(timed) == [f"clip{i}.wav" for i in range(4)]
     for entry in timed.values():
         assert len(entry["ends"]) == len(entry["ids"]) and entry["ends"] == sorted(entry["ends"])
-    # timed once: clips whose ids the cache holds are not timed again (this base could not even be loaded)
-    clips = [(key, np.zeros(1), entry["ids"]) for key, entry in timed.items()]
-    ends = cached_token_ends("no-such-model", clips, [1], 0, tmp_path / "stale" / "token_ends.json")
-    assert ends == [entry["ends"] for entry in timed.values()]
+    # timed once: the clips the cache holds, same ids and length, are not timed again (so "tiny:whisper" is not
+    # even loaded); a changed clip is, and so is every clip for another base
+    clips = [(key, np.zeros(entry["samples"]), entry["ids"]) for key, entry in timed.items()]
+    assert cached_token_ends("tiny:whisper", clips, saved["prompt"], 0, cache) == [e["ends"] for e in timed.values()]
+    with pytest.raises(ConfigError):  # the unknown base is loaded, to time the clip again
+        cached_token_ends("tiny:nothing", clips, saved["prompt"], 0, cache)
+    clips[0] = (clips[0][0], np.zeros(len(clips[0][1]) + 1), clips[0][2])
+    with pytest.raises(ConfigError):
+        cached_token_ends("tiny:nothing", clips, saved["prompt"], 0, cache)
 
 
 def test_stale_positions_need_a_base_with_alignment_heads(capsys, data_dir: Path, tmp_path: Path) -> None:
@@ -211,7 +218,10 @@ def test_init_starts_a_new_run_from_an_adapters_weights(data_dir: Path, tmp_path
     (["--batch-size", "0"], "--batch-size must be at least 1"), (["--save-every", "-1"], "--save-every"),
     (["--chunk-ms", "30"], "--chunk-ms must be positive multiples of 20"), (["--chunk-ms", "0"], "--chunk-ms"),
     (["--lr", "0"], "--lr must be a finite number > 0"), (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"),
-    (["--stale-share", "1.5"], "--stale-share must be between 0 and 1"), (["--stale-share", "nan"], "--stale-share")])
+    (["--stale-share", "1.5"], "--stale-share must be between 0 and 1"), (["--stale-share", "nan"], "--stale-share"),
+    (["--stale-share", "1", "--stale-lag-ms", "30"], "--stale-lag-ms must be a multiple of 20"),
+    (["--stale-share", "1", "--stale-lag-ms", "-20"], "--stale-lag-ms"),
+    (["--stale-lag-ms", "200"], "--stale-lag-ms applies to stale positions only")])
 def test_bad_numbers_are_one_line_before_the_model_loads(capsys, tmp_path: Path, flags: list[str],
                                                           message: str) -> None:
     code, _, err = run_cli(capsys, "train", "causal-whisper", "--base", "tiny:whisper", "--data",

@@ -22,11 +22,10 @@ def test_fed_frames_follow_the_blocks_a_stream_feeds() -> None:
     assert fed_frames([2], 2, 3, 4, 5) == [4, 4, 4]
 
 
-def test_stale_rows_are_a_function_of_seed_and_step() -> None:
+def test_stale_rows_take_the_share_asked() -> None:
     assert stale_rows(3, 8, 0.0, 0) == [False] * 8 and stale_rows(3, 8, 1.0, 0) == [True] * 8
-    draws = [stale_rows(step, 8, 0.5, 1) for step in range(40)]
-    assert draws == [stale_rows(step, 8, 0.5, 1) for step in range(40)]
-    assert 0.35 < np.mean(draws) < 0.65
+    draws = [stale_rows(step, 8, 0.5, 1) for step in range(40)]  # (the same again on resume: the resume test)
+    assert 0.35 < np.mean(draws) < 0.65 and len({tuple(d) for d in draws}) > 20
 
 
 def test_a_stale_row_sees_what_the_streaming_decoder_fed_each_position() -> None:

@@ -13,11 +13,11 @@ run. The final adapter goes to `--out/adapter/` (peft layout), loadable with `--
 `--init ADAPTER` starts a new run from an adapter's weights instead of zero (its rank, a fresh optimizer): to
 specialise an adapter trained over several chunk sizes to one of them, or to go on with new data.
 
-`--stale-share S` trains that share of each batch's clips on decoder positions as stale as the stream leaves
-them: each position's cross-attention sees only the frames heard when a stream of the step's block size would
-first feed it (the prompt the first block, the position predicting a token the block where that token ends;
-`token_times.py`), instead of the whole clip. The token times come from the base model's alignment heads, once
-per clip, cached in `--out/token_ends.json`.
+`--stale-share S` trains that share of each batch's clips on decoder positions about as stale as the stream leaves
+them: each position's cross-attention sees only the frames heard when a stream of the step's block size predicts
+its next token (the prompt the first block, the position predicting a token the block where that token ends,
+`--stale-lag-ms` later; `token_times.py`), instead of the whole clip. The token times come from the base model's
+alignment heads, once per clip, cached in `--out/token_ends.json`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instead of zero; ignored by --resume, which continues its own checkpoint")
     parser.add_argument("--stale-share", type=float, default=d.stale_share, metavar="S",
                         help="share (0-1) of each batch's clips whose decoder positions see only the frames heard "
-                             "when the stream first feeds them, as it runs them (0: every position sees the clip)")
+                             "when the stream predicts their next token (0: every position sees the whole clip)")
     parser.add_argument("--stale-lag-ms", type=int, default=d.stale_lag_ms, metavar="MS",
                         help="with --stale-share: a stale position is fed this long after its token ends (a multiple "
                              f"of {FRAME_MS} ms; the alignment's ends can be early, and the stream re-checks its last "
@@ -257,6 +257,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"--stale-share must be between 0 and 1, got {cfg.stale_share}")
     if cfg.stale_lag_ms < 0 or cfg.stale_lag_ms % FRAME_MS:
         raise ConfigError(f"--stale-lag-ms must be a multiple of {FRAME_MS} ms >= 0, got {cfg.stale_lag_ms}")
+    if cfg.stale_lag_ms and not cfg.stale_share:
+        raise ConfigError("--stale-lag-ms applies to stale positions only: give --stale-share too")
 
 
 def train(cfg: TrainConfig) -> tuple[torch.nn.Module, list[float]]:

@@ -14,22 +14,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 from runtime.chunks import SAMPLE_RATE
 from runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 SAMPLES_PER_FRAME = SAMPLE_RATE // 50  # one 20 ms encoder frame
 MEDIAN_WIDTH = 7  # frames: openai-whisper's filter width over the alignment heads' weights
 
 
 def clip_frames(audio: np.ndarray) -> int:
-    """Encoder frames of a clip's own audio, as openai-whisper and CTranslate2 count them: half its 10 ms mel
-    frames, rounded down (at least one)."""
+    """Encoder frames of a clip's own audio: half its 10 ms mel frames (the last, partial one counted), rounded
+    down, at least one. CTranslate2's `align` halves the mel frame count it is given the same way."""
     return max(1, -(-len(audio) // (SAMPLES_PER_FRAME // 2)) // 2)
 
 
@@ -52,6 +55,8 @@ def dtw_path(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             moves[j] = k
         total[i], move[i] = row, moves
     i, j, tokens, frames = n, m, [], []
+    if not np.isfinite(total[n, m]):
+        raise ValueError("dtw_path: the cost matrix holds no finite path (NaN in it?)")
     while i > 0 and j > 0:
         tokens.append(i - 1)
         frames.append(j - 1)
@@ -84,6 +89,8 @@ class TokenAligner:
     @classmethod
     def load(cls, path: str | Path, prompt: Sequence[int], eos: int) -> TokenAligner:
         """A float32 copy of the checkpoint at `path` with eager attention (sdpa returns no attention weights)."""
+        from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
         model = WhisperForConditionalGeneration.from_pretrained(path, attn_implementation="eager",
                                                                 dtype=torch.float32).eval()
         return cls(model, WhisperFeatureExtractor.from_pretrained(path), prompt, eos)
@@ -93,6 +100,8 @@ class TokenAligner:
         """The encoder frame (20 ms each) at which each of `ids`, and then end-of-text, starts being said.
         `states`: the clip's encoder states [1, 1500, d] if the caller has them (30 s padded, as Whisper reads)."""
         frames = clip_frames(audio)
+        if frames < 2:  # one frame: every token is said there (and the normalisation below would divide by 0)
+            return [0] * (len(ids) + 1)
         model = self.model.model
         if states is None:
             mel = self.features(audio, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
@@ -104,7 +113,7 @@ class TokenAligner:
         weights = weights[:, :, :frames]
         weights = weights / weights.sum(-1, keepdim=True)  # the softmax over the clip's frames only
         std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
-        weights = _median_filter((weights - mean) / std, MEDIAN_WIDTH)
+        weights = _median_filter((weights - mean) / std.clamp_min(1e-12), MEDIAN_WIDTH)
         # position p predicts token p + 1: the rows whose outputs are the transcript's tokens and end-of-text
         similarity = weights.mean(0)[len(self.prompt) - 1 : len(self.prompt) + len(ids)]
         tokens, steps = dtw_path(-similarity.double().numpy())
