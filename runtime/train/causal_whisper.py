@@ -66,7 +66,7 @@ class TrainConfig:
     dtype: str = "float32"
     language: str = "en"
     init: str = ""  # an adapter (folder or builtin:NAME) whose weights a new run starts from ("": zero, at --rank)
-    stale_share: float = 0.0  # share of a batch's clips trained on positions fed as the stream feeds them
+    stale_share: float = 0.0  # share of a batch's clips whose positions see about what the stream's saw
     stale_lag_ms: int = 0  # how long after a token's end its stale position is fed
 
 

@@ -68,6 +68,8 @@ def cached_token_ends(base: str, clips: Sequence[tuple[str, np.ndarray, list[int
     todo = [c for c in clips if known.get(c[0], {}).get("ids") != c[2]
             or known[c[0]].get("samples") != len(c[1])]
     if todo:
+        print(f"runtime: timing the tokens of {len(todo)} clips with {base}'s alignment heads (once; kept in "
+              f"{cache})", file=sys.stderr, flush=True)
         timer = TokenAligner.load(whisper_path(base), prompt, eos)
         for n, (key, audio, ids) in enumerate(tqdm(todo, desc="token times", unit="clip", file=sys.stderr,
                                                    disable=None), 1):
