@@ -9,7 +9,7 @@ import json
 import numpy as np
 from cli_common import one_error_line, run_cli
 
-from runtime.bench import serve_conversations as conv
+from runtime.bench import demo_sentences
 from runtime.bench.turn_accounting import Ev, TurnMarks, account, summarize
 
 
@@ -122,19 +122,19 @@ def test_loss_accounting_counts_what_is_missing_or_doubled():
 def test_sentences_end_where_silero_vad_says_speech_ends():
     from runtime.models.turns.silero_vad import WINDOW_SAMPLES, SileroVAD
 
-    pool = conv.sentences()
+    pool = demo_sentences.sentences()
     assert len(pool) == 4
     vad = SileroVAD.load()
     for s in pool:
-        assert len(s.samples) == len(s.chunks) * conv.CHUNK_16K
-        assert all(len(c) == len(conv.SILENCE) for c in s.chunks)  # 100 ms of 24 kHz PCM16 each
-        end = round((s.speech_end_s - s.start_s) * conv.SAMPLE_RATE)
-        assert s.speech_end_chunk == (end - 1) // conv.CHUNK_16K and not s.samples[end:].any()
-        probs = vad.open_stream().accept(np.concatenate([s.samples, np.zeros(conv.SAMPLE_RATE, np.float32)]))
+        assert len(s.samples) == len(s.chunks) * demo_sentences.CHUNK_16K
+        assert all(len(c) == len(demo_sentences.SILENCE) for c in s.chunks)  # 100 ms of 24 kHz PCM16 each
+        end = round((s.speech_end_s - s.start_s) * demo_sentences.SAMPLE_RATE)
+        assert s.speech_end_chunk == (end - 1) // demo_sentences.CHUNK_16K and not s.samples[end:].any()
+        probs = vad.open_stream().accept(np.concatenate([s.samples, np.zeros(demo_sentences.SAMPLE_RATE, np.float32)]))
         speech = np.flatnonzero(probs >= 0.5)
         assert len(speech) and speech[0] * WINDOW_SAMPLES < end  # speech starts before the found end
-        after = (end + conv.SAMPLE_RATE // 10) // WINDOW_SAMPLES + 1  # 100 ms on: silence for the server
+        after = (end + demo_sentences.SAMPLE_RATE // 10) // WINDOW_SAMPLES + 1  # 100 ms on: silence for the server
         assert (probs[after:] < 0.35).all()
         quiet = probs[speech[0] : end // WINDOW_SAMPLES] < 0.35
         longest = max((len(run) for run in "".join("x" if q else " " for q in quiet).split()), default=0)
-        assert longest * WINDOW_SAMPLES < 0.5 * conv.SAMPLE_RATE  # no pause within a sentence ends a turn
+        assert longest * WINDOW_SAMPLES < 0.5 * demo_sentences.SAMPLE_RATE  # no pause within a sentence ends a turn

@@ -10,26 +10,26 @@ counts the other, with several conversations on one server at once and after cli
 How: the server runs as its own process (`python -m runtime serve --profile tiny --port P`, `bench serve`'s
 `_Server`). The clients are the official `openai` SDK (`AsyncOpenAI(websocket_base_url=...).realtime.connect`,
 events read with its typed `recv()`), as users run it. Each session sends `session.update` with `turn_detection:
-{type: server_vad, create_response: true, interrupt_response: true}` (the defaults: speech ends after 500 ms
-below the VAD's threshold), then holds T turns (full: 5, quick: 2). A turn is one spoken sentence of the shipped
-demo speech (`demo_speech()`, espeak-ng, 16 kHz): the speech is cut into its four sentences at its pauses, found
-as runs of at least 250 ms whose 20 ms RMS stays under 1e-3 (the cut is the middle of the pause, so each later
-sentence starts with about 0.2 s of quiet); Silero VAD's probabilities agree: they fall below 0.35 (the server's
-end-of-speech level) within 100 ms of each found speech end and stay there, and within a sentence they dip below
-it for at most two 32 ms windows, far shorter than the 500 ms that end a turn
-(`tests/test_bench_serve_conversations.py` checks both). Each clip is zero-padded to whole 100 ms chunks,
-resampled to the API's 24 kHz PCM16 by linear interpolation (plenty for a VAD and an ASR on random weights) and
-base64-encoded once, up front. Session i, turn t speaks sentence (i + t) mod 4. After the sentence the client
-keeps sending silence (digital zeros), chunk after chunk, until the turn's answer ends (a `response.done` not
-`cancelled`, received after the end of the speech) or `TURN_TIMEOUT_S` has passed since the end of the speech (a
-miss), then starts the next sentence: a polite user. Every chunk is 100 ms and leaves on a schedule from the
-phase's common start (chunk k at start + k * 100 ms, counted across turns and silence alike), not after fixed
-sleeps, so send jitter does not accumulate; session i's schedule is offset by i/N of a chunk, as independent
+{type: server_vad, create_response: true, interrupt_response: true}` (the defaults: speech ends after 500 ms below
+the VAD's threshold), then holds T turns (full: 5, quick: 2). A turn is one spoken sentence of the shipped demo
+speech (`demo_speech()`, espeak-ng, 16 kHz): the speech is cut into its four sentences at its pauses, found as runs
+of at least 250 ms whose 20 ms RMS stays under 1e-3 (the cut is the middle of the pause, so each later sentence
+starts with about 0.2 s of quiet); Silero VAD's probabilities agree: they fall below 0.35 (the server's
+end-of-speech level) within 100 ms of each found speech end and stay there, and within a sentence they dip below it
+for at most two 32 ms windows, far shorter than the 500 ms that end a turn
+(`tests/test_bench_serve_conversations.py` checks both; demo_sentences.py cuts them). Each clip is zero-padded to
+whole 100 ms chunks, resampled to the API's 24 kHz PCM16 by linear interpolation (plenty for a VAD and an ASR on
+random weights) and base64-encoded once, up front. Session i, turn t speaks sentence (i + t) mod 4. After the
+sentence the client keeps sending silence (digital zeros), chunk after chunk, until the turn's answer ends (a
+`response.done` not `cancelled`, received after the end of the speech) or `TURN_TIMEOUT_S` has passed since the end
+of the speech (a miss), then starts the next sentence: a polite user. Every chunk is 100 ms and leaves on a schedule
+from the phase's common start (chunk k at start + k * 100 ms, counted across turns and silence alike), not after
+fixed sleeps, so send jitter does not accumulate; session i's schedule is offset by i/N of a chunk, as independent
 users' would be. The wall time (perf_counter) just before each chunk is handed to the SDK is recorded. After its
-last turn a session sends `runtime.session.finish` and reads until the server closes with 1000, so every event
-it will ever get is counted. The server commits the trailing silence at finish as one more user item (no
-response); the loss checks count it like any other item. One unmeasured one-turn session warms the server first.
-N runs through (1, 2, 4) (quick: 1, 2), one phase after another.
+last turn a session sends `runtime.session.finish` and reads until the server closes with 1000, so every event it
+will ever get is counted. The server commits the trailing silence at finish as one more user item (no response); the
+loss checks count it like any other item. One unmeasured one-turn session warms the server first. N runs through (1,
+2, 4) (quick: 1, 2), one phase after another.
 
 Reported per N (`rows`), over every turn of every session of the phase; the "end of speech" of a turn is the
 wall time its chunk holding the sentence's last speech sample was sent (the speech ends somewhere inside
@@ -67,20 +67,9 @@ At the top: `turns_answered_equals_spoken` (every row), `lost` (the rows' and th
 `sessions_left_at_end` (after everything), `sentences` (where each clip starts and its speech ends in the demo
 speech, its chunks, its end-of-speech chunk), `machine`.
 
-`faults`: F abrupt disconnects (full: 100, quick: 10), `FAULT_CONCURRENCY` at a time, each on a raw websocket
-(the SDK's transport, minus the SDK: a client that vanishes has no SDK logic left to run). Each sends
-`session.update` as above and streams a sentence, then silence, at 10x real time, and aborts its TCP transport
-(`transport.abort()`: no close frame, unread data dropped) at one of three moments, in turn: `speaking` (after 3
-to 22 chunks, mid-sentence), `committed` (on receiving `input_audio_buffer.committed`: between the commit and
-the answer) and `answering` (on receiving `response.created`). `mid_answer` counts the aborts made while a
-response the client saw created had not yet been seen done (the tiny model answers its 24 tokens in tens of
-milliseconds, so the server may well finish the answer before it notices); `opened` the aborts whose client had
-seen `session.created` (a session existed to lose). Then: `sessions_left`: the server's session count on
-`GET /healthz` once it reaches 0 or 30 s have passed (0 is the only good value), `settle_s` how long after the last
-abort that took, `server_alive`, and `after_disconnects_ok`: a fresh SDK session then holds one full turn at
-real-time pace with nothing lost and no error event (`after_disconnects_turn_latency_ms`: its turn latency).
-`wall_s` is how long the disconnects took, `trigger_timed_out` the aborts whose awaited event did not come
-within 15 s (aborted anyway), `client_errors` the first five client-side failures (none expected). `sequential`:
+`faults`: F abrupt disconnects (full: 100, quick: 10) at 10x real time (serve_disconnects.py says how, and what
+it reports), then `server_alive`, and `after_disconnects_ok`: a fresh SDK session holds one full turn at real-time
+pace with nothing lost and no error event (`after_disconnects_turn_latency_ms`: its turn latency). `sequential`:
 one SDK session then holds L turns one after another (full: 100, quick: 10), at 10x real time (same schedule
 rule, 10 ms per 100 ms chunk; each turn still waits for its answer), with the same loss counts; its latencies
 are not reported (media time runs 10x faster than wall time).
@@ -100,97 +89,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
-import json
 import os
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from runtime.bench.demo_sentences import CHUNK_MS, CHUNK_S, RATE, SILENCE, Sentence, sentences
 from runtime.bench.serve import PROFILE, _Server
+from runtime.bench.serve_disconnects import CONCURRENCY, IDLE_TIMEOUT_S, disconnects
 from runtime.bench.timing import machine
 from runtime.bench.turn_accounting import Account, Ev, TurnMarks, account, lost, stats_ms, summarize
-from runtime.chunks import SAMPLE_RATE
 from runtime.config import load_profile
 from runtime.errors import UserError
-from runtime.io.sample import demo_speech
 
 Status = Callable[[str], None]
 QUICK_NS, FULL_NS = (1, 2), (1, 2, 4)
 QUICK_TURNS, FULL_TURNS = 2, 5
 QUICK_FAULTS, FULL_FAULTS = 10, 100
 QUICK_SEQUENTIAL, FULL_SEQUENTIAL = 10, 100
-RATE = 24_000  # the API's PCM16
-CHUNK_MS = 100
-CHUNK_S = CHUNK_MS / 1000
-CHUNK_16K = SAMPLE_RATE * CHUNK_MS // 1000
-CHUNK_24K = RATE * CHUNK_MS // 1000
-QUIET_RMS = 1e-3  # a 20 ms frame quieter than this is a pause in the demo speech (espeak-ng writes zeros)
-QUIET_FRAME = SAMPLE_RATE // 50
-MIN_PAUSE_S = 0.25
 TURN_TIMEOUT_S = 20.0  # from the end of speech to the answer's end; past it the turn is a miss
-FAST = 10.0  # the pace of the fault sessions and the sequential session, in multiples of real time
-FAULT_CONCURRENCY = 4
-FAULT_TIMEOUT_S = 15.0
-FAULT_KINDS = ("speaking", "committed", "answering")
+FAST = 10.0  # the pace of the disconnecting sessions and the sequential session, in multiples of real time
 CONNECT_LEAD_S = 0.5  # time for every client of a phase to connect before the first chunk
 DRAIN_TIMEOUT_S = 30.0
-IDLE_TIMEOUT_S = 30.0
 TURN_DETECTION = {"type": "server_vad", "create_response": True, "interrupt_response": True}
-
-
-# --- the speech ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Sentence:
-    """One sentence of the demo speech, ready to send: 100 ms chunks of base64 24 kHz PCM16."""
-
-    chunks: list[str]
-    speech_end_chunk: int  # the chunk holding the last speech sample
-    start_s: float  # where the clip starts in the demo speech
-    speech_end_s: float  # where its speech ends in the demo speech
-    samples: np.ndarray = field(repr=False)  # the clip at 16 kHz, zero-padded to whole chunks
-
-
-def pcm24k(samples16k: np.ndarray) -> bytes:
-    """16 kHz float audio as 24 kHz PCM16 little-endian (linear interpolation)."""
-    t = np.arange(round(len(samples16k) * RATE / SAMPLE_RATE)) / RATE
-    resampled = np.interp(t, np.arange(len(samples16k)) / SAMPLE_RATE, samples16k)
-    return (np.clip(resampled, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()
-
-
-def sentences(speech: np.ndarray | None = None) -> list[Sentence]:
-    """The demo speech cut at its pauses: runs of >= MIN_PAUSE_S whose 20 ms RMS is under QUIET_RMS."""
-    speech = demo_speech() if speech is None else speech
-    frames = len(speech) // QUIET_FRAME
-    rms = np.sqrt(np.mean(speech[: frames * QUIET_FRAME].reshape(frames, QUIET_FRAME) ** 2, axis=1))
-    loud = np.flatnonzero(rms >= QUIET_RMS)
-    if not len(loud):
-        raise RuntimeError("the demo speech has no speech in it")
-    # pauses between loud frames: (end of speech, start of the next speech) in samples
-    gaps = [(int(a + 1) * QUIET_FRAME, int(b) * QUIET_FRAME) for a, b in zip(loud[:-1], loud[1:], strict=True)
-            if (b - a - 1) * QUIET_FRAME >= MIN_PAUSE_S * SAMPLE_RATE]
-    ends = [end for end, _ in gaps] + [int(loud[-1] + 1) * QUIET_FRAME]
-    starts = [0] + [(end + nxt) // 2 for end, nxt in gaps]
-    out = []
-    for start, end in zip(starts, ends, strict=True):
-        clip = speech[start:end]
-        clip = np.concatenate([clip, np.zeros(-len(clip) % CHUNK_16K, np.float32)])
-        raw = pcm24k(clip)
-        step = CHUNK_24K * 2
-        chunks = [base64.b64encode(raw[i : i + step]).decode() for i in range(0, len(raw), step)]
-        out.append(Sentence(chunks, (end - start - 1) // CHUNK_16K, start / SAMPLE_RATE, end / SAMPLE_RATE, clip))
-    return out
-
-
-SILENCE = base64.b64encode(bytes(CHUNK_24K * 2)).decode()
+SESSION = {"type": "realtime", "audio": {"input": {"turn_detection": TURN_DETECTION}}}  # every session's update
 
 
 # --- one conversation through the openai SDK -----------------------------------------------------------------
@@ -251,8 +177,7 @@ async def _converse(base_url: str, script: list[Sentence], start: float, conv: C
 
         reader = asyncio.create_task(read())
         try:
-            await connection.session.update(session={"type": "realtime",
-                                                     "audio": {"input": {"turn_detection": TURN_DETECTION}}})
+            await connection.session.update(session=SESSION)
             k = 0
 
             async def send(chunk: str) -> float:
@@ -313,89 +238,12 @@ async def _phase(base_url: str, pool: list[Sentence], n: int, turns: int) -> dic
     return row
 
 
-@dataclass
-class _Fault:
-    kind: str
-    aborted_on: str = ""
-    opened: bool = False  # the client saw session.created: there was a session to lose
-    mid_answer: bool = False
-    timed_out: bool = False
-    error: str | None = None
-
-
-async def _fault(url: str, sentence: Sentence, kind: str, speaking_chunks: int) -> _Fault:
-    """A raw websocket session that streams a turn at FAST pace and aborts its TCP transport at `kind`."""
-    from websockets.asyncio.client import connect
-
-    fault = _Fault(kind)
-    seen: list[str] = []  # the server events' types, as received
-    trigger = asyncio.Event()
-    wanted = {"committed": "input_audio_buffer.committed", "answering": "response.created"}.get(kind)
-    ws = None
-    try:
-        ws = await connect(url, max_size=None)
-
-        async def read() -> None:
-            assert ws is not None
-            async for message in ws:
-                event = json.loads(message)
-                seen.append(event["type"])
-                if event["type"] == wanted:
-                    trigger.set()
-
-        reader = asyncio.create_task(read())
-        await ws.send(json.dumps({"type": "session.update", "session": {
-            "type": "realtime", "audio": {"input": {"turn_detection": TURN_DETECTION}}}}))
-        chunks = sentence.chunks[:speaking_chunks] if kind == "speaking" else sentence.chunks
-        deadline = time.perf_counter() + FAULT_TIMEOUT_S
-        for chunk in chunks:
-            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
-            await asyncio.sleep(CHUNK_S / FAST)
-        while wanted and not trigger.is_set() and time.perf_counter() < deadline and not reader.done():
-            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": SILENCE}))
-            await asyncio.sleep(CHUNK_S / FAST)
-        fault.opened = "session.created" in seen
-        fault.timed_out = bool(wanted) and not trigger.is_set()
-        fault.aborted_on = seen[-1] if seen else ""
-        fault.mid_answer = seen.count("response.created") > seen.count("response.done")
-        ws.transport.abort()  # no close frame: the peer vanishes
-        reader.cancel()
-        with contextlib.suppress(BaseException):
-            await reader
-    except Exception as err:  # noqa: BLE001 - reported
-        fault.error = f"{type(err).__name__}: {err}"
-        if ws is not None:
-            ws.transport.abort()
-    return fault
-
-
-async def _faults(server: _Server, pool: list[Sentence], count: int) -> dict[str, Any]:
-    gate = asyncio.Semaphore(FAULT_CONCURRENCY)
-
-    async def one(i: int) -> _Fault:
-        async with gate:
-            kind = FAULT_KINDS[i % len(FAULT_KINDS)]
-            sentence = pool[i % len(pool)]
-            return await _fault(server.url, sentence, kind, 3 + i % 20)
-
-    started = time.perf_counter()
-    faults = await asyncio.gather(*(one(i) for i in range(count)))
-    wall = time.perf_counter() - started
-    idle = await server.wait_idle(IDLE_TIMEOUT_S)
-    settle = time.perf_counter() - started - wall
-    return {"disconnects": count, "opened": sum(f.opened for f in faults),
-            "by_kind": dict(Counter(f.kind for f in faults)),
-            "mid_answer": sum(f.mid_answer for f in faults), "trigger_timed_out": sum(f.timed_out for f in faults),
-            "client_errors": [f.error for f in faults if f.error][:5], "wall_s": round(wall, 2),
-            "sessions_left": idle["sessions"], "settle_s": round(settle, 2)}
-
-
 # --- the whole bench ------------------------------------------------------------------------------------------
 
 async def _bench(args: argparse.Namespace, status: Status, ns: tuple[int, ...], turns: int, faults: int,
                  sequential: int, log_dir: Path) -> dict[str, Any]:
     pool = await asyncio.to_thread(sentences)
-    server = _Server(args, max(ns) + 2 * FAULT_CONCURRENCY, log_dir)
+    server = _Server(args, max(ns) + 2 * CONCURRENCY, log_dir)
     base_url = f"ws://127.0.0.1:{server.port}/v1"
     try:
         status(f"starting the server: {' '.join(server.cmd[1:])}")
@@ -413,8 +261,8 @@ async def _bench(args: argparse.Namespace, status: Status, ns: tuple[int, ...], 
             status(f"N={n}: turn latency p50 {row['turn_latency_ms']['p50']} / p95 {row['turn_latency_ms']['p95']} "
                    f"ms; answered {row['loss']['turns_answered']}/{row['loss']['turns_spoken']}, "
                    f"lost {row['loss']['lost']}")
-        status(f"{faults} abrupt disconnects, {FAULT_CONCURRENCY} at a time")
-        fault = await _faults(server, pool, faults)
+        status(f"{faults} abrupt disconnects, {CONCURRENCY} at a time")
+        fault = await disconnects(server, SESSION, pool, faults, FAST)
         fault["server_alive"] = server.proc.poll() is None
         after = Conversation()
         await converse(base_url, _script(pool, 0, 1), time.perf_counter() + CONNECT_LEAD_S, after)

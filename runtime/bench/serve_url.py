@@ -38,8 +38,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from runtime.bench.demo_sentences import CHUNK_MS, sentences
 from runtime.bench.serve_conversations import (
-    CHUNK_MS,
     CONNECT_LEAD_S,
     FULL_NS,
     FULL_TURNS,
@@ -48,7 +48,6 @@ from runtime.bench.serve_conversations import (
     TURN_DETECTION,
     TURN_TIMEOUT_S,
     _phase,
-    sentences,
 )
 from runtime.errors import UserError
 
