@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,7 +166,8 @@ def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[De
         models = ", ".join(f"{role} {ref}" for role, ref in random)
         verb = "has" if len(random) == 1 else "have"
         console.status(f"profile '{profile.name}': {models} {verb} random, untrained weights, so its {noise} are "
-                       "noise; for real models run with --profile cpu or --profile gpu (see README)")
+                       "noise; for real models offline run with --profile demo or --profile whisper-tiny-en "
+                       "(see README)")
     require_device(profile.device)
     worker = DeviceWorker(max_pending=profile.pipeline.worker_queue).start()
     started = time.perf_counter()
@@ -176,6 +178,14 @@ def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[De
         raise
     console.status(f"models ready in {time.perf_counter() - started:.1f} s on {profile.device}/{profile.dtype}")
     return worker, models
+
+
+def without_unseen_screen(profile: Profile, has_video: bool) -> Profile:
+    """`profile` without its screen reader when the file has no picture to read (a .wav): PP-OCRv4 is not loaded
+    for nothing."""
+    if has_video or not profile.screen.read:
+        return profile
+    return replace(profile, screen=replace(profile.screen, read=False))
 
 
 def _file_source(path: Path, speed: float, profile: Profile, video: bool = True) -> FileSource:
@@ -202,6 +212,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         file = _file_source(args.file, args.speed, profile, video=args.command == "ask" or profile.screen.read)
         if args.command == "transcribe" and not file.has_audio:
             raise UserError(f"cannot read {args.file}: no audio stream to transcribe")
+        profile = without_unseen_screen(profile, file.has_video)
         source = file
         if args.command == "ask":
             questions = [ScheduledQuestion(args.question, args.at)]

@@ -16,7 +16,7 @@ from runtime.config import available_profiles
 
 DEMO_QUESTION = "What did the red ball do?"
 
-def _common(p: argparse.ArgumentParser, profile: str = "tiny") -> None:
+def _common(p: argparse.ArgumentParser, profile: str) -> None:
     g = p.add_argument_group("profile")
     g.add_argument("--profile", default=profile, help=f"profile name in configs/ or a .toml path (default: "
                    f"{profile}; known: {', '.join(available_profiles()) or 'none'})")
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", type=Path, metavar="FILE", help="play FILE as the live source instead of devices; "
                    "the server stops when it ends (Ctrl-D or Ctrl-C before)")
     _speed(p, 1.0, "with --source")
-    _common(p)
+    _common(p, profile="demo")  # real captions and answers offline (configs/demo.toml)
 
     p = sub.add_parser("demo", help="play the built-in sample through the whole pipeline",
                        description="Play a built-in sample (speech and moving objects) through the pipeline at "
@@ -114,12 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("question", help="the question, asked at --at")
     p.add_argument("--at", type=_seconds, metavar="SECONDS", help="media time to ask at (default: the end)")
     _speed(p, 0.0, "as fast as possible")
-    _common(p)
+    _common(p, profile="whisper-tiny-en")  # as transcribe: a file's talk, its slides read, answers from them
 
     p = sub.add_parser("bench", help="benchmarks printing one JSON object",
-                       description="Shape-true benchmarks (real architectures' configs with random weights, so "
-                       "speed and memory are real and accuracy is not reported), and asr-quality, which scores a "
-                       "trained checkpoint's accuracy. Prints one JSON object.")
+                       description="Benchmarks, each printing one JSON object. Speed and memory run shape-true (real "
+                       "architectures' configs; random weights where no real checkpoint ships, and then no "
+                       "accuracy is reported); asr-quality, answers, video-qa, turns and llm --model score the "
+                       "real shipped weights.")
     bench.add_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no status lines on stderr")
 

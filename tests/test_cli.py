@@ -24,6 +24,31 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
+def test_every_command_defaults_to_real_models():
+    """A newcomer's first command must not print noise: random models only when asked for (--profile tiny)."""
+    from runtime.cli_parser import build_parser
+
+    parser = build_parser()
+    defaults = {argv[0]: parser.parse_args(argv).profile
+                for argv in (["serve"], ["demo"], ["transcribe", "x.wav"], ["ask", "x.wav", "what?"])}
+    assert defaults == {"serve": "demo", "demo": "demo", "transcribe": "whisper-tiny-en", "ask": "whisper-tiny-en"}
+
+
+def test_a_file_without_a_picture_loads_no_screen_reader(demo_file, tmp_path):
+    import soundfile
+
+    from runtime.cli import without_unseen_screen
+    from runtime.config import load_profile
+    from runtime.io.file_source import FileSource
+
+    profile = load_profile("whisper-tiny-en")
+    assert profile.screen.read
+    wav = tmp_path / "speech.wav"
+    soundfile.write(wav, demo_speech()[:16000], 16000)
+    assert not without_unseen_screen(profile, FileSource(wav, speed=0).has_video).screen.read
+    assert without_unseen_screen(profile, FileSource(demo_file, speed=0).has_video).screen.read
+
+
 def test_unknown_benchmark_fails_in_one_line(capsys):
     code, _, err = run_cli(capsys, "bench", "nosuch")
     assert code != 0 and "unknown benchmark 'nosuch'" in one_error_line(err)
@@ -101,7 +126,8 @@ def test_demo_at_speed_8_prints_transcript_and_answer():
 
 
 def test_ask_at_a_media_time_answers_then_finishes(demo_file):
-    result = _subprocess("ask", str(demo_file), "what moved?", "--at", "3", "--json", "--set", "lm.max_new_tokens=4")
+    result = _subprocess("ask", str(demo_file), "what moved?", "--at", "3", "--json", "--profile", "tiny",
+                         "--set", "lm.max_new_tokens=4")
     assert result.returncode == 0, result.stderr
     events = _events(result.stdout)
     created = next(e for e in events if e.type == "response.created")
@@ -114,7 +140,7 @@ def test_ask_at_a_media_time_answers_then_finishes(demo_file):
 
 def test_serve_with_a_file_source_takes_questions_on_stdin(demo_file):
     result = _subprocess("serve", "--source", str(demo_file), "--speed", "8", "--json", "--port", "0",
-                         stdin="\nwhat is the red ball doing?\n")
+                         "--profile", "tiny", stdin="\nwhat is the red ball doing?\n")
     assert result.returncode == 0, result.stderr
     events = _events(result.stdout)
     created = [e for e in events if e.type == "response.created"]
