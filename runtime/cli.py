@@ -293,7 +293,11 @@ def _live_source(args: argparse.Namespace, profile: Profile) -> Source:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command line (`runtime.__main__.main` parses it before this module's imports load torch)."""
     terminate_like_ctrl_c()
     console = Console(getattr(args, "quiet", False))
     try:

@@ -24,6 +24,18 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
+def test_help_answers_before_the_models_libraries_load():
+    """`--help` and a mistyped flag answer at once: torch and transformers load only when a command runs."""
+    code = ("import sys\nfrom runtime.__main__ import main\n"
+            "for argv in (['--help'], ['bench', '--help'], ['train', '--help'], ['transcribe', '--help'], ['ask']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: runtime train" in result.stdout and "the following arguments are required" in result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False False"
+
+
 def test_every_command_defaults_to_real_models():
     """A newcomer's first command must not print noise: random models only when asked for (--profile tiny)."""
     from runtime.cli_parser import build_parser

@@ -1,6 +1,6 @@
 """Training entry points behind `runtime train <recipe>`: each recipe module exposes `add_arguments(parser)`
 and `run(args) -> int`. They import torch and the model code at import time, so a recipe module is imported
-only when the command line is built or its subcommand runs, never by `import runtime.train`."""
+only when its subcommand is parsed or runs, never by `import runtime.train` or another command."""
 
 from __future__ import annotations
 
@@ -45,11 +45,32 @@ def recipe(name: str) -> ModuleType:
     return importlib.import_module(f"runtime.train.{RECIPES[name][0]}")
 
 
+class _RecipeParser(argparse.ArgumentParser):
+    """A recipe's parser, given the recipe module's flags the first time it parses or prints its help: importing
+    every recipe (torch, the model code) to build the command line would make every `runtime` command slow to
+    parse, `--help` included."""
+
+    recipe_name: str | None = None
+
+    def _load(self) -> None:
+        if self.recipe_name is not None:
+            name, self.recipe_name = self.recipe_name, None
+            recipe(name).add_arguments(self)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        self._load()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._load()
+        return super().format_help()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One subcommand per recipe, each with the recipe module's own flags."""
-    recipes = parser.add_subparsers(dest="recipe", required=True, metavar="RECIPE")
+    """One subcommand per recipe, each with the recipe module's own flags (added when that recipe is named)."""
+    recipes = parser.add_subparsers(dest="recipe", required=True, metavar="RECIPE", parser_class=_RecipeParser)
     for name, (_, summary, description) in RECIPES.items():
-        recipe(name).add_arguments(recipes.add_parser(name, help=summary, description=description))
+        recipes.add_parser(name, help=summary, description=description).recipe_name = name
 
 
 def run(args: argparse.Namespace) -> int:
