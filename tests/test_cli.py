@@ -46,19 +46,36 @@ def test_every_command_defaults_to_real_models():
     assert defaults == {"serve": "demo", "demo": "demo", "transcribe": "whisper-tiny-en", "ask": "whisper-tiny-en"}
 
 
-def test_a_file_without_a_picture_loads_no_screen_reader(demo_file, tmp_path):
+def test_a_file_without_a_picture_loads_no_screen_reader(capsys, demo_file, tmp_path, monkeypatch):
+    """PP-OCRv4 loads for a video, not for a .wav: the profile the models are loaded for says so."""
     import soundfile
 
-    from runtime.cli import without_unseen_screen
-    from runtime.config import load_profile
-    from runtime.io.file_source import FileSource
+    from runtime import cli
+    from runtime.errors import UserError
 
-    profile = load_profile("whisper-tiny-en")
-    assert profile.screen.read
+    reads: list[bool] = []
+
+    def load_models(profile, *_, **__):
+        reads.append(profile.screen.read)
+        raise UserError("models would load here")
+
+    monkeypatch.setattr(cli, "load_models", load_models)
     wav = tmp_path / "speech.wav"
     soundfile.write(wav, demo_speech()[:16000], 16000)
-    assert not without_unseen_screen(profile, FileSource(wav, speed=0).has_video).screen.read
-    assert without_unseen_screen(profile, FileSource(demo_file, speed=0).has_video).screen.read
+    for command in (["transcribe", str(wav)], ["ask", str(wav), "what?"], ["transcribe", str(demo_file)]):
+        code, _, err = run_cli(capsys, *command, "--profile", "whisper-tiny-en")
+        assert code == 1 and "models would load here" in one_error_line(err)
+    assert reads == [False, False, True]
+
+
+def test_a_train_recipe_has_its_flags_when_named(capsys):
+    """Each recipe's flags load only when it is named (test_help_answers_before...), and then they are all there."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "average", "--help"])
+    assert exit_.value.code == 0 and "--out" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "average"])
+    assert exit_.value.code == 2 and "--out" in capsys.readouterr().err
 
 
 def test_unknown_benchmark_fails_in_one_line(capsys):

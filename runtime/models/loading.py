@@ -159,8 +159,8 @@ def resolve_checkpoint(ref: str, *, role: str, seed: int = 0, progress: Progress
     if is_path_like(ref) or path.exists():
         what = "is not a directory" if path.exists() else "does not exist"
         raise CheckpointNotFound(
-            f"{role} checkpoint {ref!r} {what}; give a checkpoint directory (transformers, .nemo, CTranslate2 "
-            f"Whisper), a .gguf file, builtin:<name>, a Hugging Face id or tiny:<name> "
+            f"{role} checkpoint {ref!r} {what}; give a checkpoint directory (transformers, one holding a .nemo, "
+            f"CTranslate2 Whisper), a .gguf file, builtin:<name>, a Hugging Face id or tiny:<name> "
             f"(in a profile: --set {role}.model=...)"
         )
     from huggingface_hub import snapshot_download

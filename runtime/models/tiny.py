@@ -1,4 +1,4 @@
-"""Tiny random models built from configs, for tests and for the default `tiny` profile.
+"""Tiny random models built from configs, for tests and for the `tiny` profile.
 
 They have the real architectures (Whisper, Qwen2) at toy sizes, so every code path that loads, caches and
 decodes a real checkpoint runs on CPU in milliseconds. Their weights are random: what they say is noise,

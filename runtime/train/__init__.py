@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Sequence
 from types import ModuleType
 
 # recipe name on the command line: (module in runtime.train, help, description)
@@ -57,7 +58,9 @@ class _RecipeParser(argparse.ArgumentParser):
             name, self.recipe_name = self.recipe_name, None
             recipe(name).add_arguments(self)
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         self._load()
         return super().parse_known_args(args, namespace)
 
