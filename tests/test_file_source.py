@@ -115,6 +115,34 @@ def test_video_off_on_a_video_only_file_is_an_error(tmp_path: Path) -> None:
         FileSource(path, video=False)
 
 
+@pytest.mark.asyncio
+async def test_cover_art_is_not_video(tmp_path: Path) -> None:
+    """An mp3's album picture is a one-frame video stream marked as an attached picture: the file is audio only
+    (no frame to remember, no screen to read), and plays as such."""
+    import av
+
+    path = tmp_path / "song.mp3"
+    with av.open(str(path), "w") as out:
+        audio = out.add_stream("mp3", rate=SAMPLE_RATE, layout="mono")
+        cover = out.add_stream("mjpeg", rate=1)
+        cover.width, cover.height, cover.pix_fmt = 64, 64, "yuvj420p"
+        cover.disposition = av.stream.Disposition.attached_pic
+        picture = av.VideoFrame.from_ndarray(render_frame(0.0, 64, 64), format="rgb24").reformat(format="yuvj420p")
+        for packet in [*cover.encode(picture), *cover.encode()]:
+            out.mux(packet)
+        frame = av.AudioFrame.from_ndarray(tone(1.0)[None], format="fltp", layout="mono")
+        frame.sample_rate = SAMPLE_RATE
+        for packet in [*audio.encode(frame), *audio.encode()]:
+            out.mux(packet)
+    with av.open(str(path)) as container:  # the file holds the picture, marked as such
+        assert [s.type for s in container.streams] == ["audio", "video"]
+        assert container.streams.video[0].disposition & av.stream.Disposition.attached_pic
+    source = FileSource(path, speed=0)
+    assert source.has_audio and not source.has_video
+    chunks, video = split(await collect(source))
+    assert chunks and not video
+
+
 def test_scaled_size() -> None:
     assert scaled_size(1920, 1080, 640) == (640, 360)
     assert scaled_size(480, 640, 320) == (240, 320)

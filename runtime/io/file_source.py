@@ -82,7 +82,7 @@ class FileSource(ThreadedSource):
                 if container.format.name in NOT_MEDIA:
                     raise MediaError(f"cannot read {self.path}: not an audio or video file")
                 self.has_audio = bool(container.streams.audio)
-                self.has_video = video and bool(container.streams.video)
+                self.has_video = video and _moving_picture(container) is not None
                 self.duration = _duration(container)
                 self.origin = _origin(container)
         except MediaError:
@@ -178,7 +178,8 @@ class FileSource(ThreadedSource):
 
     def _video(self) -> Iterator[VideoFrame]:
         with av.open(self.path) as container:
-            stream = container.streams.video[0]
+            stream = _moving_picture(container)
+            assert stream is not None, "has_video said there was one"
             stream.thread_type = "AUTO"
             last_slot = -1
             interval = 1 / float(stream.average_rate or stream.guessed_rate or 25)
@@ -194,6 +195,15 @@ class FileSource(ThreadedSource):
                 width, height = scaled_size(frame.width, frame.height, self.max_side)
                 image = frame.reformat(width=width, height=height, format="rgb24").to_ndarray()
                 yield VideoFrame(image=image, time=time)
+
+
+def _moving_picture(container: av.container.InputContainer) -> av.video.stream.VideoStream | None:
+    """The file's first video stream that is not cover art (an mp3's or m4a's album picture is a one-frame "video"
+    stream marked as an attached picture: neither something to watch nor a screen to read)."""
+    for stream in container.streams.video:
+        if not stream.disposition & av.stream.Disposition.attached_pic:
+            return stream
+    return None
 
 
 class _StreamClock:
