@@ -27,14 +27,13 @@ from runtime.events import Event
 from runtime.feed import ScheduledQuestion, feed
 from runtime.io.printers import JsonLinesPrinter, TextPrinter
 from runtime.io.source import Source
-from runtime.loaded_models import Models, load_models
-from runtime.session import Session
-from runtime.session_builder import open_session
 from runtime.stop_signals import on_stop_signals, remove_stop_signals, terminate_like_ctrl_c
 from runtime.worker import DeviceWorker
 
 if TYPE_CHECKING:
     from runtime.io.file_source import FileSource
+    from runtime.loaded_models import Models
+    from runtime.session import Session
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")  # where `serve` needs no token: only this machine can connect
 
@@ -45,7 +44,11 @@ class Console:
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
         self._bar = None
-        if quiet or not sys.stderr.isatty():  # the libraries' own bars too, as ours
+
+    def quiet_libraries(self) -> None:
+        """Before models load: the libraries' own progress bars go where ours go (none when quiet or not on a
+        terminal). Not at construction: importing transformers takes half a second a mistyped path should not."""
+        if self.quiet or not sys.stderr.isatty():
             from huggingface_hub.utils import disable_progress_bars
             from transformers.utils import logging as transformers_logging
 
@@ -119,6 +122,8 @@ async def _run_session(
 ) -> int:
     """Returns how many `error` events the session emitted. `publish`: also hand every event to it (serve's
     browser watchers), after the printer."""
+    from runtime.session_builder import open_session
+
     printer = _printer(args)
     session = await (await open_session(profile, models, worker)).start()
     errors = 0
@@ -158,7 +163,12 @@ async def _run_session(
 
 
 def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[DeviceWorker, Models]:
-    """The worker and the profile's models; `answers=False` (transcribe) loads the ASR alone."""
+    """The worker and the profile's models; `answers=False` (transcribe) loads the ASR alone. The models' code
+    (torch, transformers) is imported here, after the source opened: a mistyped file name fails at once."""
+    from runtime.loaded_models import load_models
+
+    console.quiet_libraries()
+
     random = [(role, ref) for role, ref in (("asr", profile.asr.model), ("lm", profile.lm.model))
               if ref.startswith("tiny:") and (answers or role == "asr")]
     if random:
@@ -301,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
     terminate_like_ctrl_c()
     console = Console(getattr(args, "quiet", False))
     try:
+        if args.command in ("bench", "train"):
+            console.quiet_libraries()
         if args.command == "bench":
             return bench.run(args, console.status)
         if args.command == "train":

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from runtime.errors import ConfigError
 
 if TYPE_CHECKING:
-    from runtime.memory.video import MemorySizes
+    from runtime.memory.sizes import MemorySizes
 
 C = TypeVar("C")  # a settings dataclass
 V = TypeVar("V")  # a setting's value
@@ -384,7 +384,7 @@ def check_memory_fits(profile: Profile) -> None:
 
 def memory_sizes(profile: Profile) -> MemorySizes:
     """The profile's `runtime.memory.video.MemorySizes` (its fields are VideoConfig's of the same names)."""
-    from runtime.memory.video import MemorySizes  # lazy: it imports torch
+    from runtime.memory.sizes import MemorySizes
 
     names = {f.name for f in fields(MemorySizes)}
     return MemorySizes(**{n: getattr(profile.video, n) for n in names if hasattr(profile.video, n)},

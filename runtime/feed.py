@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from runtime.chunks import AudioChunk
 from runtime.io.source import Source
-from runtime.session import Session
+
+if TYPE_CHECKING:  # the session (and torch with it) loads when a command runs one, not with the parser's imports
+    from runtime.session import Session
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,17 @@ def test_help_lists_every_command(capsys):
 
 
 def test_help_answers_before_the_models_libraries_load():
-    """`--help` and a mistyped flag answer at once: torch and transformers load only when a command runs."""
+    """`--help`, a mistyped flag and a mistyped file name answer at once: torch and transformers load only when
+    a command's models do."""
     code = ("import sys\nfrom runtime.__main__ import main\n"
-            "for argv in (['--help'], ['bench', '--help'], ['train', '--help'], ['transcribe', '--help'], ['ask']):\n"
+            "for argv in (['--help'], ['bench', '--help'], ['train', '--help'], ['transcribe', '--help'], ['ask'],\n"
+            "             ['transcribe', '/nonexistent/talk.wav']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "usage: runtime train" in result.stdout and "the following arguments are required" in result.stderr
+    assert "cannot read /nonexistent/talk.wav" in result.stderr  # a mistyped file fails before the models' code
     assert result.stdout.strip().splitlines()[-1] == "False False"
 
 
@@ -50,7 +53,7 @@ def test_a_file_without_a_picture_loads_no_screen_reader(capsys, demo_file, tmp_
     """PP-OCRv4 loads for a video, not for a .wav: the profile the models are loaded for says so."""
     import soundfile
 
-    from runtime import cli
+    from runtime import loaded_models
     from runtime.errors import UserError
 
     reads: list[bool] = []
@@ -59,7 +62,7 @@ def test_a_file_without_a_picture_loads_no_screen_reader(capsys, demo_file, tmp_
         reads.append(profile.screen.read)
         raise UserError("models would load here")
 
-    monkeypatch.setattr(cli, "load_models", load_models)
+    monkeypatch.setattr(loaded_models, "load_models", load_models)
     wav = tmp_path / "speech.wav"
     soundfile.write(wav, demo_speech()[:16000], 16000)
     for command in (["transcribe", str(wav)], ["ask", str(wav), "what?"], ["transcribe", str(demo_file)]):
@@ -258,7 +261,7 @@ def test_transcribe_needs_audio_and_loads_the_asr_alone(capsys, demo_file, tmp_p
 
 def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, demo_file):
     """A run whose ASR failed on every chunk printed errors; its exit status must say so to a script."""
-    from runtime import cli
+    from runtime import loaded_models
     from runtime.loaded_models import Models
 
     class BrokenStream:
@@ -281,8 +284,8 @@ def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, demo_
         def __getattr__(self, name):
             return getattr(self.asr, name)
 
-    real = cli.load_models
-    monkeypatch.setattr(cli, "load_models", lambda *a, **k: (lambda m: Models(BrokenASR(m.asr), m.answerer,
+    real = loaded_models.load_models
+    monkeypatch.setattr(loaded_models, "load_models", lambda *a, **k: (lambda m: Models(BrokenASR(m.asr), m.answerer,
                                                                                m.vision))(real(*a, **k)))
     code, _, err = run_cli(capsys, "transcribe", str(demo_file), "-q")
     assert code == 1 and "error: " in err
