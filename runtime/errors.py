@@ -19,6 +19,18 @@ class CheckpointNotFound(UserError):
     code = "checkpoint_not_found"
 
 
+class PromptTooLong(UserError):
+    """A response's question and instructions past what the answerer takes in one go."""
+
+    code = "prompt_too_long"
+
+
+class InvalidSchema(UserError):
+    """A function's JSON schema the constrained decoder cannot use."""
+
+    code = "invalid_tool_schema"
+
+
 class MediaError(UserError):
     """A file or device that cannot be opened or decoded."""
 

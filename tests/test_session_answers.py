@@ -310,6 +310,26 @@ async def test_a_completed_answer_has_no_status_details_and_no_decoding_stats(wo
 
 
 @pytest.mark.asyncio
+async def test_a_question_the_answerer_refuses_is_the_clients_error_without_a_traceback(worker, caplog):
+    """A question and instructions too long for the engine (or a schema it cannot use) is for the client to fix:
+    an `invalid_request_error` with the refusal's own code, not a server failure with a logged traceback."""
+    from runtime.errors import PromptTooLong
+
+    class Refusing(ScriptedAnswerer):
+        def start(self, *args, **kwargs):
+            raise PromptTooLong("the question and the response's instructions need 924 prompt tokens, more than the "
+                                "engine's 256; shorten them")
+
+    out = await _answer_events(worker, Refusing([AnswerStep("never", True, "stop")]), ("q", 0.2))
+    error = next(e for e in out if e.type == "error").error
+    assert (error["type"], error["code"]) == ("invalid_request_error", "prompt_too_long")
+    assert error["message"].startswith("the question and the response's instructions need 924")
+    done = next(e for e in out if e.type == "response.done").response
+    assert done["status"] == "failed" and done["status_details"]["error"]["type"] == "invalid_request_error"
+    assert "answer failed" not in caplog.text
+
+
+@pytest.mark.asyncio
 async def test_an_answer_that_fails_to_start_is_failed_and_the_next_question_is_answered(worker):
     answerer = ScriptedAnswerer([AnswerStep("fine", True, "stop")], fail_start=True)
     session = await (await open_session(profile_for(), Models(WordASR(), answerer), worker)).start()

@@ -35,6 +35,34 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that claims `width` x `height` and holds no pixel: what a decompression bomb's header says."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(
+        b"IEND", b"")
+
+
+@pytest.mark.parametrize("side", [4097, 20000])  # past ours; far past Pillow's own bomb limit
+def test_an_oversized_image_is_refused_from_its_header_before_decoding(side):
+    import tracemalloc
+
+    tracemalloc.start()
+    with pytest.raises(ProtocolError) as info:
+        parse_client_event(msg("runtime.input_video_frame.append", image=b64(png_header(side, side)), timestamp=0))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert info.value.code == "image_too_large" and info.value.event_id == "c1"
+    assert peak < 16 * 2**20  # nothing of the claimed 50 MB to 1.2 GB of pixels was allocated
+    with pytest.raises(ProtocolError) as info:
+        parse_client_event(binary_frame(1, 0.0, png_header(side, side)))  # the binary path reads the same header
+    assert info.value.code == "image_too_large"
+
+
 def test_audio_is_passed_on_as_bytes_in_the_sessions_format():
     raw = pcm16_bytes(np.linspace(-1, 1, 1600, dtype=np.float32))
     command = parse_client_event(msg("input_audio_buffer.append", audio=b64(raw)))

@@ -167,7 +167,8 @@ DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
     "invalid_base64", "invalid_audio", "invalid_image", "image_too_large", "unsupported_field", "unsupported_item",
     "message_too_large", "no_pending_item", "response_not_found", "session_finishing", "empty_question",
     "question_queue_full", "audio_from_track", "unknown_parameter", "unsupported_modality", "unsupported_content",
-    "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "no_input"}
+    "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "no_input", "prompt_too_long",
+    "invalid_tool_schema"}
 
 
 def b64(raw: bytes) -> str:
@@ -287,6 +288,8 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     add({"type": "response.create", "response": {"modalities": ["text"]}}, "unknown_parameter")
     add({"type": "response.create", "response": {"input": [{"type": "item_reference", "id": "item_nope"}]}},
         "item_not_found")
+    for given in ([], [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": " "}]}]):
+        add({"type": "response.create", "response": {"conversation": "none", "input": given}}, "no_pending_item")
     add({"type": "response.cancel"}, "response_not_found")
     add({"type": "response.cancel", "response_id": "resp_nope"}, "response_not_found")
     for response_id in (5, []):
@@ -337,6 +340,7 @@ async def test_a_hundred_malformed_messages_each_get_an_error_and_the_session_st
     expected += [(event_id, "session_finishing") for event_id in late]
     assert [(e.error["event_id"], e.error["code"]) for e in errors] == expected
     assert all(e.error["message"] and e.error["code"] in DOCUMENTED_CODES for e in errors)
+    assert sum(e.type == "response.created" for e in events) == 1  # "what moved?": no refused request made one
     late_errors = [e for e in errors if e.error["event_id"] in late]
     check_round_trip([e for e in events if all(e is not x for x in late_errors)])
     video = events[-1].metrics["video"]  # no refused frame moved the clock: the demo's three frames all count

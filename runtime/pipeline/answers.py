@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from runtime.channels import BlockingChannel
+from runtime.errors import UserError
 from runtime.events import ItemAdded, ItemDone, ResponseCreated, ResponseDone, error_event, new_id
 from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item
@@ -171,13 +172,16 @@ class QuestionProcessor:
             else:
                 prompt_tokens = answer.prompt_tokens or prompt_tokens  # a server reports it with its last chunk
         except Exception as err:
-            if not isinstance(err, NothingToAnswer | RemoteError):
+            # the client's to fix (nothing to answer, a question or instructions too long, a schema the decoder
+            # cannot use): its own code, no traceback; anything else is the server's
+            client = isinstance(err, NothingToAnswer | UserError)
+            if not client and not isinstance(err, RemoteError):
                 log.exception("answer failed")
-            code = "no_input" if isinstance(err, NothingToAnswer) else "response_failed"
-            status, details = "failed", {"type": "failed", "error": {"type": "server_error", "code": code,
-                                                                    "message": str(err)}}
-            await self.emit(error_event(str(err) if code == "no_input" else f"answering failed: {err}", code=code,
-                                        type="invalid_request_error" if code == "no_input" else "server_error",
+            code = "no_input" if isinstance(err, NothingToAnswer) else err.code if isinstance(err, UserError) \
+                else "response_failed"
+            kind = "invalid_request_error" if client else "server_error"
+            status, details = "failed", {"type": "failed", "error": {"type": kind, "code": code, "message": str(err)}}
+            await self.emit(error_event(str(err) if client else f"answering failed: {err}", code=code, type=kind,
                                         client_event_id=q.client_event_id, media_time=q.media_time))
         finally:
             if answer is not None:

@@ -291,6 +291,9 @@ class SessionDriver:
                 raise ProtocolError(f"response.input references {missing[0]!r}, which is not in this conversation",
                                     code="item_not_found", param="response.input")
             text = " ".join(t for t in [text or "", *(item.text for item in found if item)] if t)
+        if text is not None and not text.strip():
+            raise ProtocolError("response.input holds no text to answer", code="no_pending_item",
+                                param="response.input")
         if text is None and session.commits == session.heard.commits and not session.conversation.pending_user_text():
             raise ProtocolError("nothing to answer: no user message since the last answer; create one "
                                 "(conversation.item.create) or commit audio first", code="no_pending_item")

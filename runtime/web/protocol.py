@@ -51,7 +51,7 @@ from runtime.web.commands import (
 )
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a client message larger than this is answered with an error
-MAX_IMAGE_PIXELS = 4096 * 4096  # a decoded frame larger than this is refused before conversion to RGB
+MAX_IMAGE_PIXELS = 4096 * 4096  # an image larger than this is refused from its header, before decoding
 _EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,128})"')
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -191,14 +191,30 @@ def _audio_append(data: dict[str, Any], event_id: str | None, _max_side: int) ->
     return AppendAudio(event_id, _b64(data, "audio", "audio in the session's input format"))
 
 
+def image_size(raw: bytes) -> tuple[int, int]:
+    """(width, height) from a JPEG's or PNG's header, without decoding a pixel: a megabyte of PNG can hold a
+    16000 x 16000 image, a gigabyte once decoded, so the size is refused before anything is decoded."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw), formats=("JPEG", "PNG")) as image:
+            return image.size
+    except Image.DecompressionBombError as e:  # Pillow refuses sizes far past ours at open
+        raise ProtocolError(f"image is too large: {e}", code="image_too_large", param="image") from None
+    except (OSError, ValueError, SyntaxError) as e:  # Pillow's "cannot identify image file" and its parsers'
+        raise ProtocolError(f"image could not be decoded as JPEG or PNG: {e}", code="invalid_image",
+                            param="image") from None
+
+
 def decode_image(raw: bytes, max_side: int = 640) -> np.ndarray:
     """JPEG or PNG bytes -> RGB uint8 [H, W, 3], shrunk so its longer side is at most `max_side`."""
+    width, height = image_size(raw)
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ProtocolError(f"image of {width}x{height} is too large (at most {MAX_IMAGE_PIXELS} pixels)",
+                            code="image_too_large", param="image")
     try:
         with av.open(io.BytesIO(raw)) as container:
             frame = next(container.decode(video=0))
-            if frame.width * frame.height > MAX_IMAGE_PIXELS:
-                raise ProtocolError(f"image of {frame.width}x{frame.height} is too large", code="image_too_large",
-                                    param="image")
             width, height = scaled_size(frame.width, frame.height, max_side)
             return frame.reformat(width=width, height=height, format="rgb24").to_ndarray()
     except ProtocolError:

@@ -36,7 +36,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from runtime.config import LMConfig
-from runtime.errors import ConfigError, UserError
+from runtime.errors import ConfigError, PromptTooLong
 from runtime.models.lm.compiled_step import CompiledStep, wanted
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.pieces import Piece, visual_id
@@ -287,8 +287,8 @@ class EngineSession:
         self.answered_from = self._synced  # the transcript and suffix this answer sees
         ids = self.engine.encode(self.engine.prompt_parts(question)[1])
         if len(ids) > self.engine.max_question_tokens:
-            raise UserError(f"the question needs {len(ids)} prompt tokens, more than the engine's "
-                            f"{self.engine.max_question_tokens}; ask a shorter question")
+            raise PromptTooLong(f"the question and the response's instructions need {len(ids)} prompt tokens, more "
+                                f"than the engine's {self.engine.max_question_tokens}; shorten them")
         self.cache.begin_target()
         self._answer_prefix = self.source_ids()
         attend = self.cache.append_target(len(ids))

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from runtime.config import LMConfig
-from runtime.errors import ConfigError, UserError
+from runtime.errors import ConfigError, PromptTooLong, UserError
 from runtime.models.lm.backend import AnswerStep, AnswerText, JsonSchema, LMStream, token_limit
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.json_constraint import JsonConstraint, JsonGrammars
@@ -159,9 +159,9 @@ class GenerateAnswerer:
             return ids, len(self._ids(context)), False
         overhead = len(self._ids(self.prompt_text(CUT_MARK, question)))
         if overhead > budget:
-            raise UserError(
-                f"the question needs {overhead} prompt tokens, more than lm.max_context_tokens={budget}; "
-                "ask a shorter question or raise lm.max_context_tokens"
+            raise PromptTooLong(
+                f"the question and the instructions need {overhead} prompt tokens, more than "
+                f"lm.max_context_tokens={budget}; shorten them or raise lm.max_context_tokens"
             )
         context_ids = self._ids(context)
         keep = budget - overhead

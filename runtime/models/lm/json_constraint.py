@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from runtime.errors import UserError
+from runtime.errors import InvalidSchema, UserError
 
 if TYPE_CHECKING:  # an optional dependency (the `tools` extra): imported when a schema is first asked for
     from llguidance import LLMatcher
@@ -86,7 +86,7 @@ class JsonGrammars:
     def constraint(self, schema: dict[str, Any]) -> JsonConstraint:
         """A fresh matcher for one answer; an invalid schema is one UserError naming what is wrong."""
         if not isinstance(schema, dict):
-            raise UserError(f"a JSON schema must be an object, not {type(schema).__name__}")
+            raise InvalidSchema(f"a JSON schema must be an object, not {type(schema).__name__}")
         key = json.dumps(schema, sort_keys=True)
         pristine = self._compiled.pop(key, None)
         if pristine is None:
@@ -94,7 +94,7 @@ class JsonGrammars:
             grammar = lib.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
             pristine = lib.LLMatcher(self._tokenizer, grammar, log_level=0)
             if pristine.is_error():
-                raise UserError(f"unusable JSON schema: {pristine.get_error().splitlines()[0]}")
+                raise InvalidSchema(f"unusable JSON schema: {pristine.get_error().splitlines()[0]}")
         self._compiled[key] = pristine
         while len(self._compiled) > self.cache_size:
             self._compiled.popitem(last=False)
