@@ -307,7 +307,8 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     for raw in (b"\xff" * 16, valid.encode(), b"a\x00\x00\x00\x00" + bytes(8), jpeg,
                 pcm16_bytes(np.ones(CHUNK, np.float32))[1:]):  # unknown kinds; bytes 1-4 still read as the sequence
         cases.append((raw, f"bin-{int.from_bytes(raw[1:5], 'little')}", "invalid_binary_header"))
-    cases.append((bytes(MAX_MESSAGE_BYTES + 10), None, "message_too_large"))
+    cases.append((bytes(MAX_MESSAGE_BYTES + 10), "bin-0", "message_too_large"))
+    cases.append((binary_audio(15, bytes(MAX_MESSAGE_BYTES + 10)), "bin-15", "message_too_large"))
     for seq, raw, code in ((7, binary_audio(7, bytes(3)), "invalid_audio"),
                            (8, binary_frame(8, 0.5, garbage), "invalid_image"),
                            (9, binary_frame(9, -1.0, jpeg), "invalid_value"),

@@ -137,8 +137,9 @@ def binary_frame(seq: int, timestamp: float, image: bytes) -> bytes:
 
 def parse_binary(message: bytes, *, max_side: int = 640) -> Command:
     """One binary websocket message (the media fast path, see the module docstring) -> a command."""
-    if len(message) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE_BYTES}", code="message_too_large")
+    if len(message) > MAX_MESSAGE_BYTES:  # named by its sequence, read from the header like any binary message's
+        raise ProtocolError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE_BYTES}", code="message_too_large",
+                            event_id=f"bin-{BINARY_HEADER.unpack_from(message)[1]}")
     if len(message) < BINARY_HEADER.size:
         raise ProtocolError(f"binary message of {len(message)} bytes is shorter than its {BINARY_HEADER.size}-byte "
                             "header (kind, u32 sequence)", code="invalid_binary_header")
