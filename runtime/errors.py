@@ -19,13 +19,18 @@ class CheckpointNotFound(UserError):
     code = "checkpoint_not_found"
 
 
-class PromptTooLong(UserError):
+class RequestError(UserError):
+    """What a session's client asked for and can change (on the wire: an `invalid_request_error`), as opposed to
+    the server's own set-up (a missing package, a checkpoint), which a client cannot fix."""
+
+
+class PromptTooLong(RequestError):
     """A response's question and instructions past what the answerer takes in one go."""
 
     code = "prompt_too_long"
 
 
-class InvalidSchema(UserError):
+class InvalidSchema(RequestError):
     """A function's JSON schema the constrained decoder cannot use."""
 
     code = "invalid_tool_schema"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from runtime.channels import BlockingChannel
-from runtime.errors import UserError
+from runtime.errors import RequestError
 from runtime.events import ItemAdded, ItemDone, ResponseCreated, ResponseDone, error_event, new_id
 from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item
@@ -174,10 +174,10 @@ class QuestionProcessor:
         except Exception as err:
             # the client's to fix (nothing to answer, a question or instructions too long, a schema the decoder
             # cannot use): its own code, no traceback; anything else is the server's
-            client = isinstance(err, NothingToAnswer | UserError)
+            client = isinstance(err, NothingToAnswer | RequestError)
             if not client and not isinstance(err, RemoteError):
                 log.exception("answer failed")
-            code = "no_input" if isinstance(err, NothingToAnswer) else err.code if isinstance(err, UserError) \
+            code = "no_input" if isinstance(err, NothingToAnswer) else err.code if isinstance(err, RequestError) \
                 else "response_failed"
             kind = "invalid_request_error" if client else "server_error"
             status, details = "failed", {"type": "failed", "error": {"type": kind, "code": code, "message": str(err)}}
