@@ -75,16 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, help="Whisper checkpoint: hub id, local directory or tiny:whisper")
     parser.add_argument("--data", required=True, help="folder of audio files, each with a same-named .txt")
     parser.add_argument("--out", required=True, help="output folder: checkpoint-N/, adapter/, log.jsonl")
-    parser.add_argument("--rank", type=int, default=d.rank, help="LoRA rank (16-32; alpha = rank)")
+    parser.add_argument("--rank", type=int, default=d.rank,
+                        help="LoRA rank (16-32; alpha = rank; default: %(default)s)")
     parser.add_argument("--chunk-ms", default=str(d.chunk_ms),
                         help="encoder block (chunk) size to train for, or several (100,200,300): steps take turns")
-    parser.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size)
-    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (constant)")
-    parser.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
+    parser.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="clips a step (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate, constant (default: %(default)s)")
+    parser.add_argument("--save-every", type=int, default=d.save_every,
+                        help="steps between checkpoints (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest --out/checkpoint-N")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--seed", type=int, default=d.seed, help="random seed (default: %(default)s)")
+    parser.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--language", default=d.language, help="language token of the transcripts")
     parser.add_argument("--init", default=d.init, metavar="ADAPTER",
