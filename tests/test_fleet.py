@@ -396,7 +396,7 @@ def test_bench_serve_url_through_the_proxy(capsys, fleet):
     """`runtime bench serve --url` pointed at the proxy: three conversations at once land on three replicas
     (each replica's own counters show its share), answered by the one shared server, with every turn answered and
     no error. (A voice turn whose answer is slow to open, queued on the server's single slot, once had its item
-    placed after the next turn's in-progress user item; that turn then found no user message: no_input.)"""
+    placed after the next turn's in-progress user item; that turn then found no user message: no_pending_item.)"""
     asyncio.run(until(fleet.all_ready, "every replica ready and UP in haproxy", START_TIMEOUT_S, 0.25))
     code, out, err = run_cli(capsys, "bench", "serve", "--url", f"ws://127.0.0.1:{fleet.port}/v1", "--quick",
                              "--sessions", str(len(REPLICAS)), "--json", "-q")

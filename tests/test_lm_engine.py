@@ -301,3 +301,17 @@ def test_layer_skip_view_shares_weights_and_leaves_the_model_whole(engine: LMEng
 def test_the_generate_backend_refuses_engine_weight_formats() -> None:
     with pytest.raises(ConfigError, match="lm.weights = int4 is a format of the engine's own model"):
         GenerateAnswerer.load(LMConfig(backend="generate", weights="int4"), device="cpu", dtype="float32")
+
+
+def test_a_question_over_the_limit_is_refused_before_the_pending_context_is_prefilled(engine: LMEngine) -> None:
+    """An answer that cannot be given fails before the session's pending context costs a prefill."""
+    from runtime.errors import PromptTooLong
+
+    session = engine.open_session()
+    session.set_context(transcript(200, seed=3))
+    long_question = "why " * (engine.max_question_tokens + 1)
+    with pytest.raises(PromptTooLong, match="shorten them"):
+        session.begin_answer(long_question)
+    assert session.stats.prefilled == 0 and not session.cache.answering
+    session.begin_answer("What was said?")  # the session still answers, and prefills what it holds then
+    assert session.stats.prefilled > 0

@@ -349,8 +349,10 @@ async def test_an_answer_that_fails_to_start_is_failed_and_the_next_question_is_
     assert first["usage"] == {"total_tokens": 0, "input_tokens": 0, "output_tokens": 0, "decode_steps": 0}
     assert first["timing"]["first_token_s"] is None
     assert "decoding" not in first and "video" not in first  # no counters from an answer that never started
-    assert first["output"][0]["content"][0]["text"] == ""
+    assert first["output"] == []  # a response that failed before saying anything adds no item
     assert second["status"] == "completed" and second["output"][0]["content"][0]["text"] == "fine"
+    # the failed question was not recorded either: only the answered one joins the conversation, with its answer
+    assert [(it.role, it.text) for it in session.conversation.items] == [("user", "second"), ("assistant", "fine")]
     assert answerer.released == 1  # only the answer that started holds state to release
     assert out[-1].metrics["answers"]["answered"] == 2 and session.activity.open == 0
 

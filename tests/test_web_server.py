@@ -167,7 +167,8 @@ DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
     "invalid_base64", "invalid_audio", "invalid_image", "image_too_large", "unsupported_field", "unsupported_item",
     "message_too_large", "no_pending_item", "response_not_found", "session_finishing", "empty_question",
     "question_queue_full", "audio_from_track", "unknown_parameter", "unsupported_modality", "unsupported_content",
-    "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "no_input", "prompt_too_long",
+    "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "prompt_too_long",
+    "conversation_already_has_active_response",
     "invalid_tool_schema"}
 
 
@@ -320,6 +321,49 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
                            (14, binary_audio(14, bytes(2 * 16000 * 125)), "message_too_large")):
         cases.append((raw, f"bin-{seq}", code))
     return cases
+
+
+@pytest.mark.asyncio
+async def test_one_response_at_a_time_joins_the_conversation_and_a_failed_one_leaves_the_turn_to_answer(tiny):
+    """As the Realtime API does: a second `response.create` while one is queued or running is refused at once (an
+    out-of-band one may run beside it), and a response the answerer refuses adds no item, so a retry answers the
+    same turn."""
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "what moved?"}]}
+
+    async def send(*bodies: dict) -> None:
+        for body in bodies:
+            await client.ws.send(json.dumps(body))
+
+    async def until_done(count: int) -> list:
+        seen = []
+        async for event in client.events():
+            seen.append(event)
+            if sum(e.type == "response.done" for e in seen) == count:
+                return seen
+        raise AssertionError("the session ended first")
+
+    async with RealtimeServer(*tiny, port=0) as server, AsyncRealtimeClient(url(server)) as client:
+        await send({"type": "conversation.item.create", "item": user}, {"type": "response.create", "event_id": "r1"},
+                   {"type": "response.create", "event_id": "r2"},
+                   {"type": "response.create", "event_id": "r3", "response": {"conversation": "none",
+                                                                              "input": [user]}})
+        first = await until_done(2)
+        await send({"type": "conversation.item.create", "item": user},
+                   {"type": "response.create", "event_id": "long", "response": {"instructions": "be brief " * 300}})
+        second = await until_done(1)
+        await send({"type": "response.create", "event_id": "retry"})
+        await client.finish()
+        third = [e async for e in client.events()]
+    errors = [(e.error["event_id"], e.error["code"]) for e in first + second + third if e.type == "error"]
+    assert errors == [("r2", "conversation_already_has_active_response"), ("long", "prompt_too_long")]
+    created = [e.response["conversation_id"] for e in first if e.type == "response.created"]
+    assert created == ["auto", None]  # r1, and r3 out of band beside it; r2 made no response
+    failed = next(e.response for e in second if e.type == "response.done")
+    assert failed["status"] == "failed" and failed["output"] == []
+    assert [e.item["role"] for e in second if e.type == "conversation.item.added"] == ["user"]  # no empty answer
+    retried = [e.response for e in third if e.type == "response.done"]
+    assert len(retried) == 1 and retried[0]["status"] in ("completed", "incomplete")  # random weights: any length
+    assert retried[0]["output"][0]["role"] == "assistant"
 
 
 @pytest.mark.asyncio

@@ -177,8 +177,8 @@ class QuestionProcessor:
             client = isinstance(err, NothingToAnswer | RequestError)
             if not client and not isinstance(err, RemoteError):
                 log.exception("answer failed")
-            code = "no_input" if isinstance(err, NothingToAnswer) else err.code if isinstance(err, RequestError) \
-                else "response_failed"
+            code = ("no_pending_item" if isinstance(err, NothingToAnswer)
+                    else err.code if isinstance(err, RequestError) else "response_failed")
             kind = "invalid_request_error" if client else "server_error"
             status, details = "failed", {"type": "failed", "error": {"type": kind, "code": code, "message": str(err)}}
             await self.emit(error_event(str(err) if client else f"answering failed: {err}", code=code, type=kind,
@@ -188,15 +188,21 @@ class QuestionProcessor:
                 decoding = await answer.close()
             if self.prefiller is not None:
                 self.prefiller.end_question()
-        if not output.items:  # every response has an output item, an empty message at least
-            await output.add_text("")
-        if q.in_conversation and q.record_question and question.strip():  # the question goes before its answer
-            recorded = Item(new_id("item"), q.media_time, q.media_time, audio=False, stable=question,
-                            completed=True, question=True)
-            before = self.conversation.add(recorded, after=self.conversation.line_before(output.items[0].item_id))
-            for kind in (ItemAdded, ItemDone):
-                await self.emit(kind(item=recorded.to_api(), previous_item_id=before, media_time=q.media_time))
-        items = await output.finish(completed=status == "completed")
+        # A response that failed before it said anything adds nothing: no empty assistant item, so the user's turn
+        # is still the one to answer when the client retries. Any other response has an output item, an empty
+        # message at least.
+        items: list[Item] = []
+        if output.items or status != "failed":
+            if not output.items:
+                await output.add_text("")
+            if q.in_conversation and q.record_question and question.strip():  # the question goes before its answer
+                recorded = Item(new_id("item"), q.media_time, q.media_time, audio=False, stable=question,
+                                completed=True, question=True)
+                before = self.conversation.add(recorded,
+                                               after=self.conversation.line_before(output.items[0].item_id))
+                for kind in (ItemAdded, ItemDone):
+                    await self.emit(kind(item=recorded.to_api(), previous_item_id=before, media_time=q.media_time))
+            items = await output.finish(completed=status == "completed")
         if q.in_conversation:
             self.changes.mark()  # the answer (and its question) join the context
         total_s = time.perf_counter() - q.asked_wall

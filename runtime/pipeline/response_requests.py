@@ -3,6 +3,8 @@ end of a turn that turn detection found; and the one way one is cut short by the
 
 The question queue is bounded: a request that finds it full (or closed) is answered with an `error` event
 and dropped; nothing waits for room, so a burst of requests cannot stall the audio or the client's reader.
+Turns and scripted questions queue behind the answer in progress; a client's `response.create` is refused while
+a response that joins the conversation is queued or running (`active_response`), as the Realtime API refuses it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ResponseRequests:
                  heard: HeardClock, settings: SessionSettings, emit: Emit) -> None:
         self.questions, self.answers, self.activity = questions, answers, activity
         self.heard, self.settings, self.emit = heard, settings, emit
+        self._joining: list[Question] = []  # queued or answering, and joining the conversation
 
     async def request(self, question: Question) -> bool:
         """Queue `question`; False (after an `error` event) when the queue is full or closed."""
@@ -37,7 +40,14 @@ class ResponseRequests:
         except ChannelClosed:
             self.activity.ended()
             return False
+        if question.in_conversation:
+            self._joining.append(question)
         return True
+
+    def active_response(self) -> str | None:
+        """The id of a response that will join the conversation and has not ended (queued or answering)."""
+        self._joining = [q for q in self._joining if not q.answered.is_set()]
+        return self._joining[0].response_id if self._joining else None
 
     async def turn_ended(self, item_id: str, at: float, settings: SessionConfig | None = None) -> None:
         """Turn detection committed the user's turn: answer it when the session asked for that where the turn

@@ -283,6 +283,12 @@ class SessionDriver:
 
     async def _create_response(self, command: CreateResponse) -> None:
         session = self.session
+        active = session.requests.active_response() if command.in_conversation else None
+        if active is not None:
+            raise ProtocolError(f"conversation already has an active response ({active}): wait for its "
+                                "response.done or cancel it (response.cancel); a response with "
+                                "conversation 'none' may run beside it",
+                                code="conversation_already_has_active_response")
         text = command.input_text
         if command.input_refs:
             found = [self.session.conversation.get(ref) for ref in command.input_refs]

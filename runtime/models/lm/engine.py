@@ -282,13 +282,13 @@ class EngineSession:
         tail's ids. `next_logits()` then gives the first token's distribution."""
         if self.cache.answering:
             raise RuntimeError("an answer is already open; end_answer() first")
+        ids = self.engine.encode(self.engine.prompt_parts(question)[1])
+        if len(ids) > self.engine.max_question_tokens:  # refused before the pending context costs its prefill
+            raise PromptTooLong(f"the question and the response's instructions need {len(ids)} prompt tokens, more "
+                                f"than the engine's {self.engine.max_question_tokens}; shorten them")
         while self.prefill_step():
             pass
         self.answered_from = self._synced  # the transcript and suffix this answer sees
-        ids = self.engine.encode(self.engine.prompt_parts(question)[1])
-        if len(ids) > self.engine.max_question_tokens:
-            raise PromptTooLong(f"the question and the response's instructions need {len(ids)} prompt tokens, more "
-                                f"than the engine's {self.engine.max_question_tokens}; shorten them")
         self.cache.begin_target()
         self._answer_prefix = self.source_ids()
         attend = self.cache.append_target(len(ids))
