@@ -84,7 +84,32 @@ class SessionConfig:
         }
 
 
-_IGNORED = {"model", "tracing", "truncation", "include", "prompt"}  # accepted, echoed, no effect on this server
+# accepted, no effect on this server (`parallel_tool_calls`: a local model makes at most one call a response)
+_IGNORED = {"model", "tracing", "truncation", "include", "prompt", "parallel_tool_calls"}
+# The beta Realtime API's names (the `OpenAI-Beta: realtime=v1` protocol) and where the GA API this server speaks
+# puts each; None: the GA API has no such field.
+_BETA_NAMES = {
+    "session": {"modalities": "session.output_modalities", "input_audio_format": "session.audio.input.format",
+                "output_audio_format": "session.audio.output.format",
+                "turn_detection": "session.audio.input.turn_detection",
+                "input_audio_transcription": "session.audio.input.transcription",
+                "input_audio_noise_reduction": "session.audio.input.noise_reduction",
+                "max_response_output_tokens": "session.max_output_tokens", "voice": "session.audio.output.voice",
+                "temperature": None},
+    "response": {"modalities": "response.output_modalities", "output_audio_format": "response.audio.output.format",
+                 "max_response_output_tokens": "response.max_output_tokens", "voice": "response.audio.output.voice",
+                 "temperature": None},
+}
+
+
+def unknown_field(kind: str, key: str) -> str:
+    """The message for an unknown `session` or `response` field; a beta API name says where the GA API has it."""
+    if key not in _BETA_NAMES[kind]:
+        return f"unknown {kind} field {key!r}"
+    ga = _BETA_NAMES[kind][key]
+    where = f"the GA API's is {ga}" if ga else "the GA API has no such field"
+    return (f"unknown {kind} field {key!r}: that is the beta Realtime API's name and this server speaks the GA "
+            f"API ({where}; with the openai SDK use client.realtime.connect, not client.beta)")
 
 
 def parse_update(config: SessionConfig, session: dict[str, Any]) -> SessionConfig:
@@ -112,7 +137,7 @@ def parse_update(config: SessionConfig, session: dict[str, Any]) -> SessionConfi
             except ToolError as e:
                 raise ConfigFieldError(e.param, str(e)) from None
         elif key not in _IGNORED:
-            raise ConfigFieldError(param, f"unknown session field {key!r}", code="unknown_parameter")
+            raise ConfigFieldError(param, unknown_field("session", key), code="unknown_parameter")
     if "tools" in changes:
         try:
             checked(changes["tools"], "session.tool_choice")

@@ -335,3 +335,27 @@ async def test_silence_after_an_answer_triggers_the_idle_timeout_and_an_answer(t
             assert len(talk.of("input_audio_buffer.timeout_triggered")) == 1  # once per answer
     finally:
         await stop(server, worker)
+
+
+async def test_the_sdks_beta_client_is_told_this_is_the_ga_api(turn_models):
+    """The beta protocol's events and fields differ, so its client would wait in silence: it hears why at once,
+    and a beta field name in its update says where the GA API has it. The GA client hears no such thing."""
+    server, worker, client = await start(turn_models)
+    try:
+        async with client.beta.realtime.connect(model="gpt-realtime") as connection:
+            events = [json.loads(await asyncio.wait_for(connection.recv_bytes(), 30)) for _ in range(2)]
+            assert [e["type"] for e in events] == ["session.created", "error"]
+            assert events[1]["error"]["code"] == "beta_protocol"
+            assert "client.realtime.connect" in events[1]["error"]["message"]
+            await connection.session.update(session={"modalities": ["text"]})
+            error = json.loads(await asyncio.wait_for(connection.recv_bytes(), 30))
+            assert error["error"]["code"] == "unknown_parameter"
+            assert "the GA API's is session.output_modalities" in error["error"]["message"]
+        async with client.realtime.connect(model="gpt-realtime") as connection:
+            talk = Conversation(connection)
+            await talk.next("session.created")
+            await connection.session.update(session={"type": "realtime", "parallel_tool_calls": False})
+            await talk.next("session.updated")
+            assert not talk.of("error")
+    finally:
+        await stop(server, worker)

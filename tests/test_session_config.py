@@ -84,3 +84,24 @@ def test_a_bad_field_is_named(session, param, code):
         parse_update(SessionConfig(), session)
     assert (info.value.param, info.value.code) == (param, code)
     assert str(info.value)
+
+
+@pytest.mark.parametrize("field, ga", [
+    ("modalities", "session.output_modalities"), ("input_audio_format", "session.audio.input.format"),
+    ("turn_detection", "session.audio.input.turn_detection"), ("max_response_output_tokens",
+                                                               "session.max_output_tokens")])
+def test_a_beta_api_field_says_where_the_ga_api_has_it(field, ga):
+    """The openai SDK's beta client sends these; the error says which API this server speaks and the GA name."""
+    with pytest.raises(ConfigFieldError) as info:
+        parse_update(SessionConfig(), {field: None})
+    assert info.value.code == "unknown_parameter" and f"the GA API's is {ga}" in str(info.value)
+    assert "client.realtime.connect" in str(info.value)
+    with pytest.raises(ConfigFieldError, match="the GA API has no such field"):
+        parse_update(SessionConfig(), {"temperature": 0.8})
+    with pytest.raises(ConfigFieldError) as info:
+        parse_update(SessionConfig(), {"colour": "blue"})
+    assert str(info.value) == "unknown session field 'colour'"
+
+
+def test_parallel_tool_calls_is_accepted_and_changes_nothing():
+    assert parse_update(SessionConfig(), {"parallel_tool_calls": True}) == SessionConfig()

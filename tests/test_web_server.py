@@ -168,7 +168,7 @@ DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
     "message_too_large", "no_pending_item", "response_not_found", "session_finishing", "empty_question",
     "question_queue_full", "audio_from_track", "unknown_parameter", "unsupported_modality", "unsupported_content",
     "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "prompt_too_long",
-    "conversation_already_has_active_response",
+    "conversation_already_has_active_response", "beta_protocol",
     "invalid_tool_schema"}
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile
-from runtime.events import Event
+from runtime.events import Event, error_event
 from runtime.function_tools import ToolError, ToolUse, checked
 from runtime.io.audio_formats import AudioDecoder
 from runtime.io.rechunk import AudioRechunker
@@ -54,12 +54,20 @@ DRAIN_TIMEOUT_S = 30.0  # after a disconnect during finish, how long pending wor
 Send = Callable[[str], Awaitable[None]]
 
 
+BETA_PROTOCOL = ("this server speaks the GA Realtime API, not the beta one this client asked for (OpenAI-Beta: "
+                 "realtime=v1): its events (response.output_text.delta, conversation.item.added) and session fields "
+                 "(output_modalities, audio.input.*) differ; with the openai SDK use client.realtime.connect, not "
+                 "client.beta.realtime.connect (docs/protocol.md)")
+
+
 class SessionDriver:
     def __init__(self, session: Session, profile: Profile, stats: TransportStats,
-                 observe: Callable[[Event], None] | None = None) -> None:
+                 observe: Callable[[Event], None] | None = None, *, beta_client: bool = False) -> None:
         """`stats`: the transport's own, which `session` was built with: what the rate bounds cost goes there.
-        `observe`: sees every event as it is sent (the server's metrics count from it)."""
+        `observe`: sees every event as it is sent (the server's metrics count from it). `beta_client`: the client
+        asked for the beta protocol (`OpenAI-Beta: realtime=v1`); it is told at once that this is the GA one."""
         self.session, self.profile, self.observe = session, profile, observe
+        self.beta_client = beta_client
         self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
         self.limits = SessionLimits(profile.serve, counts=stats.rate_limited)
         self.decoder = AudioDecoder(session.settings.config.input_format)
@@ -81,6 +89,8 @@ class SessionDriver:
         try:
             await session.start()
             self.started.set()
+            if self.beta_client:  # its event names and session fields differ: without this it waits in silence
+                await session.emit(error_event(BETA_PROTOCOL, code="beta_protocol"))
             writer = asyncio.create_task(self._write(send), name=f"{session.id}:writer")
             reader = asyncio.create_task(self._read(messages, send), name=f"{session.id}:reader")
             await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)

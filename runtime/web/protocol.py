@@ -32,7 +32,7 @@ import numpy as np
 from runtime.chunks import VideoFrame
 from runtime.function_tools import ToolError, parse_choice, parse_tools
 from runtime.io.file_source import scaled_size
-from runtime.session_config import ConfigFieldError, max_tokens
+from runtime.session_config import ConfigFieldError, max_tokens, unknown_field
 from runtime.web.commands import (
     AppendAudio,
     AppendFrame,
@@ -352,7 +352,7 @@ def _response_create(data: dict[str, Any], event_id: str | None, _max_side: int)
         elif key == "tool_choice":
             out["tool_choice"] = _tool_error(parse_choice, value, param)
         elif key not in ("audio", "prompt"):
-            raise ProtocolError(f"unknown response field {key!r}", code="unknown_parameter", param=param)
+            raise ProtocolError(unknown_field("response", key), code="unknown_parameter", param=param)
     return CreateResponse(event_id, **out)
 
 

@@ -283,7 +283,8 @@ class RealtimeServer:
         stats = TransportStats()
         session = await self._open(stats, answer_turns=True)  # a Realtime client: each turn is answered
         try:
-            driver = SessionDriver(session, self.profile, stats, observe=self.metrics.observe)
+            beta = ws.request is not None and "realtime=v1" in ws.request.headers.get("OpenAI-Beta", "")
+            driver = SessionDriver(session, self.profile, stats, observe=self.metrics.observe, beta_client=beta)
             if await driver.run(ws, ws.send):  # finished and drained: goodbye
                 with contextlib.suppress(ConnectionClosed):
                     await ws.close(1000, "session finished")
