@@ -206,7 +206,9 @@ class AsyncRealtimeClient:
         return f"bin-{self._seq}"
 
     async def ask(self, text: str) -> str:
-        """conversation.item.create then response.create; returns the response.create event_id."""
+        """conversation.item.create then response.create; returns the response.create event_id. While another
+        response is queued or answering, the server refuses the response.create
+        (`conversation_already_has_active_response`) and keeps the item: the next request answers it too."""
         await self.send("conversation.item.create",
                         item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
         return await self.send("response.create")

@@ -152,12 +152,20 @@ async def test_page_shows_live_captions_and_a_streamed_answer(tiny, tmp_path):
         metrics = session.metrics()
         assert metrics["asr"]["heard_until"] > 0 and metrics["video"]["frames_in"] > 0, metrics
 
-        # A second question through the button; the answer box starts over for it.
-        await page.fill("#question", "and then?")
-        await page.click("#ask")
-        await wait_for(page, "document.getElementById('answer-status').textContent.includes('and then?')"
+        # A second question through the button; the answer box starts over for it. A third right after it, while
+        # the second is asked for or answered: the server takes one response at a time, so the page asks for the
+        # third once the second is done, and both are answered.
+        await page.evaluate("""() => {  // both in one go, so the third is typed before the second is answered
+            const question = document.getElementById('question'), button = document.getElementById('ask');
+            question.value = 'and then?'; button.click();
+            question.value = 'why?'; button.click();
+        }""")
+        await wait_for(page, "document.querySelectorAll('#conversation li.assistant').length >= 3", deadline,
+                       "the second and third questions were not both answered", problems)
+        await wait_for(page, "document.getElementById('answer-status').textContent.includes('why?')"
                              " && document.getElementById('answer').textContent.trim().length > 0",
-                       deadline, "no second answer", problems)
+                       deadline, "no third answer", problems)
+        assert not (await text_of(page, "#status")).startswith("error"), await text_of(page, "#status")
 
         await page.click("#stop")
         assert await text_of(page, "#status") == "stopped"

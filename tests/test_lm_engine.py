@@ -315,3 +315,36 @@ def test_a_question_over_the_limit_is_refused_before_the_pending_context_is_pref
     assert session.stats.prefilled == 0 and not session.cache.answering
     session.begin_answer("What was said?")  # the session still answers, and prefills what it holds then
     assert session.stats.prefilled > 0
+
+
+def test_a_context_longer_than_the_window_at_once_costs_one_window_of_prefill(one_layer) -> None:
+    """A pasted document: what the window would evict before the text's end lands is never run. The one-layer
+    model's keys depend on their own token only, so the answer still equals a fresh forward over what is live."""
+    path, hf1 = one_layer
+    engine = LMEngine.load(LMConfig(model=str(path), window_tokens=48, prefill_chunk_tokens=16, max_new_tokens=N),
+                           device="cpu", dtype="float32")
+    session = engine.open_session()
+    session.set_context("good morning")
+    drain(session)
+    run = session.stats.prefilled
+    text = transcript(400, seed=7)
+    session.set_context(text)
+    assert drain(session) == 48 and session.stats.prefilled - run == 48  # the window, not ~1,000 tokens
+    assert session.stats.skipped > 800 and session.cache.source_len == engine.sink + 48
+    session.begin_answer("What came last?")
+    ids = session.answer_ids()
+    assert ids[: engine.sink] == engine.encode(engine.head)
+    full = engine.encode(engine.head + text)
+    assert ids[engine.sink : engine.sink + 48] == full[-48:]  # the live window is the text's end
+    assert close(session.next_logits(), forward(hf1, ids)[-1])
+    session.end_answer()
+    session.set_context(text + " and one more")  # it streams on from there as usual
+    assert 0 < drain(session) < 16 and session.stats.skipped > 800
+
+
+def test_a_fresh_session_runs_its_sinks_before_skipping(engine: LMEngine) -> None:
+    session = engine.open_session()
+    session.set_context(transcript(3000, seed=8))
+    prefilled = drain(session)
+    assert session.stats.skipped > 0 and prefilled <= engine.sink + engine.chunk + engine.window
+    assert session.source_ids()[: engine.sink] == engine.encode(engine.head)[: engine.sink]

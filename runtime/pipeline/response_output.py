@@ -5,7 +5,8 @@ arguments, from a remote server possibly several calls), so each output item is 
 arrives (`output_item.added`, `conversation.item.added`, then the deltas) and all are closed together at the end
 (`.done` events in order). The items go where the answer began, not where the conversation ends by the time the
 first token comes: speech that started meanwhile is the next turn. A response that produced nothing still closes
-with an empty message, as the API's does, so every response has an output item.
+with an empty message, as the API's does, so every response has an output item; except one that failed before
+it said anything (`answers.py`), which adds nothing, so the user's turn stays the one to answer.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ class ResponseRequests:
         except ChannelClosed:
             self.activity.ended()
             return False
-        if question.in_conversation:
-            self._joining.append(question)
+        if question.in_conversation:  # (pruned here too: a session whose turns answer themselves never asks)
+            self._joining = [q for q in self._joining if not q.answered.is_set()] + [question]
         return True
 
     def active_response(self) -> str | None:

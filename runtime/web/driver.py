@@ -295,9 +295,9 @@ class SessionDriver:
         session = self.session
         active = session.requests.active_response() if command.in_conversation else None
         if active is not None:
-            raise ProtocolError(f"conversation already has an active response ({active}): wait for its "
-                                "response.done or cancel it (response.cancel); a response with "
-                                "conversation 'none' may run beside it",
+            raise ProtocolError(f"conversation already has an active response ({active}, queued or answering): "
+                                "ask again after its response.done (response.cancel stops the one answering); "
+                                "a response with conversation 'none' is not refused",
                                 code="conversation_already_has_active_response")
         text = command.input_text
         if command.input_refs:

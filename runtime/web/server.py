@@ -280,10 +280,11 @@ class RealtimeServer:
                 await ws.send(busy.to_json())
                 await ws.close(1013, "server busy")
             return
+        # the beta protocol's client (its header may come more than once: `get` would raise)
+        beta = ws.request is not None and "realtime=v1" in ",".join(ws.request.headers.get_all("OpenAI-Beta"))
         stats = TransportStats()
         session = await self._open(stats, answer_turns=True)  # a Realtime client: each turn is answered
         try:
-            beta = ws.request is not None and "realtime=v1" in ws.request.headers.get("OpenAI-Beta", "")
             driver = SessionDriver(session, self.profile, stats, observe=self.metrics.observe, beta_client=beta)
             if await driver.run(ws, ws.send):  # finished and drained: goodbye
                 with contextlib.suppress(ConnectionClosed):

@@ -150,6 +150,7 @@ class LMEngine:
 @dataclass
 class SessionStats:
     prefilled: int = 0  # source tokens run through the model
+    skipped: int = 0  # source tokens the window would have evicted before the context's end landed: never run
     truncated: int = 0  # source tokens whose KV update mode dropped (re-prefilled when still wanted)
     answers: int = 0
 
@@ -240,7 +241,9 @@ class EngineSession:
     def prefill_step(self) -> int:
         """Prefill at most `prefill_chunk_tokens` pending source tokens; returns how many (0: nothing to do, or
         the reserve is full during an answer and the rest waits for `end_answer`)."""
-        n = min(self.pending_tokens(), self.engine.chunk, self.cache.source_room())
+        pending = self.pending_tokens()
+        self._skip_evicted(pending)
+        n = min(pending, self.engine.chunk, self.cache.source_room())
         if n <= 0:
             return 0
         start = len(self._hist)
@@ -251,6 +254,20 @@ class EngineSession:
         self._hist.extend(ids)
         self.stats.prefilled += n
         return n
+
+    def _skip_evicted(self, pending: int) -> None:
+        """A context that grew by more than the window at once (a pasted document, a restored conversation): the
+        tokens the window would evict before the last one lands are recorded as evicted without being run, so
+        the prefill costs at most a window however long the text (a 3 MB message took half an hour). What is
+        lost is their attention on the tokens after them, and once the window slides the keys a token sees
+        depend on how the context was cut anyway (docs/llm.md). The sinks are always run first."""
+        skip = pending - self.engine.window
+        if skip <= 0 or self.cache.answering or len(self._hist) < self.engine.sink:
+            return
+        start = len(self._hist)
+        self._hist.extend(self._ids[start : start + skip])
+        self.cache.skip_source(skip)
+        self.stats.skipped += skip
 
     def source_ids(self) -> list[int]:
         """The source ids whose KV is live: the sinks, then the window, in order."""

@@ -139,6 +139,14 @@ class SinkKVCache:
         self.a -= count
         self.evicted += count
 
+    def skip_source(self, count: int) -> None:
+        """Record `count` new source tokens as evicted without running them, emptying the window: everything in
+        it and they would be evicted before the tokens after them land (`EngineSession.prefill_step`)."""
+        if self.frozen is not None:
+            raise RuntimeError("no source tokens are skipped during an answer")
+        self._evict(self.a - self.sink)
+        self.evicted += count
+
     # -- source group -------------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -40,6 +40,10 @@ let turnDetection = null; // the session's turn detection (session.created/updat
 // The answer being shown, and the client-side clock for "ask to first token".
 let responseId = null;
 let askedAt = null;
+// One response at a time joins the conversation (the server refuses another response.create meanwhile): a
+// question typed while one is asked for or answered is added at once and asked for when that answer is done.
+let requested = null; // the event_id of a response.create whose response.created (or error) has not come yet
+let askLater = false;
 
 // The token: from the page URL (?token=...) so a shared link just works.
 ui.token.value = new URLSearchParams(location.search).get("token") || "";
@@ -189,6 +193,8 @@ function teardown() {
   ui.preview.srcObject = null;
   responseId = null;
   askedAt = null;
+  requested = null;
+  askLater = false;
   setRunning(false);
 }
 
@@ -219,13 +225,21 @@ function ask() {
   const text = ui.question.value.trim();
   if (!text) return;
   const item = { type: "message", role: "user", content: [{ type: "input_text", text: text }] };
-  if (!send({ type: "conversation.item.create", item: item }) || !send({ type: "response.create" })) return;
+  if (!send({ type: "conversation.item.create", item: item })) return;
+  if (responseId || requested) askLater = true;
+  else if (!requestAnswer()) return;
   askedAt = performance.now();
   ui.question.value = "";
   ui.answer.textContent = "";
   ui.answer.dataset.question = text;
   ui.answerStatus.textContent = about("asked");
   ui.latFirst.textContent = "…";
+}
+
+function requestAnswer() {
+  if (!send({ type: "response.create" })) return false;
+  requested = "c" + eventSeq;
+  return true;
 }
 
 function cancel() {
@@ -296,6 +310,7 @@ const handlers = {
   },
 
   "response.created": (e) => {
+    requested = null;
     responseId = e.response && e.response.id;
     ui.answer.textContent = "";
     ui.answerStatus.textContent = about("answering");
@@ -321,6 +336,10 @@ const handlers = {
     if (r.id !== responseId) return;
     ui.answerStatus.textContent = about(r.status || "done");
     responseId = null;
+    if (askLater) {
+      askLater = false;
+      requestAnswer();
+    }
   },
 
   "runtime.metrics": (e) => {
@@ -332,6 +351,13 @@ const handlers = {
   // Recoverable errors keep the session; show them plainly, the session goes on.
   error: (e) => {
     const err = e.error || {};
+    if (requested !== null && err.event_id === requested) { // the request was refused: no response follows
+      requested = null;
+      if (err.code === "conversation_already_has_active_response") { // one this page did not know of: ask after it
+        askLater = true;
+        return;
+      }
+    }
     setStatus("error: " + (err.message || "unknown error") + (err.code ? " [" + err.code + "]" : ""), "error");
   },
 };
