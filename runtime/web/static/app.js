@@ -43,7 +43,7 @@ let askedAt = null;
 // One response at a time joins the conversation (the server refuses another response.create meanwhile): a
 // question typed while one is asked for or answered is added at once and asked for when that answer is done.
 let requested = null; // the event_id of a response.create whose response.created (or error) has not come yet
-let askLater = false;
+let askLater = null; // the question typed meanwhile, whose response.create waits for that answer's end
 
 // The token: from the page URL (?token=...) so a shared link just works.
 ui.token.value = new URLSearchParams(location.search).get("token") || "";
@@ -194,7 +194,7 @@ function teardown() {
   responseId = null;
   askedAt = null;
   requested = null;
-  askLater = false;
+  askLater = null;
   setRunning(false);
 }
 
@@ -226,20 +226,23 @@ function ask() {
   if (!text) return;
   const item = { type: "message", role: "user", content: [{ type: "input_text", text: text }] };
   if (!send({ type: "conversation.item.create", item: item })) return;
-  if (responseId || requested) askLater = true;
-  else if (!requestAnswer()) return;
-  askedAt = performance.now();
   ui.question.value = "";
+  if (responseId || requested) { // the answer in progress stays on screen; this one is asked for after it
+    askLater = text;
+    return;
+  }
+  requestAnswer(text);
+}
+
+// response.create for the user's pending messages; `text`, the latest, labels the answer box.
+function requestAnswer(text) {
+  if (!send({ type: "response.create" })) return;
+  requested = "c" + eventSeq;
+  askedAt = performance.now();
   ui.answer.textContent = "";
   ui.answer.dataset.question = text;
   ui.answerStatus.textContent = about("asked");
   ui.latFirst.textContent = "…";
-}
-
-function requestAnswer() {
-  if (!send({ type: "response.create" })) return false;
-  requested = "c" + eventSeq;
-  return true;
 }
 
 function cancel() {
@@ -336,9 +339,10 @@ const handlers = {
     if (r.id !== responseId) return;
     ui.answerStatus.textContent = about(r.status || "done");
     responseId = null;
-    if (askLater) {
-      askLater = false;
-      requestAnswer();
+    if (askLater !== null) {
+      const text = askLater;
+      askLater = null;
+      requestAnswer(text);
     }
   },
 
@@ -354,7 +358,7 @@ const handlers = {
     if (requested !== null && err.event_id === requested) { // the request was refused: no response follows
       requested = null;
       if (err.code === "conversation_already_has_active_response") { // one this page did not know of: ask after it
-        askLater = true;
+        askLater = ui.answer.dataset.question || "";
         return;
       }
     }
