@@ -348,3 +348,36 @@ def test_a_fresh_session_runs_its_sinks_before_skipping(engine: LMEngine) -> Non
     prefilled = drain(session)
     assert session.stats.skipped > 0 and prefilled <= engine.sink + engine.chunk + engine.window
     assert session.source_ids()[: engine.sink] == engine.encode(engine.head)[: engine.sink]
+
+
+def test_an_edit_before_the_window_makes_the_window_the_new_texts_end(one_layer) -> None:
+    """A long pasted item deleted: the old history held nothing of the short context left (the window stayed empty
+    until the context outgrew the deleted one). The source starts again from the sinks, as a fresh session would;
+    during an answer that waits for its end."""
+    path, hf1 = one_layer
+    engine = LMEngine.load(LMConfig(model=str(path), window_tokens=48, prefill_chunk_tokens=16, max_new_tokens=N),
+                           device="cpu", dtype="float32")
+    session = engine.open_session()
+    talk = transcript(30, seed=9)
+    session.set_context(transcript(300, seed=10) + "\n" + talk)  # a long item first, then the talk
+    drain(session)
+    assert session.cache.evicted > 0
+    session.set_context(talk)  # the long item deleted
+    assert drain(session) > 0 and session.stats.restarts == 1
+    live = engine.encode(engine.head + talk)
+    assert session.source_ids() == live[: engine.sink] + live[max(engine.sink, len(live) - 48):]
+    session.begin_answer("What was said?")
+    assert close(session.next_logits(), forward(hf1, session.answer_ids())[-1])
+    # during an answer the answer keeps its view; the restart comes once it has ended
+    session.end_answer()
+    session.set_context(transcript(300, seed=11) + "\n" + talk)  # (an edit before the window too)
+    drain(session)
+    session.begin_answer("What was said?")
+    before = session.stats.restarts
+    session.set_context(talk)
+    drain(session)
+    assert session.stats.restarts == before
+    session.end_answer()
+    drain(session)
+    assert session.stats.restarts == before + 1
+    assert session.source_ids() == live[: engine.sink] + live[max(engine.sink, len(live) - 48):]

@@ -151,6 +151,7 @@ class LMEngine:
 class SessionStats:
     prefilled: int = 0  # source tokens run through the model
     skipped: int = 0  # source tokens the window would have evicted before the context's end landed: never run
+    restarts: int = 0  # edits before the window: the source started again from the sinks
     truncated: int = 0  # source tokens whose KV update mode dropped (re-prefilled when still wanted)
     answers: int = 0
 
@@ -182,6 +183,7 @@ class EngineSession:
         self._next: torch.Tensor | None = None
         self._tree: tuple[list[int], torch.Tensor] | None = None
         self._graph: DecodeGraph | None = None  # the CUDA-graph decode step, recorded on first use
+        self._restart = False  # an edit before the window came during an answer: restart after it
 
     # -- source group ---------------------------------------------------------------------------------------
 
@@ -211,7 +213,9 @@ class EngineSession:
         wanted, suffix = self._wanted, self._wanted_suffix  # read once: the event loop may set them meanwhile
         self._synced = (wanted, suffix)
         same = self._tokens.update(self.engine.head + (wanted or EMPTY_CONTEXT))
-        if same is None and suffix == self._suffix:
+        if self._restart and not self.cache.answering:
+            self._restart_source(self.engine.sink)
+        elif same is None and suffix == self._suffix:
             return
         if same is None:
             same = len(self._tokens.ids)
@@ -224,13 +228,30 @@ class EngineSession:
         keep = min(same, len(hist))
         while keep < len(hist) and keep < len(new) and hist[keep] == new[keep]:
             keep += 1
-        if self.cache.evicted:  # evicted tokens are committed history: never revised, never re-prefilled
-            keep = max(keep, self.engine.sink + self.cache.evicted)
+        committed = self.engine.sink + self.cache.evicted  # what lies before the window
+        if self.cache.evicted and keep < committed:
+            # An edit before the window (a deleted item, older screens consolidated): the window must become the
+            # new text's end, which the old history cannot give (it held nothing of a short context after a long
+            # pasted item was deleted). The source starts again from the sinks and `prefill_step` runs, or skips
+            # to, the new end: at most a window. During an answer, which must keep its view, that waits.
+            if not self.cache.answering:
+                self._restart_source(min(keep, self.engine.sink))
+                return
+            self._restart = True
+            keep = committed
         if keep < len(hist):
             drop = len(hist) - keep
             self.cache.truncate_source(self.cache.source_len - drop)
             del hist[keep:]
             self.stats.truncated += drop
+
+    def _restart_source(self, keep: int) -> None:
+        keep = min(keep, len(self._hist))
+        self._restart = False
+        self.stats.truncated += len(self._hist) - keep
+        self.stats.restarts += 1
+        self.cache.restart_source(keep)
+        del self._hist[keep:]
 
     def pending_tokens(self) -> int:
         """Source tokens still to prefill (re-tokenises first if the context changed)."""

@@ -139,6 +139,13 @@ class SinkKVCache:
         self.a -= count
         self.evicted += count
 
+    def restart_source(self, keep: int) -> None:
+        """Keep only the first `keep` (at most the sinks), as if nothing had been evicted: the source is
+        prefilled again from there."""
+        if self.frozen is not None:
+            raise RuntimeError("the source is not restarted during an answer")
+        self.a, self.evicted = min(self.a, self.sink, keep), 0
+
     def skip_source(self, count: int) -> None:
         """Record `count` new source tokens as evicted without running them, emptying the window: everything in
         it and they would be evicted before the tokens after them land (`EngineSession.prefill_step`)."""
