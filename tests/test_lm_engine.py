@@ -381,3 +381,21 @@ def test_an_edit_before_the_window_makes_the_window_the_new_texts_end(one_layer)
     drain(session)
     assert session.stats.restarts == before + 1
     assert session.source_ids() == live[: engine.sink] + live[max(engine.sink, len(live) - 48):]
+
+
+def test_a_deferred_restart_keeps_only_the_sinks_that_are_still_the_same() -> None:
+    """Sinks past the head hold context: an edit of them during an answer must not survive the restart after it
+    (found by a reviewer's random sequences)."""
+    engine = LMEngine.load(LMConfig(window_tokens=48, prefill_chunk_tokens=16, sink_tokens=60), device="cpu",
+                           dtype="float32")
+    assert engine.sink > len(engine.encode(engine.head))
+    session = engine.open_session()
+    session.set_context(transcript(300, seed=12))
+    drain(session)
+    session.begin_answer("What?")
+    new = "totally different words here now"
+    session.set_context(new)
+    session.prefill_step()
+    session.end_answer()
+    drain(session)
+    assert session.source_ids() == engine.encode(engine.head + new) and session.stats.restarts == 1

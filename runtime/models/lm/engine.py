@@ -213,9 +213,7 @@ class EngineSession:
         wanted, suffix = self._wanted, self._wanted_suffix  # read once: the event loop may set them meanwhile
         self._synced = (wanted, suffix)
         same = self._tokens.update(self.engine.head + (wanted or EMPTY_CONTEXT))
-        if self._restart and not self.cache.answering:
-            self._restart_source(self.engine.sink)
-        elif same is None and suffix == self._suffix:
+        if same is None and suffix == self._suffix and not (self._restart and not self.cache.answering):
             return
         if same is None:
             same = len(self._tokens.ids)
@@ -232,13 +230,16 @@ class EngineSession:
         if self.cache.evicted and keep < committed:
             # An edit before the window (a deleted item, older screens consolidated): the window must become the
             # new text's end, which the old history cannot give (it held nothing of a short context after a long
-            # pasted item was deleted). The source starts again from the sinks and `prefill_step` runs, or skips
-            # to, the new end: at most a window. During an answer, which must keep its view, that waits.
-            if not self.cache.answering:
-                self._restart_source(min(keep, self.engine.sink))
-                return
+            # pasted item was deleted). The source starts again from the sinks (those still the same) and
+            # `prefill_step` runs, or skips to, the new end: at most a window. During an answer, which must keep
+            # its view, that waits for the next sync after it.
             self._restart = True
-            keep = committed
+        if self._restart:
+            if not self.cache.answering:  # the sinks kept are those still the same (a deferred edit may be older)
+                limit = min(self.engine.sink, len(hist), len(new))
+                self._restart_source(next((i for i in range(limit) if hist[i] != new[i]), limit))
+                return
+            keep = max(keep, committed)
         if keep < len(hist):
             drop = len(hist) - keep
             self.cache.truncate_source(self.cache.source_len - drop)
