@@ -22,7 +22,9 @@ sees the source as it was then, and the source keeps growing beside it without e
 Streaming prefill (Stream2LLM): `set_context(text)` only records the newest transcript; `prefill_step()`
 re-tokenises the changed tail, keeps the KV up to the longest common prefix of the old and new token ids
 (update mode; append mode is the case where nothing is cut) and prefills at most `prefill_chunk_tokens` of
-the rest. Tokens already evicted from the window are committed history: an edit never re-prefills them.
+the rest. An edit before the window (of tokens already evicted) starts the source again from the sinks, and
+a context that grew by more than the window at once runs only what the window keeps: either costs at most a
+window (`_sync`, `_skip_evicted`).
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ class SessionStats:
     prefilled: int = 0  # source tokens run through the model
     skipped: int = 0  # source tokens the window would have evicted before the context's end landed: never run
     restarts: int = 0  # edits before the window: the source started again from the sinks
-    truncated: int = 0  # source tokens whose KV update mode dropped (re-prefilled when still wanted)
+    truncated: int = 0  # source tokens dropped by update mode or a restart (evicted ones too), re-run if wanted
     answers: int = 0
 
 
