@@ -373,13 +373,15 @@ def test_an_edit_before_the_window_makes_the_window_the_new_texts_end(one_layer)
     session.set_context(transcript(300, seed=11) + "\n" + talk)  # (an edit before the window too)
     drain(session)
     session.begin_answer("What was said?")
-    before = session.stats.restarts
-    session.set_context(talk)
+    before, prefilled = session.stats.restarts, session.stats.prefilled
+    edited = transcript(400, seed=13) + "\n" + talk  # another long item in place of the first: longer still
+    session.set_context(edited)
     drain(session)
-    assert session.stats.restarts == before
+    assert session.stats.restarts == before and session.stats.prefilled == prefilled  # nothing run to be dropped
     session.end_answer()
     drain(session)
     assert session.stats.restarts == before + 1
+    live = engine.encode(engine.head + edited)
     assert session.source_ids() == live[: engine.sink] + live[max(engine.sink, len(live) - 48):]
 
 

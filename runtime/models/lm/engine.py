@@ -266,6 +266,8 @@ class EngineSession:
         """Prefill at most `prefill_chunk_tokens` pending source tokens; returns how many (0: nothing to do, or
         the reserve is full during an answer and the rest waits for `end_answer`)."""
         pending = self.pending_tokens()
+        if self._restart:  # (during an answer) the restart after it drops whatever the reserve took meanwhile
+            return 0
         self._skip_evicted(pending)
         n = min(pending, self.engine.chunk, self.cache.source_room())
         if n <= 0:
