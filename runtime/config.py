@@ -63,6 +63,11 @@ class ASRConfig:
     # causal-whisper: the decoders' other linears (self-attention, cross-attention q/out, fc1/fc2): float (the
     # model's dtype) | int8 (weight-only, bfloat16 activations, on CPU: whisper_head.py)
     decoder_weights: str = "float"
+    # causal-whisper: what runs the stream's encoder layers and decoder step: torch | onnxruntime (each exported once
+    # to an ONNX graph, cached; the encoder's in float32, the decoder's, head included, in 8-bit weights and
+    # activations when decoder_weights is int8; CPU, float32 models; the `onnx` extra exports:
+    # causal_whisper/onnx_export.py). The offline final pass stays torch's.
+    graph_runtime: str = "torch"
     # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
     lookahead_ms: int = 1040
     # fastconformer CTC decoding: greedy (each frame's argmax) | beam (prefix beam search scored with a word

@@ -236,3 +236,29 @@ def test_refresh_keeps_the_100ms_stream_going_and_equals_its_reference(causal) -
     assert wer([text], [going]) < wer([text], [stopped]), (stopped, going)
     assert len(going.split()) >= 2 * len(stopped.split()), (stopped, going)
     assert "".join(u.transcript for u in stream_unevenly(fresh, audio) if u.completed) == going, name
+
+
+def test_the_int8_onnx_decoder_streams_the_words_of_the_int8_torch_decoder(ct2_folder) -> None:
+    """The whisper-tiny-en profile's stream (its adapter, 300 ms blocks, int8 decoder; no final pass, which would
+    hide the stream's words) with its decoder run by ONNX Runtime: the same words as torch's, on the demo sample and
+    the human clips."""
+    from runtime.config import load_profile
+    from runtime.models.asr.causal_whisper.onnx_decoder import OnnxDecoder
+    from runtime.models.asr.registry import load_asr
+    from runtime.train.text_norm import wer
+
+    cfg = replace(load_profile("whisper-tiny-en").asr, final_pass="none", preview_ms=100)
+    ours, theirs = (load_asr(replace(cfg, graph_runtime=kind), device="cpu", dtype="float32")
+                    for kind in ("onnxruntime", "torch"))
+    assert isinstance(ours.scorer(), OnnxDecoder)
+    demo, _ = soundfile.read(DEMO, dtype="float32")
+    clips = [("demo", demo[:SAMPLE_RATE * 12], "")] + [(n, a, t) for n, a, t in dev_clips()]
+    words = 0
+    for name, audio, text in clips:
+        got, want = ("".join(u.transcript for u in stream_unevenly(asr, audio) if u.completed)
+                     for asr in (ours, theirs))
+        words += len(want.split())
+        assert wer([want], [got]) <= 0.1, (name, want, got)
+        if text:
+            assert wer([text], [got]) <= wer([text], [want]) + 0.1, (name, text, got)
+    assert words >= 20  # the demo sample's four sentences at least: a stream that stops early fails above

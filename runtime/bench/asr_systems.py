@@ -211,6 +211,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         # as the whisper-tiny-en profile runs them: its stream's settings (token budget, look-back, loop rule,
         # resets, re-feeds), its decoders' weights, its offline pass's dtype and window; the Whisper and adapter given
         profile = load_profile("whisper-tiny-en").asr
+        profile = replace(profile, graph_runtime=getattr(args, "graph_runtime", None) or profile.graph_runtime)
         refresh = getattr(args, "refresh_ms", None)
         cfg = replace(profile, model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None) or "",
                       preview_ms=0, final_pass="none", refresh_ms=profile.refresh_ms if refresh is None else refresh)
@@ -218,6 +219,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         passes: dict[str, FinalPass | None] = {"": None}
         head = f", head {profile.head_weights}" if profile.head_weights else ""
         head += f", decoder {profile.decoder_weights}" if profile.decoder_weights != "float" else ""
+        head += f", the stream's layers run by {profile.graph_runtime}" if profile.graph_runtime != "torch" else ""
         if any(p for _, p, _ in rows):
             pass_dtype = profile.final_pass_dtype or dtype
             window = profile.final_pass_window_s
@@ -232,7 +234,8 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         for ms, name, every in rows:
             each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none", preview_ms=every)
             final = OfflinePass(second) if name == "offline" else passes[name]  # its own count of loops
-            asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=final)
+            asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=final,
+                                   onnx_step=first.onnx_step, encoder_graph=first.encoder_graph)
             settings[causal_id(ms, name, every)] = (
                 f"{ref}, block-causal, {ms} ms chunks, look-back {cfg.lookback_tokens} tokens, adapter "
                 f"{cfg.adapter or 'none'}{head}, {cfg.max_new_tokens} tokens an item"

@@ -73,6 +73,9 @@ from runtime.models.asr.causal_whisper.encoder import (
     emission_sample,
 )
 from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, check
+from runtime.models.asr.causal_whisper.onnx_decoder import OnnxDecoder, OnnxStep
+from runtime.models.asr.causal_whisper.onnx_encoder import OnnxEncoderLayers
+from runtime.models.asr.causal_whisper.onnx_export import check_runtime
 from runtime.models.asr.whisper_buffered import WhisperBuffered
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
 from runtime.models.asr.whisper_head import check_decoder, check_head, quantize_decoder, quantize_head
@@ -113,8 +116,11 @@ class CausalWhisperASR:
     """A Whisper checkpoint (optionally with a merged LoRA adapter) read as a causal streaming model."""
 
     def __init__(self, model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, cfg: ASRConfig,
-                 *, name: str = "causal-whisper", final_pass: FinalPass | None = None) -> None:
-        """`final_pass` re-decodes each committed item (None: the streamed text is final)."""
+                 *, name: str = "causal-whisper", final_pass: FinalPass | None = None,
+                 onnx_step: OnnxStep | None = None, encoder_graph: OnnxEncoderLayers | None = None) -> None:
+        """`final_pass` re-decodes each committed item (None: the streamed text is final); `onnx_step` and
+        `encoder_graph` run the streams' decoders and encoder layers (`asr.graph_runtime = onnxruntime`; None: torch
+        runs `model`'s)."""
         self.block_frames = block_frames_for(cfg.chunk_ms)
         if cfg.preview_ms and not (0 < cfg.preview_ms < cfg.chunk_ms and cfg.preview_ms % FRAME_MS == 0
                                    and cfg.chunk_ms % cfg.preview_ms == 0):
@@ -127,7 +133,8 @@ class CausalWhisperASR:
         self.refresh_frames = math.ceil(cfg.refresh_ms / FRAME_MS)
         self.model, self.tokenizer, self.cfg, self.name = model, tokenizer, cfg, name
         self.final_pass = final_pass
-        self.encoder = CausalWhisperEncoder(model, block_frames=self.block_frames)
+        self.onnx_step, self.encoder_graph = onnx_step, encoder_graph
+        self.encoder = CausalWhisperEncoder(model, block_frames=self.block_frames, graph=encoder_graph)
         b = self.block_frames
         # The last block end whose emission fits the encoder's 30 s (1500 frames; frame 1500 needs flush).
         limit = min(round(cfg.reset_s * 50), self.encoder.max_frames - 1)
@@ -157,6 +164,7 @@ class CausalWhisperASR:
         kind = check(cfg.final_pass)
         check_head(cfg.head_weights)
         check_decoder(cfg.decoder_weights)
+        check_runtime(cfg.graph_runtime)
         with load_progress(progress, "asr", cfg.model, device, dtype):
             model, tokenizer, path = load_whisper(cfg.model, dtype=dtype, progress=progress)
             final: FinalPass | None = DecoderPass() if kind == "decoder" else None
@@ -172,8 +180,18 @@ class CausalWhisperASR:
                 except (OSError, ValueError) as err:
                     raise CheckpointNotFound(f"asr adapter {cfg.adapter!r} cannot be loaded ({err}); point "
                                              "--set asr.adapter= at a directory written by `runtime train`") from None
-            model = quantize_decoder(quantize_head(model.to(device).eval(), cfg.head_weights), cfg.decoder_weights)
-        return cls(model, tokenizer, cfg, name=cfg.model, final_pass=final)
+            model = model.to(device).eval()
+            step = encoder = None
+            if cfg.graph_runtime == "onnxruntime":  # the decoder's graph is quantised as a whole: head and layers
+                step = OnnxStep(model, quantize=cfg.decoder_weights == "int8")
+                encoder = OnnxEncoderLayers(model.get_encoder())
+            else:
+                model = quantize_decoder(quantize_head(model, cfg.head_weights), cfg.decoder_weights)
+        return cls(model, tokenizer, cfg, name=cfg.model, final_pass=final, onnx_step=step, encoder_graph=encoder)
+
+    def scorer(self) -> Scorer:
+        """A new item's decoder state: the ONNX Runtime graph's, or torch's over the model."""
+        return OnnxDecoder(self.onnx_step) if self.onnx_step is not None else IncrementalDecoder(self.model)
 
     def open_stream(self) -> CausalWhisperStream:
         return CausalWhisperStream(self)
@@ -262,7 +280,7 @@ class CausalWhisperStream:
         self._frames = 0  # encoder frames received
         self._end = block_end(0, asr.block_frames)  # next block end
         self._encoder = asr.encoder.open_audio()
-        self._item = asr.item(IncrementalDecoder(asr.model), carry)
+        self._item = asr.item(asr.scorer(), carry)
         self._item_id = new_id("item")
         self._emitted = ""  # stable text already sent as deltas
         self._unstable = ""

@@ -30,6 +30,7 @@ encoder_layers.py.
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.encoder_layers import KVCache, PackedLayer, hf_layer, pack_layer, packed_layer
 from runtime.models.asr.causal_whisper.features import HOP, INIT_MAX, StreamingLogMel, log_mel
+
+if TYPE_CHECKING:
+    from runtime.models.asr.causal_whisper.onnx_encoder import OnnxEncoderLayers
 
 FRAME_MS = 20  # one encoder frame: two 10 ms mel hops
 MEL_PER_FRAME = 2
@@ -88,7 +92,10 @@ class CausalWhisperEncoder:
     Dropout follows the encoder's train/eval mode; layerdrop is not applied.
     """
 
-    def __init__(self, model: PreTrainedModel | WhisperEncoder, *, block_frames: int) -> None:
+    def __init__(self, model: PreTrainedModel | WhisperEncoder, *, block_frames: int,
+                 graph: OnnxEncoderLayers | None = None) -> None:
+        """`graph`: the layers as an ONNX Runtime graph, which streams run wherever they would run packed weights
+        (`asr.graph_runtime = onnxruntime`; onnx_encoder.py)."""
         if block_frames < 1:
             raise ConfigError(f"block_frames must be >= 1, got {block_frames}")
         self.encoder: WhisperEncoder = model if isinstance(model, WhisperEncoder) else model.get_encoder()
@@ -98,6 +105,7 @@ class CausalWhisperEncoder:
         self.d_model: int = config.d_model
         self.max_frames: int = config.max_source_positions  # 1500: the positional table
         self.heads: int = config.encoder_attention_heads
+        self.graph = graph
 
     @property
     def device(self) -> torch.device:
@@ -239,6 +247,8 @@ class MelEncoderStream:
         gran, end = self.owner.block_frames, start + h.shape[0]
         single = block_end(start, gran) >= end  # one block: every key is visible, no mask needed
         mask = None if single else block_causal_mask(start, end, end, gran, h.device)
+        if self._packed is not None and self.owner.graph is not None:
+            return self.owner.graph.run(h, mask, self._caches)
         if self._packed is not None:
             for packed, cache in zip(self._packed, self._caches, strict=True):
                 h = packed_layer(packed, h, mask, cache, self.owner.heads)

@@ -1,0 +1,128 @@
+"""Parts of the causal stream run as ONNX Runtime graphs (`asr.graph_runtime = "onnxruntime"`): export, cache, load.
+
+Why: the stream's calls are small (a 300 ms block is 15 encoder frames, a decoder feed one to three tokens), and
+in torch's eager mode on a CPU a small call is mostly fixed cost: dozens of operations, each dispatched on its own,
+and small matrix products that MKL runs far below its peak. The same computation exported once as a graph and run
+by ONNX Runtime takes about half the time (docs/model_card_causal_whisper.md). What runs as a graph:
+- the encoder's layers over a block or a preview's partial block (`onnx_encoder.py`), always in float32, so the
+  stream's states stay those of `CausalWhisperEncoder.forward_full` to float rounding;
+- the decoder's step (`onnx_decoder.py`), in float32, or with `asr.decoder_weights = "int8"` its weight products
+  (every linear and the vocabulary projection) as `MatMulNBits`: 8-bit weights in blocks of 32 with a scale each,
+  and activations quantised per block of 32 as well (accuracy level 4). ONNX Runtime's dynamic quantisation was
+  tried first: one scale for a whole activation row was too coarse, and the stream stopped after the demo
+  sample's first sentence where torch's int8 decoder goes on.
+
+A graph is exported from the model the stream runs (its adapter merged) and kept under `cache_dir()/onnx` by a hash
+of its weights, of the code that writes it and of the libraries', so a process exports it once (a few seconds) and
+later loads read the file. Exporting needs the `onnx` extra (`onnx`, and `onnx_ir` for the quantiser); running
+needs onnxruntime alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from runtime.errors import ConfigError
+from runtime.models.loading import cache_dir
+
+if TYPE_CHECKING:
+    from onnxruntime import InferenceSession
+
+GRAPH_RUNTIMES = ("torch", "onnxruntime")
+QUANT_BLOCK = 32  # int8 weights and activations in blocks of this many along the input, a scale each
+
+
+def check_runtime(kind: str) -> str:
+    if kind not in GRAPH_RUNTIMES:
+        raise ConfigError(f"asr.graph_runtime={kind!r} is not one of {', '.join(repr(k) for k in GRAPH_RUNTIMES)}")
+    return kind
+
+
+def _fingerprint(module: nn.Module, quantize: bool) -> str:
+    """The exported file's key: the module's weights, the code of its class, the libraries that write the graph."""
+    import onnxruntime
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().float().contiguous().numpy().tobytes())
+    h.update(inspect.getsource(inspect.getmodule(type(module))).encode())
+    h.update(inspect.getsource(inspect.getmodule(_fingerprint)).encode())
+    h.update(f"{torch.__version__}|{onnxruntime.__version__}|{quantize}".encode())
+    return h.hexdigest()[:24]
+
+
+def export_graph(module: nn.Module, name: str, args: Sequence[torch.Tensor], inputs: Sequence[str],
+                 outputs: Sequence[str], axes: Mapping[str, Mapping[int, str]], *, quantize: bool) -> Path:
+    """`module` (float32, on the CPU) traced with `args` into an ONNX file named by `name` and its fingerprint:
+    exported (and with `quantize` its weight products made 8-bit) once, then read from the cache."""
+    tag = "-int8" if quantize else ""
+    path = cache_dir() / "onnx" / f"{name}-{_fingerprint(module, quantize)}{tag}.onnx"
+    if path.exists():
+        return path
+    try:
+        import onnx
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    except ImportError:
+        raise ConfigError("asr.graph_runtime=onnxruntime exports its graphs once with the `onnx` extra, which is not "
+                          "installed: pip install -e '.[onnx]'") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        plain, out = Path(tmp) / "plain.onnx", Path(tmp) / "out.onnx"
+        frozen = [p for p in module.parameters() if p.requires_grad]  # a trained model's: tracing wants constants
+        try:
+            for p in frozen:
+                p.requires_grad_(False)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices, tracer warnings
+                torch.onnx.export(module.eval(), tuple(args), str(plain), dynamo=False, opset_version=17,
+                                  input_names=list(inputs), output_names=list(outputs),
+                                  dynamic_axes={k: dict(v) for k, v in axes.items()})
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+        if quantize:
+            quantizer = MatMulNBitsQuantizer(onnx.load(str(plain)), bits=8, block_size=QUANT_BLOCK, is_symmetric=True,
+                                             accuracy_level=4, op_types_to_quantize=("MatMul",))
+            quiet = logging.getLogger(MatMulNBitsQuantizer.__module__)
+            level = quiet.level
+            quiet.setLevel(logging.WARNING)  # it logs every node it skips at INFO
+            try:
+                quantizer.process()
+            finally:
+                quiet.setLevel(level)
+            quantizer.model.save_model_to_file(str(out), False)
+        else:
+            plain.rename(out)
+        os.replace(out, path)  # atomic: a concurrent process sees the whole file or none
+    return path
+
+
+def open_session(path: Path, threads: int = 0) -> InferenceSession:
+    """An ONNX Runtime CPU session of `path` on `threads` threads (0: torch's), idle threads sleeping rather than
+    spinning: the device worker's other models share these cores."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def check_float_cpu(model: nn.Module) -> None:
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        raise ConfigError("asr.graph_runtime=onnxruntime runs on the CPU in float32 activations; this model is "
+                          f"{param.dtype} on {param.device.type}")

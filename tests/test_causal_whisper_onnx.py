@@ -1,0 +1,172 @@
+"""The stream's layers as ONNX Runtime graphs (`asr.graph_runtime = "onnxruntime"`: onnx_decoder.py, onnx_encoder.py).
+
+The float graphs are the torch computations written as graphs, so the decoder's must give `IncrementalDecoder`'s
+log-probabilities (to float rounding) through every cache operation the stream uses, the encoder's the states of
+`forward_full` (blocks, several blocks at once, previews), and a whole stream over them torch's updates. The int8
+decoder graph is held to the real checkpoint's words in tests/test_whisper_tiny_en.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from test_causal_whisper_decoder import chunk_sizes, make_audio, run_stream
+
+from runtime.config import ASRConfig
+from runtime.errors import ConfigError
+from runtime.models.asr.causal_whisper import onnx_decoder
+from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder
+from runtime.models.asr.causal_whisper.onnx_decoder import OnnxDecoder, OnnxStep
+
+TOL = 1e-4
+
+
+def load(**kw) -> CausalWhisperASR:
+    return CausalWhisperASR.load(ASRConfig(**kw), device="cpu", dtype="float32")
+
+
+# test_causal_whisper_decoder's asr300 (the random model loops at once: the loop rule is off so transcripts are long
+# enough to cross resets), previewed every 100 ms
+STREAM = {"chunk_ms": 300, "reset_s": 3.0, "max_new_tokens": 60, "loop_repeats": 0, "preview_ms": 100}
+
+
+@pytest.fixture(scope="module")
+def torch_asr() -> CausalWhisperASR:
+    return load(**STREAM)
+
+
+@pytest.fixture(scope="module")
+def onnx_asr() -> CausalWhisperASR:
+    return load(**STREAM, graph_runtime="onnxruntime")
+
+
+def test_the_float_graph_gives_the_torch_decoders_log_probabilities(torch_asr) -> None:
+    model = torch_asr.model
+    enc = torch.randn(60, model.config.d_model, generator=torch.Generator().manual_seed(0))
+    ids = [*torch_asr.sot, *range(20, 40)]
+    ours, ref = OnnxDecoder(OnnxStep(model, quantize=False)), IncrementalDecoder(model)
+    # frames and positions past the buffers' first room (16 rows), rolled back and fed again, a preview's frames
+    # added and dropped, only the last rows asked for
+    script = [("frames", enc[:10]), ("feed", ids[:5], None), ("frames", enc[10:27]), ("feed", ids[5:7], 1),
+              ("truncate", 4), ("feed", ids[7:20], None), ("frames", enc[27:35]), ("feed", [5], None),
+              ("drop", 27), ("truncate", 10), ("feed", [7, 8, 9], 2), ("frames", enc[27:]),
+              ("feed", list(range(200, 215)), None)]
+    fed = 0
+    for op, arg, *last in script:
+        outs = []
+        for d in (ours, ref):
+            if op == "frames":
+                d.add_frames(arg)
+            elif op == "truncate":
+                d.truncate(arg)
+            elif op == "drop":
+                d.drop_frames(arg)
+            else:
+                outs.append(d.feed(arg, last[0]))
+        if outs:
+            fed += 1
+            assert outs[0].shape == outs[1].shape
+            torch.testing.assert_close(outs[0], outs[1], atol=TOL, rtol=0)
+        assert (ours.length, ours.n_frames) == (ref.length, ref.n_frames)
+    assert fed == 6 and ours.length > 16 and ours.n_frames > 16
+    with pytest.raises(RuntimeError, match="before any encoder frame"):
+        OnnxDecoder(OnnxStep(model, quantize=False)).feed([1])
+
+
+@pytest.mark.parametrize("kind", ["ragged", "big"])
+def test_a_stream_over_the_graph_gives_the_torch_streams_updates(torch_asr, kind) -> None:
+    """Greedy decisions, rollbacks, previews and resets all read the scorer: the float graph changes none."""
+    assert isinstance(load(graph_runtime="onnxruntime").scorer(), OnnxDecoder)
+    audio = make_audio(4.0, seed=3)  # past the 3 s reset
+    sizes = chunk_sizes(len(audio), kind)
+    onnx = load(**STREAM, graph_runtime="onnxruntime", decoder_weights="float")
+    ours, ref = run_stream(onnx.open_stream(), audio, sizes), run_stream(torch_asr.open_stream(), audio, sizes)
+    assert [(u.delta, u.unstable, u.completed, u.transcript) for u in ours] == \
+        [(u.delta, u.unstable, u.completed, u.transcript) for u in ref]
+    assert sum(bool(u.delta) for u in ref) > 5 and sum(u.completed for u in ref) >= 2  # words, and a reset
+
+
+def test_the_graph_is_exported_once_and_read_from_the_cache(torch_asr, monkeypatch) -> None:
+    first = onnx_decoder.export_step(torch_asr.model, quantize=True)
+    assert first.exists() and first.name.endswith("-int8.onnx")
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(torch.onnx, "export", no_export)
+    assert onnx_decoder.export_step(torch_asr.model, quantize=True) == first
+    # other weights are another file (a changed adapter is a changed decoder)
+    with torch.no_grad():
+        torch_asr.model.model.decoder.layers[0].fc1.bias.add_(1.0)
+    try:
+        with pytest.raises(AssertionError, match="exported again"):
+            onnx_decoder.export_step(torch_asr.model, quantize=True)
+    finally:
+        with torch.no_grad():
+            torch_asr.model.model.decoder.layers[0].fc1.bias.sub_(1.0)
+
+
+def test_the_int8_graph_keeps_the_float_decoders_choices(onnx_asr, torch_asr) -> None:
+    """On the random model only the argmax is compared: int8 rounding moves log-probabilities, rarely the best."""
+    enc = torch.randn(30, torch_asr.model.config.d_model, generator=torch.Generator().manual_seed(1))
+    ids = [*torch_asr.sot, *range(50, 70)]
+    ours, ref = onnx_asr.scorer(), IncrementalDecoder(torch_asr.model)
+    for d in (ours, ref):
+        d.add_frames(enc)
+    a, b = ours.feed(ids), ref.feed(ids)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert (a - b).abs().max() > 1e-5  # it is the quantised graph
+
+
+def test_settings_and_a_missing_exporter_are_one_line_errors(torch_asr, monkeypatch, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="graph_runtime='tensorrt' is not one of 'torch', 'onnxruntime'"):
+        load(graph_runtime="tensorrt")
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))  # nothing cached: it must export
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[onnx\]'"):
+        OnnxStep(torch_asr.model)
+    with pytest.raises(ConfigError, match="CPU in float32"):
+        OnnxStep(copy.deepcopy(torch_asr.model).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("gran", [2, 15])
+def test_the_encoder_graph_streams_forward_fulls_states(gran, monkeypatch) -> None:
+    """Blocks one at a time, several in one call (block-causal among themselves) and previews of a partial block:
+    the graph's states are `forward_full`'s, and torch's packed layers never run."""
+    from transformers import WhisperForConditionalGeneration
+
+    from runtime.io.sample import demo_speech
+    from runtime.models.asr.causal_whisper import encoder as encoder_module
+    from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder
+    from runtime.models.asr.causal_whisper.features import log_mel
+    from runtime.models.asr.causal_whisper.onnx_encoder import OnnxEncoderLayers
+    from runtime.models.loading import resolve_checkpoint
+
+    model = WhisperForConditionalGeneration.from_pretrained(resolve_checkpoint("tiny:whisper", role="asr")).eval()
+    encoder = CausalWhisperEncoder(model, block_frames=gran, graph=OnnxEncoderLayers(model.get_encoder()))
+    monkeypatch.setattr(encoder_module, "packed_layer", lambda *a, **k: pytest.fail("torch's layers ran"))
+    mel = log_mel(demo_speech()[: 3 * 16000 + 77])
+    total = mel.shape[1]
+    with torch.no_grad():
+        ref = encoder.forward_full(mel[None])[0]
+    for sizes in ([3] * (total // 3) + [total % 3], [total], [7 * gran + 1] * (total // (7 * gran + 1) + 1)):
+        stream, outs, at, previews = encoder.open(), [], 0, 0
+        for n in sizes:
+            part = mel[:, at : at + n]
+            if n and at + n < total:
+                shown = stream.preview(part)
+                if shown.shape[0]:
+                    previews += 1
+                    with torch.no_grad():
+                        want = encoder.forward_full(mel[None, :, : at + n], stream.layer_frames + shown.shape[0])[0]
+                    torch.testing.assert_close(shown, want[stream.layer_frames :], atol=TOL, rtol=0)
+            outs.append(stream.accept(part))
+            at += n
+        out = torch.cat([*outs, stream.flush()])
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
+        assert previews or sizes == [total]
