@@ -65,8 +65,9 @@ class ASRConfig:
     decoder_weights: str = "float"
     # causal-whisper: what runs the stream's encoder layers and decoder step: torch | onnxruntime (each exported once
     # to an ONNX graph, cached; the encoder's in float32, the decoder's, head included, in 8-bit weights and
-    # activations when decoder_weights is int8; CPU, float32 models; the `onnx` extra exports:
-    # causal_whisper/onnx_export.py). The offline final pass stays torch's.
+    # activations when decoder_weights is int8, whatever head_weights says; CPU, float32 models; the `onnx` extra
+    # exports: causal_whisper/onnx_export.py) | auto (onnxruntime for a float32 model on the CPU, torch elsewhere or
+    # where a graph cannot be built). The offline final pass stays torch's.
     graph_runtime: str = "torch"
     # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
     lookahead_ms: int = 1040

@@ -98,9 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--final-pass-beam", type=int, default=None, help="asr-quality: beams of the two-pass "
                         "systems' offline pass, asr.final_pass_beam (default: the whisper-tiny-en profile's; "
                         "1: greedy)")
-    parser.add_argument("--graph-runtime", choices=("torch", "onnxruntime"), default=None, help="asr-quality: what "
-                        "runs the causal systems' decoder, asr.graph_runtime (default: the whisper-tiny-en "
-                        "profile's)")
+    parser.add_argument("--graph-runtime", choices=("auto", "torch", "onnxruntime"), default=None,
+                        help="asr-quality: what runs the causal systems' encoder layers and decoder step, "
+                        "asr.graph_runtime (default: the whisper-tiny-en profile's, auto)")
     parser.add_argument("--prompts", default=None, help="answers: prompt variants, comma-separated, of "
                         "plain, short, quote (default: all)")
     parser.add_argument("--profile", default=None, help="answers: the profile whose language model and ASR answer "

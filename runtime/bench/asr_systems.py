@@ -219,7 +219,9 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         passes: dict[str, FinalPass | None] = {"": None}
         head = f", head {profile.head_weights}" if profile.head_weights else ""
         head += f", decoder {profile.decoder_weights}" if profile.decoder_weights != "float" else ""
-        head += f", the stream's layers run by {profile.graph_runtime}" if profile.graph_runtime != "torch" else ""
+        if first.onnx_step is not None:  # the graph quantises the head with the layers (asr.graph_runtime)
+            head = ", the stream's layers as ONNX Runtime graphs" + (", decoder and head 8-bit" if
+                                                                      profile.decoder_weights == "int8" else "")
         if any(p for _, p, _ in rows):
             pass_dtype = profile.final_pass_dtype or dtype
             window = profile.final_pass_window_s

@@ -48,6 +48,7 @@ steps, resets and previews.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -81,6 +82,7 @@ from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, 
 from runtime.models.asr.whisper_head import check_decoder, check_head, quantize_decoder, quantize_head
 from runtime.models.loading import load_progress, torch_dtype
 
+_log = logging.getLogger(__name__)
 RESTART_MARGIN_S = 0.5  # re-feed from this long before the last stable token's emission
 MAX_OVERLAP_S = 5.0  # ... but never more than this (nor half the segment) before the reset point
 CARRY_TOKENS = 64  # stable tokens carried across a reset as prompt / forced prefix
@@ -168,8 +170,8 @@ class CausalWhisperASR:
         with load_progress(progress, "asr", cfg.model, device, dtype):
             model, tokenizer, path = load_whisper(cfg.model, dtype=dtype, progress=progress)
             final: FinalPass | None = DecoderPass() if kind == "decoder" else None
-            if kind == "offline":
-                own = cfg.adapter or cfg.final_pass_dtype not in ("", dtype)
+            if kind == "offline":  # its own copy where the stream's model is changed: merged, cast, exported
+                own = cfg.adapter or cfg.final_pass_dtype not in ("", dtype) or _wants_graphs(cfg, device, dtype)
                 final = OfflinePass(offline_decoder(copy.deepcopy(model) if own else model, tokenizer, path, cfg,
                                                     device, cfg.final_pass_dtype or dtype))
             if cfg.adapter:
@@ -181,11 +183,8 @@ class CausalWhisperASR:
                     raise CheckpointNotFound(f"asr adapter {cfg.adapter!r} cannot be loaded ({err}); point "
                                              "--set asr.adapter= at a directory written by `runtime train`") from None
             model = model.to(device).eval()
-            step = encoder = None
-            if cfg.graph_runtime == "onnxruntime":  # the decoder's graph is quantised as a whole: head and layers
-                step = OnnxStep(model, quantize=cfg.decoder_weights == "int8")
-                encoder = OnnxEncoderLayers(model.get_encoder())
-            else:
+            step, encoder = _graphs(model, cfg, progress)
+            if step is None:
                 model = quantize_decoder(quantize_head(model, cfg.head_weights), cfg.decoder_weights)
         return cls(model, tokenizer, cfg, name=cfg.model, final_pass=final, onnx_step=step, encoder_graph=encoder)
 
@@ -224,6 +223,33 @@ class CausalWhisperASR:
         if self.final_pass is None or not self.text(ids).strip():
             return ids
         return self.final_pass.revise(item, audio)
+
+
+def _wants_graphs(cfg: ASRConfig, device: str, dtype: str) -> bool:
+    """Whether `cfg.graph_runtime` asks for ONNX Runtime graphs: "onnxruntime", or "auto" for float32 on the CPU."""
+    return cfg.graph_runtime == "onnxruntime" or (cfg.graph_runtime == "auto" and (torch.device(device).type, dtype)
+                                                   == ("cpu", "float32"))
+
+
+def _graphs(model: WhisperForConditionalGeneration, cfg: ASRConfig, progress: Callable[[str], None] | None
+            ) -> tuple[OnnxStep | None, OnnxEncoderLayers | None]:
+    """The stream's ONNX Runtime graphs (onnx_export.py), or (None, None) for torch. Under "auto" a graph that cannot
+    be exported or loaded (no `onnx` package, a read-only cache, an exporter error) leaves torch running the stream,
+    saying why; under "onnxruntime" it is an error."""
+    param = next(model.parameters())
+    if not _wants_graphs(cfg, param.device.type, str(param.dtype).removeprefix("torch.")):
+        return None, None
+    try:  # the decoder's graph is quantised as a whole: head and layers
+        return (OnnxStep(model, quantize=cfg.decoder_weights == "int8", progress=progress),
+                OnnxEncoderLayers(model.get_encoder(), progress=progress))
+    except Exception as err:  # the exporter, the quantiser and onnxruntime each raise their own types
+        if cfg.graph_runtime != "auto":
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"asr.graph_runtime=onnxruntime: the stream's graphs cannot be built "
+                              f"({type(err).__name__}: {err}); --set asr.graph_runtime=torch runs it in torch") from err
+        (progress or _log.warning)(f"asr.graph_runtime=auto: torch runs the stream ({type(err).__name__}: {err})")
+        return None, None
 
 
 def offline_decoder(model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, path: Path,

@@ -15,7 +15,7 @@ gives torch's updates (tests/test_causal_whisper_onnx.py); what the int8 graph c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from transformers import WhisperForConditionalGeneration
 
-from runtime.models.asr.causal_whisper.onnx_export import check_float_cpu, export_graph, open_session
+from runtime.models.asr.causal_whisper.onnx_export import check_float_cpu, export_graph, graph_session
 
 NEG = -1e30  # a masked score: exp() of it is 0 in float32, and unlike -inf a fully masked row stays finite
 
@@ -88,7 +88,8 @@ class _Step(nn.Module):
         return self.proj_out(last)[0].float().log_softmax(-1), torch.stack(new_k), torch.stack(new_v)
 
 
-def export_step(model: WhisperForConditionalGeneration, quantize: bool = True) -> Path:
+def export_step(model: WhisperForConditionalGeneration, quantize: bool = True,
+                progress: Callable[[str], None] | None = None) -> Path:
     """The decoder step of `model` as an ONNX file (onnx_export.export_graph: exported once, then cached)."""
     step = _Step(model)
     n_layers = len(step.decoder.layers)
@@ -98,7 +99,7 @@ def export_step(model: WhisperForConditionalGeneration, quantize: bool = True) -
     args = (torch.tensor([1, 2]), torch.tensor(3), torch.tensor(1), torch.tensor(5), *caches)
     return export_graph(step, "whisper-decoder", args, ["ids", "start", "rows", "frames", *names],
                         ["logp", "new_k", "new_v"], {"ids": {0: "n"}, **{name: {1: f"room_{name}"} for name in names}},
-                        quantize=quantize)
+                        quantize=quantize, progress=progress)
 
 
 def cache_names(n_layers: int) -> list[str]:
@@ -109,10 +110,11 @@ class OnnxStep:
     """The decoder graph of one model (shared by every stream of it) and the cross-attention projections the
     streams run on their own new frames (in torch, float, as `asr.decoder_weights = int8` keeps them too)."""
 
-    def __init__(self, model: WhisperForConditionalGeneration, quantize: bool = True, threads: int = 0) -> None:
+    def __init__(self, model: WhisperForConditionalGeneration, quantize: bool = True, threads: int = 0,
+                 progress: Callable[[str], None] | None = None) -> None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_float_cpu(base)
-        self.session = open_session(export_step(base, quantize), threads)
+        self.session = graph_session(lambda: export_step(base, quantize, progress), threads)
         self.layers = base.model.decoder.layers
         self.heads = base.config.decoder_attention_heads
         self.d_head = base.config.d_model // self.heads

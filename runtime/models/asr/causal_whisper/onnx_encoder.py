@@ -1,15 +1,16 @@
-"""The encoder's layers over a block as one ONNX Runtime graph (`asr.graph_runtime = "onnxruntime"`; onnx_export.py
-says why), in float32: the states are `encoder_layers.packed_layer`'s to float rounding.
+"""The encoder's layers over a block as one ONNX Runtime graph (`asr.graph_runtime`; onnx_export.py says why), in
+float32: the states are `encoder_layers.packed_layer`'s to float rounding.
 
 `_Layers` takes a block's frames (after the convolutions and positions: `MelEncoderStream` runs those in torch), the
 number of frames the layers' K/V caches hold before it, the caches themselves (the stream's `KVCache` tensors,
-read in place) and which of the block's frames each frame sees (a call over several blocks is block-causal). It
-returns the final states and the block's K/V, which the stream appends to its caches (a preview's are truncated
-again, as in torch).
+passed without a copy; the graph gathers the held rows) and which of the block's frames each frame sees (a call
+over several blocks is block-causal). It returns the final states and the block's K/V, which the stream appends to
+its caches (a preview's are truncated again, as in torch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from runtime.models.asr.causal_whisper.encoder_layers import KVCache
 from runtime.models.asr.causal_whisper.onnx_decoder import NEG
-from runtime.models.asr.causal_whisper.onnx_export import check_float_cpu, export_graph, open_session
+from runtime.models.asr.causal_whisper.onnx_export import check_float_cpu, export_graph, graph_session
 
 
 class _Layers(nn.Module):
@@ -57,7 +58,7 @@ class _Layers(nn.Module):
         return self.encoder.layer_norm(h)[0], torch.stack(new_k), torch.stack(new_v)
 
 
-def export_layers(encoder: WhisperEncoder) -> Path:
+def export_layers(encoder: WhisperEncoder, progress: Callable[[str], None] | None = None) -> Path:
     """The encoder layers of `encoder` as an ONNX file (onnx_export.export_graph: exported once, then cached)."""
     module = _Layers(encoder)
     n_layers, d = len(encoder.layers), encoder.config.d_model
@@ -68,7 +69,7 @@ def export_layers(encoder: WhisperEncoder) -> Path:
     return export_graph(module, "whisper-encoder-layers", args, ["h", "start", "sees", *names],
                         ["states", "new_k", "new_v"],
                         {"h": {0: "t"}, "sees": {0: "t", 1: "t"}, **{name: {1: f"room_{name}"} for name in names}},
-                        quantize=False)
+                        quantize=False, progress=progress)
 
 
 def cache_names(n_layers: int) -> list[str]:
@@ -78,9 +79,10 @@ def cache_names(n_layers: int) -> list[str]:
 class OnnxEncoderLayers:
     """The graph of one encoder (shared by its streams): `run` is `MelEncoderStream._run`'s layer loop."""
 
-    def __init__(self, encoder: WhisperEncoder, threads: int = 0) -> None:
+    def __init__(self, encoder: WhisperEncoder, threads: int = 0,
+                 progress: Callable[[str], None] | None = None) -> None:
         check_float_cpu(encoder)
-        self.session = open_session(export_layers(encoder), threads)
+        self.session = graph_session(lambda: export_layers(encoder, progress), threads)
         self.names = cache_names(len(encoder.layers))
         self.heads = encoder.config.encoder_attention_heads
         self.d_head = encoder.config.d_model // self.heads

@@ -26,7 +26,7 @@ import logging
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,7 +39,7 @@ from runtime.models.loading import cache_dir
 if TYPE_CHECKING:
     from onnxruntime import InferenceSession
 
-GRAPH_RUNTIMES = ("torch", "onnxruntime")
+GRAPH_RUNTIMES = ("auto", "torch", "onnxruntime")  # auto: onnxruntime for a float32 model on the CPU
 QUANT_BLOCK = 32  # int8 weights and activations in blocks of this many along the input, a scale each
 
 
@@ -50,21 +50,29 @@ def check_runtime(kind: str) -> str:
 
 
 def _fingerprint(module: nn.Module, quantize: bool) -> str:
-    """The exported file's key: the module's weights, the code of its class, the libraries that write the graph."""
+    """The exported file's key: what the trace bakes in. The module's weights, its structure and the model config it
+    reads (heads, activation, norms), the code of the graph modules, and the libraries that trace and write it."""
     import onnxruntime
+    import transformers
 
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         h.update(name.encode())
         h.update(tensor.detach().float().contiguous().numpy().tobytes())
+    h.update(repr(module).encode())
+    config = next((m.config for m in module.modules() if hasattr(m, "config")), None)
+    h.update(config.to_json_string().encode() if config is not None else b"")
+    here = Path(__file__).parent
+    for source in sorted(here.glob("onnx_*.py")):
+        h.update(source.read_bytes())
     h.update(inspect.getsource(inspect.getmodule(type(module))).encode())
-    h.update(inspect.getsource(inspect.getmodule(_fingerprint)).encode())
-    h.update(f"{torch.__version__}|{onnxruntime.__version__}|{quantize}".encode())
+    h.update(f"{torch.__version__}|{transformers.__version__}|{onnxruntime.__version__}|{quantize}".encode())
     return h.hexdigest()[:24]
 
 
 def export_graph(module: nn.Module, name: str, args: Sequence[torch.Tensor], inputs: Sequence[str],
-                 outputs: Sequence[str], axes: Mapping[str, Mapping[int, str]], *, quantize: bool) -> Path:
+                 outputs: Sequence[str], axes: Mapping[str, Mapping[int, str]], *, quantize: bool,
+                 progress: Callable[[str], None] | None = None) -> Path:
     """`module` (float32, on the CPU) traced with `args` into an ONNX file named by `name` and its fingerprint:
     exported (and with `quantize` its weight products made 8-bit) once, then read from the cache."""
     tag = "-int8" if quantize else ""
@@ -77,6 +85,8 @@ def export_graph(module: nn.Module, name: str, args: Sequence[torch.Tensor], inp
     except ImportError:
         raise ConfigError("asr.graph_runtime=onnxruntime exports its graphs once with the `onnx` extra, which is not "
                           "installed: pip install -e '.[onnx]'") from None
+    if progress is not None:
+        progress(f"{name}: exporting the ONNX graph once (a few seconds) into {path.parent}")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         plain, out = Path(tmp) / "plain.onnx", Path(tmp) / "out.onnx"
@@ -85,7 +95,7 @@ def export_graph(module: nn.Module, name: str, args: Sequence[torch.Tensor], inp
             for p in frozen:
                 p.requires_grad_(False)
             with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices, tracer warnings
+                warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's own notices
                 torch.onnx.export(module.eval(), tuple(args), str(plain), dynamo=False, opset_version=17,
                                   input_names=list(inputs), output_names=list(outputs),
                                   dynamic_axes={k: dict(v) for k, v in axes.items()})
@@ -119,6 +129,17 @@ def open_session(path: Path, threads: int = 0) -> InferenceSession:
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def graph_session(export: Callable[[], Path], threads: int = 0) -> InferenceSession:
+    """The session of the file `export()` returns; a cached file that no longer loads (cut short by a full disk,
+    edited by hand) is removed and exported again, once."""
+    path = export()
+    try:
+        return open_session(path, threads)
+    except Exception:  # onnxruntime raises its own error types, by what is wrong with the file
+        path.unlink(missing_ok=True)
+        return open_session(export(), threads)
 
 
 def check_float_cpu(model: nn.Module) -> None:
