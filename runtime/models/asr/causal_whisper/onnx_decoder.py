@@ -28,6 +28,17 @@ from runtime.models.asr.causal_whisper.onnx_export import check_float_cpu, expor
 NEG = -1e30  # a masked score: exp() of it is 0 in float32, and unlike -inf a fully masked row stays finite
 
 
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """[1, T, d] -> [heads, T, head_dim]."""
+    return x[0].view(x.shape[1], heads, -1).transpose(0, 1)
+
+
+def self_attention_qkv(attn: nn.Module, x: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Whisper's self-attention queries (pre-scaled, as it does), keys and values of x [1, T, d], split by head."""
+    return (split_heads(attn.q_proj(x) * attn.scaling, heads), split_heads(attn.k_proj(x), heads),
+            split_heads(attn.v_proj(x), heads))
+
+
 class _Step(nn.Module):
     """One decoder feed: `ids` at positions `start`.., given the self-attention K/V of the `start` positions before
     them and the cross-attention K/V of `frames` encoder frames (each buffer [heads, room, head_dim], valid up to
@@ -40,10 +51,6 @@ class _Step(nn.Module):
         self.decoder = base.model.decoder
         self.proj_out = base.proj_out
         self.heads = base.config.decoder_attention_heads
-
-    def _split(self, x: Tensor) -> Tensor:
-        """[1, T, d] -> [heads, T, head_dim]."""
-        return x[0].view(x.shape[1], self.heads, -1).transpose(0, 1)
 
     def _merge(self, a: Tensor) -> Tensor:
         """[heads, T, head_dim] -> [1, T, d]."""
@@ -67,8 +74,7 @@ class _Step(nn.Module):
         for i, layer in enumerate(dec.layers):
             sa = layer.self_attn
             x = layer.self_attn_layer_norm(h)
-            q = self._split(sa.q_proj(x) * sa.scaling)
-            k, v = self._split(sa.k_proj(x)), self._split(sa.v_proj(x))
+            q, k, v = self_attention_qkv(sa, x, self.heads)
             new_k.append(k)
             new_v.append(v)
             # scores over the cache and over the fed tokens apart: concatenating K would copy the whole cache
@@ -79,7 +85,7 @@ class _Step(nn.Module):
             h = h + sa.out_proj(self._merge(p[..., :room] @ self_v[i] + p[..., room:] @ v))
             ca = layer.encoder_attn
             x = layer.encoder_attn_layer_norm(h)
-            q = self._split(ca.q_proj(x) * ca.scaling)
+            q = split_heads(ca.q_proj(x) * ca.scaling, self.heads)
             p = torch.where(cross_ok, q @ cross_k[i].transpose(1, 2), NEG).softmax(-1)
             h = h + ca.out_proj(self._merge(p @ cross_v[i]))
             x = layer.final_layer_norm(h)

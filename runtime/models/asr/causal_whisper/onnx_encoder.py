@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from runtime.models.asr.causal_whisper.encoder_layers import KVCache
-from runtime.models.asr.causal_whisper.onnx_decoder import NEG
+from runtime.models.asr.causal_whisper.onnx_decoder import NEG, self_attention_qkv
 from runtime.models.asr.causal_whisper.onnx_export import check_float_cpu, export_graph, graph_session
 
 
@@ -28,10 +28,6 @@ class _Layers(nn.Module):
         super().__init__()
         self.encoder = encoder
         self.heads = encoder.config.encoder_attention_heads
-
-    def _split(self, x: Tensor) -> Tensor:
-        """[1, T, d] -> [heads, T, head_dim]."""
-        return x[0].view(x.shape[1], self.heads, -1).transpose(0, 1)
 
     def forward(self, h: Tensor, start: Tensor, sees: Tensor, *caches: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # [1, T, d] activations: the exporter writes each linear as MatMul + Add
@@ -44,8 +40,7 @@ class _Layers(nn.Module):
         for i, layer in enumerate(self.encoder.layers):
             sa = layer.self_attn
             x = layer.self_attn_layer_norm(h)
-            q = self._split(sa.q_proj(x) * sa.scaling)
-            k, v = self._split(sa.k_proj(x)), self._split(sa.v_proj(x))
+            q, k, v = self_attention_qkv(sa, x, self.heads)
             new_k.append(k)
             new_v.append(v)
             kp, vp = past_k[i].index_select(1, held), past_v[i].index_select(1, held)
