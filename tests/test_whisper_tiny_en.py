@@ -252,7 +252,8 @@ def test_the_int8_onnx_decoder_streams_the_words_of_the_int8_torch_decoder(ct2_f
                     for kind in ("onnxruntime", "torch"))
     assert isinstance(ours.scorer(), OnnxDecoder)
     demo, _ = soundfile.read(DEMO, dtype="float32")
-    clips = [("demo", demo[:SAMPLE_RATE * 12], "")] + [(n, a, t) for n, a, t in dev_clips()]
+    humans = dev_clips() if has_dev_clips() else []  # a clone without ../shared still checks the demo sample
+    clips = [("demo", demo[:SAMPLE_RATE * 12], "")] + humans
     words = 0
     for name, audio, text in clips:
         got, want = ("".join(u.transcript for u in stream_unevenly(asr, audio) if u.completed)
