@@ -67,8 +67,13 @@ class ASRConfig:
     # to an ONNX graph, cached; the encoder's in float32, the decoder's, head included, in 8-bit weights and
     # activations when decoder_weights is int8, whatever head_weights says; CPU, float32 models; the `onnx` extra
     # exports: causal_whisper/onnx_export.py) | auto (onnxruntime for a float32 model on the CPU, torch elsewhere or
-    # where a graph cannot be built). The offline final pass stays torch's.
+    # where a graph cannot be built). The offline final pass's greedy search runs on a graph of the checkpoint's
+    # decoder too (causal_whisper/onnx_pass.py); its encoder and beam search stay torch's.
     graph_runtime: str = "torch"
+    # causal-whisper: the stream's encoder layers when graph_runtime runs them: float (float32, the states of the
+    # offline block-causal encoder to float rounding) | int8 (8-bit weights and activations in blocks of 32, as the
+    # decoder's graph: onnx_export.py). Torch's encoder is float either way.
+    encoder_weights: str = "float"
     # fastconformer: right attention context (look-ahead) in milliseconds: 0 | 80 | 480 | 1040.
     lookahead_ms: int = 1040
     # fastconformer CTC decoding: greedy (each frame's argmax) | beam (prefix beam search scored with a word

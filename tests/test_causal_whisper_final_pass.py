@@ -32,15 +32,18 @@ class Recorder:
     def __init__(self, ids: list[int], *, by_beams: dict[int, list[int]] | None = None,
                  words: list[str] | None = None) -> None:
         self.ids, self.by_beams, self.words, self.heard, self.searches = ids, by_beams or {}, words, [], []
+        self.drafts: list[list[int]] = []
         self.beams = 1
 
     def encode(self, audio: np.ndarray) -> Encoded:
         self.heard.append(audio.copy())
         return Encoded(torch.from_numpy(audio), 1500)  # not states: the audio itself, to check it is the item's
 
-    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None) -> list[int]:
+    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
+               draft: Sequence[int] = ()) -> list[int]:
         beams = self.beams if beams is None else beams
         self.searches.append(beams)
+        self.drafts.append(list(draft))
         return list(self.by_beams.get(beams, self.ids))
 
     def text(self, ids: Sequence[int]) -> str:
@@ -144,7 +147,7 @@ def test_a_pass_that_loops_with_beams_too_keeps_the_streams_text(base: CausalWhi
 def test_a_pass_that_does_not_loop_is_searched_once(base: CausalWhisperASR) -> None:
     recorder = Recorder(SENTENCE, by_beams={5: LOOP}, words=WORDS)
     assert OfflinePass(recorder).revise(item_with(base, [4]), make_audio(1.0)) == SENTENCE
-    assert recorder.searches == [1]
+    assert recorder.searches == [1] and recorder.drafts == [[4]]  # the stream's words are the search's draft
     recorder = Recorder(LOOP, words=WORDS)
     recorder.beams = 5  # a pass that searched with 5 beams already keeps the stream's text at once
     final = OfflinePass(recorder)

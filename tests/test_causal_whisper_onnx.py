@@ -133,8 +133,18 @@ def test_the_int8_graph_keeps_the_float_decoders_choices(onnx_asr, torch_asr) ->
     a, b = ours.feed(ids), ref.feed(ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     graph = onnx.load(str(onnx_decoder.export_step(onnx_asr.model, quantize=True)))
-    layers = len(onnx_asr.model.model.decoder.layers)  # 8 linears each (cross-attention's k/v run outside the graph)
+    layers = len(onnx_asr.model.model.decoder.layers)  # 8 linears each (cross-attention's k/v are the other graph's)
     assert sum(node.op_type == "MatMulNBits" for node in graph.graph.node) == 8 * layers + 1  # and the head
+    cross = onnx.load(str(onnx_decoder.export_cross_kv(onnx_asr.model, quantize=True)))
+    assert sum(node.op_type == "MatMulNBits" for node in cross.graph.node) == 2 * layers
+    frames = enc[:7]
+    k, v = onnx_asr.onnx_step.cross_kv(frames)
+    for i, layer in enumerate(torch_asr.model.model.decoder.layers):  # 8-bit: near torch's float projections
+        want_k = layer.encoder_attn.k_proj(frames).view(7, k.shape[1], -1).transpose(0, 1)
+        want_v = layer.encoder_attn.v_proj(frames).view(7, k.shape[1], -1).transpose(0, 1)
+        for got, want in ((k[i], want_k), (v[i], want_v)):
+            cosine = torch.nn.functional.cosine_similarity(torch.from_numpy(got).flatten(), want.flatten(), dim=0)
+            assert cosine > 0.99, cosine
 
 
 def test_settings_and_a_missing_exporter_are_one_line_errors(torch_asr, monkeypatch, tmp_path) -> None:
@@ -203,7 +213,7 @@ def test_graphs_beside_an_offline_pass_that_shares_the_checkpoint() -> None:
     graphs are exported from it: the pass gets its own copy."""
     asr = load(**STREAM, graph_runtime="onnxruntime", final_pass="offline", head_weights="int8",
                decoder_weights="int8")
-    assert asr.onnx_step is not None and asr.encoder_graph is not None
+    assert asr.onnx_step is not None and asr.encoder_graph is not None and asr.final_pass.search is not None
     audio = make_audio(2.0, seed=5)
     updates = run_stream(asr.open_stream(), audio, chunk_sizes(len(audio), "ragged"))
     assert updates[-1].completed
@@ -215,7 +225,46 @@ def test_auto_runs_torch_when_a_graph_cannot_be_built_and_onnxruntime_says_why(m
 
     monkeypatch.setattr(onnx_decoder, "export_graph", broken)
     said: list[str] = []
-    asr = CausalWhisperASR.load(ASRConfig(graph_runtime="auto"), device="cpu", dtype="float32", progress=said.append)
+    asr = CausalWhisperASR.load(ASRConfig(graph_runtime="auto", final_pass="offline"), device="cpu", dtype="float32",
+                                progress=said.append)
     assert asr.onnx_step is None and any("RuntimeError: the exporter met" in line for line in said), said
+    assert asr.final_pass.search is None and any("torch runs the offline pass" in line for line in said), said
     with pytest.raises(ConfigError, match="cannot be built .*RuntimeError.*asr.graph_runtime=torch"):
         load(graph_runtime="onnxruntime")
+
+
+@pytest.mark.parametrize("window_s", [5.0, 30.0])
+def test_the_offline_pass_on_the_float_graph_gives_torchs_greedy_transcript(window_s) -> None:
+    """The pass's search on the graph (onnx_pass.py) against torch's greedy search over the same encoder states, in
+    float32: on short windows (the turn's K/V, then silence's projected once) and on Whisper's 30 s."""
+    asr = load(**STREAM, graph_runtime="onnxruntime", final_pass="offline", final_pass_window_s=window_s,
+               final_pass_dtype="float32", decoder_weights="float", head_weights="")
+    search, offline = asr.final_pass.search, asr.final_pass.offline
+    assert search is not None and (offline.silence_kv is None) == (window_s == 30.0)
+    for seconds, seed in ((1.0, 2), (2.6, 3), (4.0, 4)):
+        encoded = offline.encode(make_audio(seconds, seed=seed))
+        ours = search(encoded)
+        assert ours == offline.decode(encoded)
+        assert len(set(ours)) >= 3, ours  # a varied transcript, or equality means little
+
+
+def test_the_int8_encoder_graph_quantises_every_linear_and_stays_near_the_float_states() -> None:
+    from runtime.models.asr.causal_whisper.encoder import CausalWhisperEncoder
+    from runtime.models.asr.causal_whisper.features import log_mel
+    from runtime.models.asr.causal_whisper.onnx_encoder import OnnxEncoderLayers, export_layers
+
+    with pytest.raises(ConfigError, match="asr.encoder_weights='int4' is not one of 'float', 'int8'"):
+        load(encoder_weights="int4")
+    asr = load(**STREAM, graph_runtime="onnxruntime", encoder_weights="int8")
+    encoder = asr.model.get_encoder()
+    graph = onnx.load(str(export_layers(encoder, quantize=True)))
+    assert sum(node.op_type == "MatMulNBits" for node in graph.graph.node) == 6 * len(encoder.layers)  # q k v o fc1 fc2
+    mel = log_mel(make_audio(2.0, seed=7))
+    states = {}
+    for quantize in (False, True):
+        stream = CausalWhisperEncoder(asr.model, block_frames=asr.block_frames,
+                                      graph=OnnxEncoderLayers(encoder, quantize=quantize)).open()
+        states[quantize] = torch.cat([stream.accept(mel), stream.flush()])
+    cosine = torch.nn.functional.cosine_similarity(states[False], states[True], dim=-1)
+    assert states[True].shape == states[False].shape and cosine.min() > 0.99, cosine.min()
+    assert not torch.equal(states[True], states[False])  # the int8 graph did run

@@ -263,3 +263,28 @@ def test_the_int8_onnx_decoder_streams_the_words_of_the_int8_torch_decoder(ct2_f
         if text:
             assert wer([text], [got]) <= wer([text], [want]) + 0.1, (name, text, got)
     assert words >= 20  # the demo sample's four sentences at least: a stream that stops early fails above
+
+
+def test_the_offline_pass_on_the_int8_graph_writes_the_torch_passs_words(ct2_folder) -> None:
+    """The whisper-tiny-en profile's final pass (offline, int8 decoder) with its greedy search on the ONNX Runtime
+    graph (onnx_pass.py) against torch's (bfloat16, the stream's words as draft): the same completed transcripts on
+    the demo sample and the human clips."""
+    from runtime.config import load_profile
+    from runtime.models.asr.registry import load_asr
+    from runtime.train.text_norm import wer
+
+    cfg = replace(load_profile("whisper-tiny-en").asr, final_pass="offline")
+    ours, theirs = (load_asr(replace(cfg, graph_runtime=kind), device="cpu", dtype="float32")
+                    for kind in ("onnxruntime", "torch"))
+    assert ours.final_pass.search is not None and theirs.final_pass.search is None
+    demo, _ = soundfile.read(DEMO, dtype="float32")
+    humans = dev_clips() if has_dev_clips() else []
+    words = 0
+    for name, audio, text in [("demo", demo[: SAMPLE_RATE * 12], "")] + humans:
+        got, want = ("".join(u.transcript for u in stream_unevenly(asr, audio) if u.completed)
+                     for asr in (ours, theirs))
+        words += len(want.split())
+        assert wer([want], [got]) <= 0.1, (name, want, got)
+        if text:
+            assert wer([text], [got]) <= wer([text], [want]) + 0.1, (name, text, got)
+    assert words >= 20

@@ -141,7 +141,7 @@ def test_a_turns_cache_holds_the_cross_attention_of_all_1500_frames_with_silence
             ids = windowed.decode(encoded)
             assert calls == [frames] * len(layers)  # its cache's; the decoder read the rest from it
             with torch.inference_mode():
-                assert ids == windowed._greedy(encoded, (), cached=False) != []
+                assert ids == windowed._uncached(encoded, ()) != []
     finally:
         for hook in hooks:
             hook.remove()
@@ -158,7 +158,7 @@ def test_the_offline_pass_decodes_the_windowed_states_streamed_or_offline(buffer
     def expected(turn: np.ndarray) -> str:
         """Greedy, cache-free, over the states of the turn's windows and silence after them."""
         with torch.inference_mode():
-            return buffered.text(buffered._greedy(windowed(turn), (), cached=False))
+            return buffered.text(buffered._uncached(windowed(turn), ()))
 
     reference = offline_transcript(asr, audio)
     for chunking in ("whole", "ragged"):

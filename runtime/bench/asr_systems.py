@@ -163,7 +163,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
     """{"systems": {system: {set: row}}, "system_settings", "sets", "targets"}."""
     from runtime.bench.word_latency import Aligner, timed_stream
     from runtime.config import load_profile
-    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, offline_decoder
+    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, offline_decoder, pass_graph
     from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass
     from runtime.models.asr.registry import load_asr
     from runtime.models.asr.whisper_buffered import WhisperBuffered
@@ -217,11 +217,13 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                       preview_ms=0, final_pass="none", refresh_ms=profile.refresh_ms if refresh is None else refresh)
         first = load_asr(cfg, device=device, dtype=dtype, progress=status)
         passes: dict[str, FinalPass | None] = {"": None}
+        search = None
         head = f", head {profile.head_weights}" if profile.head_weights else ""
         head += f", decoder {profile.decoder_weights}" if profile.decoder_weights != "float" else ""
         if first.onnx_step is not None:  # the graph quantises the head with the layers (asr.graph_runtime)
-            head = ", the stream's layers as ONNX Runtime graphs" + (", decoder and head 8-bit" if
-                                                                      profile.decoder_weights == "int8" else "")
+            head = (", the stream's layers as ONNX Runtime graphs"
+                    + (", encoder 8-bit" if profile.encoder_weights == "int8" else "")
+                    + (", decoder and head 8-bit" if profile.decoder_weights == "int8" else ""))
         if any(p for _, p, _ in rows):
             pass_dtype = profile.final_pass_dtype or dtype
             window = profile.final_pass_window_s
@@ -232,10 +234,12 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                                              profile.head_weights, decoder_weights=profile.decoder_weights,
                                              final_pass_window_s=window, final_pass_beam=beams), device,
                                      pass_dtype)
-            passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second)})
+            # the pass's greedy search on a graph of the checkpoint's decoder where the stream runs graphs
+            search = pass_graph(copy.deepcopy(offline.model), second, cfg, status) if first.onnx_step else None
+            passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second, search)})
         for ms, name, every in rows:
             each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none", preview_ms=every)
-            final = OfflinePass(second) if name == "offline" else passes[name]  # its own count of loops
+            final = OfflinePass(second, search) if name == "offline" else passes[name]  # its own count of loops
             asr = CausalWhisperASR(first.model, first.tokenizer, each_cfg, name=first.name, final_pass=final,
                                    onnx_step=first.onnx_step, encoder_graph=first.encoder_graph)
             settings[causal_id(ms, name, every)] = (
@@ -245,7 +249,8 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                 + (f", previewed every {every} ms" if every else "")
                 + (f", final pass {name} at the end of each clip" if name else "")
                 + (f" ({pass_dtype}, {window:g} s windows, "
-                   f"{'greedy' if beams == 1 else f'{beams} beams'}, a loop decoded again with beams)"
+                   f"{'greedy' if beams == 1 else f'{beams} beams'}"
+                   f"{' on an ONNX Runtime graph' if search and beams == 1 else ''}, a loop decoded again with beams)"
                    if name == "offline" else ""))
             streamed(causal_id(ms, name, every), asr)
             if isinstance(final, OfflinePass):  # counted over every set, the warm-up clip included

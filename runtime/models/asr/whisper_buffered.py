@@ -37,6 +37,7 @@ from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.asr.transcript_draft import greedy
 from runtime.models.asr.whisper_beam import beam_search
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
 from runtime.models.asr.whisper_window import Encoded, WindowedEncoder
@@ -87,7 +88,7 @@ class WhisperBuffered:
         self.beams = beams
         self.encoder = WindowedEncoder(model.model.encoder, feature_extractor, window_s)
         silence = self.encoder.silence
-        self._silence_kv = None if silence is None else self._cross_kv(silence)
+        self.silence_kv = None if silence is None else self.cross_kv(silence)
         self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
         self.suppress = suppressed_ids(model)
         self.eos_id = tokenizer.eos_token_id
@@ -116,7 +117,7 @@ class WhisperBuffered:
         return self.encoder(audio)
 
     @torch.inference_mode()
-    def _cross_kv(self, states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def cross_kv(self, states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each decoder layer's cross-attention keys and values [1, heads, frames, head_dim] of `states`."""
         out = []
         for layer in self.model.model.decoder.layers:
@@ -132,22 +133,24 @@ class WhisperBuffered:
         """A decoder cache for `encoded`: its cross-attention keys and values filled in already where silence's are
         known (only the audio's frames projected), else left to the decoder's first call (all 1500 frames)."""
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        if self._silence_kv is None or encoded.frames >= encoded.states.shape[1]:
+        if self.silence_kv is None or encoded.frames >= encoded.states.shape[1]:
             return cache
         frames = encoded.frames
-        for i, (keys, values) in enumerate(self._cross_kv(encoded.states[:, :frames])):
-            silent_keys, silent_values = self._silence_kv[i]
+        for i, (keys, values) in enumerate(self.cross_kv(encoded.states[:, :frames])):
+            silent_keys, silent_values = self.silence_kv[i]
             cache.cross_attention_cache.update(torch.cat([keys, silent_keys[:, :, frames:]], dim=2),
                                                torch.cat([values, silent_values[:, :, frames:]], dim=2), i)
             cache.is_updated[i] = True
         return cache
 
-    def _next_logits(self, ids: torch.Tensor, states: torch.Tensor, cache: EncoderDecoderCache | None) -> torch.Tensor:
-        """Next-token logits [rows, vocab] after each row of `ids`, suppressed tokens at -inf."""
+    def _next_logits(self, ids: torch.Tensor, states: torch.Tensor, cache: EncoderDecoderCache | None,
+                     last: int = 0) -> torch.Tensor:
+        """Next-token logits [rows, vocab] after each row of `ids`, suppressed tokens at -inf; with `last` > 0, after
+        each of the one row's last `last` positions instead ([last, vocab])."""
         hidden = self.model.model.decoder(
             input_ids=ids, encoder_hidden_states=states, use_cache=cache is not None, **{CACHE_ARG: cache}
         ).last_hidden_state
-        logits = self.model.proj_out(hidden[:, -1])
+        logits = self.model.proj_out(hidden[0, -last:] if last else hidden[:, -1])
         if self.suppress:
             logits[:, self.suppress] = float("-inf")
         return logits
@@ -159,11 +162,14 @@ class WhisperBuffered:
         return self.decode(self.encode(audio), forced)
 
     @torch.inference_mode()
-    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None) -> list[int]:
-        """`hypothesis` from encoder states (`encode`), with `beams` instead of the decoder's own if given."""
+    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
+               draft: Sequence[int] = ()) -> list[int]:
+        """`hypothesis` from encoder states (`encode`), with `beams` instead of the decoder's own if given. A greedy
+        search checks `draft` (a transcript of the same audio, as the causal stream's) a stretch at a time and keeps
+        what it would have chosen anyway (transcript_draft.py): the same ids in fewer decoder calls."""
         beams = self.beams if beams is None else beams
         if beams == 1 or len(forced) >= self.max_tokens:
-            return self._greedy(encoded, forced, cached=True)
+            return self._drafted(encoded, forced, draft)
         rows = _BeamRows(self, encoded)
         return list(forced) + beam_search(rows, self.prompt_ids + list(forced), beams=beams, eos=self.eos_id,
                                           max_tokens=self.max_tokens - len(forced))
@@ -171,25 +177,27 @@ class WhisperBuffered:
     @torch.inference_mode()
     def hypothesis_uncached(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
         """The greedy search re-running the whole decoder every step: the reference the cache must match."""
-        return self._greedy(self.encode(audio), forced, cached=False)
+        return self._uncached(self.encode(audio), forced)
 
-    def _greedy(self, encoded: Encoded, forced: Sequence[int], *, cached: bool) -> list[int]:
-        """Greedy decoding; `cached` False runs the whole decoder again for every token, over all 1500 states."""
+    def _drafted(self, encoded: Encoded, forced: Sequence[int], draft: Sequence[int]) -> list[int]:
+        """Greedy decoding over the KV cache, checking `draft` (transcript_draft.greedy)."""
+        states, cache = encoded.states, self.cache(encoded)
+
+        def score(ids: list[int], rows: int) -> torch.Tensor:
+            return self._next_logits(torch.tensor([ids], device=states.device), states, cache, last=rows)
+
+        return greedy(score, lambda n: cache.crop(-n), self.prompt_ids, forced, eos=self.eos_id,
+                      max_tokens=self.max_tokens, draft=draft)
+
+    def _uncached(self, encoded: Encoded, forced: Sequence[int]) -> list[int]:
+        """Greedy decoding that runs the whole decoder again for every token, over all 1500 states."""
         out = list(forced)
-        if len(out) >= self.max_tokens:
-            return out
-        device, states = self.model.device, encoded.states
-        cache = self.cache(encoded) if cached else None
-        pending = torch.tensor([self.prompt_ids + out], device=device)
         while len(out) < self.max_tokens:
-            token = int(self._next_logits(pending, states, cache)[0].argmax())
+            ids = torch.tensor([self.prompt_ids + out], device=self.model.device)
+            token = int(self._next_logits(ids, encoded.states, None)[0].argmax())
             if token == self.eos_id:
                 break
             out.append(token)
-            if cached:
-                pending = torch.tensor([[token]], device=device)
-            else:
-                pending = torch.tensor([self.prompt_ids + out], device=device)
         return out
 
 

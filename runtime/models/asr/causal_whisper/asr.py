@@ -76,7 +76,8 @@ from runtime.models.asr.causal_whisper.encoder import (
 from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, check
 from runtime.models.asr.causal_whisper.onnx_decoder import OnnxDecoder, OnnxStep
 from runtime.models.asr.causal_whisper.onnx_encoder import OnnxEncoderLayers
-from runtime.models.asr.causal_whisper.onnx_export import check_runtime
+from runtime.models.asr.causal_whisper.onnx_export import check_encoder_weights, check_runtime
+from runtime.models.asr.causal_whisper.onnx_pass import GraphSearch
 from runtime.models.asr.whisper_buffered import WhisperBuffered
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
 from runtime.models.asr.whisper_head import check_decoder, check_head, quantize_decoder, quantize_head
@@ -167,13 +168,17 @@ class CausalWhisperASR:
         check_head(cfg.head_weights)
         check_decoder(cfg.decoder_weights)
         check_runtime(cfg.graph_runtime)
+        check_encoder_weights(cfg.encoder_weights)
         with load_progress(progress, "asr", cfg.model, device, dtype):
             model, tokenizer, path = load_whisper(cfg.model, dtype=dtype, progress=progress)
             final: FinalPass | None = DecoderPass() if kind == "decoder" else None
             if kind == "offline":  # its own copy where the stream's model is changed: merged, cast, exported
-                own = cfg.adapter or cfg.final_pass_dtype not in ("", dtype) or _wants_graphs(cfg, device, dtype)
-                final = OfflinePass(offline_decoder(copy.deepcopy(model) if own else model, tokenizer, path, cfg,
-                                                    device, cfg.final_pass_dtype or dtype))
+                graphs = _wants_graphs(cfg, device, dtype)
+                own = cfg.adapter or cfg.final_pass_dtype not in ("", dtype) or graphs
+                offline = offline_decoder(copy.deepcopy(model) if own else model, tokenizer, path, cfg, device,
+                                          cfg.final_pass_dtype or dtype)
+                final = OfflinePass(offline, pass_graph(copy.deepcopy(model), offline, cfg, progress)
+                                    if graphs else None)
             if cfg.adapter:
                 from runtime.models.asr.causal_whisper.lora import load_adapter
 
@@ -241,15 +246,31 @@ def _graphs(model: WhisperForConditionalGeneration, cfg: ASRConfig, progress: Ca
         return None, None
     try:  # the decoder's graph is quantised as a whole: head and layers
         return (OnnxStep(model, quantize=cfg.decoder_weights == "int8", progress=progress),
-                OnnxEncoderLayers(model.get_encoder(), progress=progress))
+                OnnxEncoderLayers(model.get_encoder(), progress=progress, quantize=cfg.encoder_weights == "int8"))
     except Exception as err:  # the exporter, the quantiser and onnxruntime each raise their own types
-        if cfg.graph_runtime != "auto":
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(f"asr.graph_runtime=onnxruntime: the stream's graphs cannot be built "
-                              f"({type(err).__name__}: {err}); --set asr.graph_runtime=torch runs it in torch") from err
-        (progress or _log.warning)(f"asr.graph_runtime=auto: torch runs the stream ({type(err).__name__}: {err})")
+        _no_graph(cfg, "the stream", err, progress)
         return None, None
+
+
+def pass_graph(model: WhisperForConditionalGeneration, offline: WhisperBuffered, cfg: ASRConfig,
+               progress: Callable[[str], None] | None) -> GraphSearch | None:
+    """The `offline` pass's greedy search on a graph of `model` (the checkpoint without the adapter, float32 on the
+    CPU: the caller has asked `wants_graphs`), or None where it cannot be built and torch's search runs."""
+    try:
+        return GraphSearch(OnnxStep(model, quantize=cfg.decoder_weights == "int8", progress=progress), offline)
+    except Exception as err:  # as in _graphs
+        _no_graph(cfg, "the offline pass", err, progress)
+        return None
+
+
+def _no_graph(cfg: ASRConfig, what: str, err: Exception, progress: Callable[[str], None] | None) -> None:
+    """A graph could not be built: an error under "onnxruntime", a line saying so under "auto" (torch runs it)."""
+    if cfg.graph_runtime != "auto":
+        if isinstance(err, ConfigError):
+            raise err
+        raise ConfigError(f"asr.graph_runtime=onnxruntime: {what}'s graphs cannot be built "
+                          f"({type(err).__name__}: {err}); --set asr.graph_runtime=torch runs it in torch") from err
+    (progress or _log.warning)(f"asr.graph_runtime=auto: torch runs {what} ({type(err).__name__}: {err})")
 
 
 def offline_decoder(model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, path: Path,

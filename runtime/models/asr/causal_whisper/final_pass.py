@@ -11,7 +11,9 @@ show the first pass as it streams; the completed event carries the second, which
 - `offline`: the base checkpoint (without the streaming adapter) decodes the item's audio with full context: the
   offline ceiling, for one encoder pass and one decode per item. Padded to 30 s as Whisper was trained, or
   (`asr.final_pass_window_s`) to its own windows with silence's encoder states after them (`whisper_window.py`);
-  greedy, or by beam search with `asr.final_pass_beam` beams (`whisper_beam.py`).
+  greedy, or by beam search with `asr.final_pass_beam` beams (`whisper_beam.py`). Torch's greedy search checks the
+  stream's own words as a draft, several at a time, and keeps those it would have chosen (transcript_draft.py); with
+  `asr.graph_runtime` the greedy search's steps run as an ONNX Runtime graph instead (onnx_pass.py).
 
 Decoded greedily with full context, Whisper sometimes loops ("wait, wait, wait, ..." to the token limit: 5 of the
 200 synthetic held-out clips, which lifted the pass's word error rate there from 50 % to 114 %). So the offline pass
@@ -47,15 +49,23 @@ RETRY_BEAMS = 5  # the beams a looping transcript is decoded again with (openai-
 
 class Hypothesis(Protocol):
     """A full-context Whisper decoder (`whisper_buffered.WhisperBuffered`): encoder states of some audio, their
-    transcript ids by its own search (`beams`: 1 is greedy) or by `beams` given, and the text of ids."""
+    transcript ids by its own search (`beams`: 1 is greedy) or by `beams` given, and the text of ids. A greedy search
+    checks `draft` as it goes (transcript_draft.py): the same ids, found in fewer decoder calls when it is right."""
 
     beams: int
 
     def encode(self, audio: np.ndarray) -> Encoded: ...
 
-    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None) -> list[int]: ...
+    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
+               draft: Sequence[int] = ()) -> list[int]: ...
 
     def text(self, ids: Sequence[int]) -> str: ...
+
+
+class Search(Protocol):
+    """A greedy search over encoder states (`onnx_pass.GraphSearch`): transcript ids."""
+
+    def __call__(self, encoded: Encoded) -> list[int]: ...
 
 
 def compression_ratio(text: str) -> float:
@@ -87,15 +97,19 @@ class DecoderPass:
 class OfflinePass:
     name = "offline"
 
-    def __init__(self, offline: Hypothesis) -> None:
-        self.offline = offline
+    def __init__(self, offline: Hypothesis, search: Search | None = None) -> None:
+        """`search`: the greedy search run elsewhere than `offline`'s own decoder (an ONNX Runtime graph of it,
+        onnx_pass.py); the encoding, the loop check and the beam retry stay `offline`'s."""
+        self.offline, self.search = offline, search
         self.retried = 0  # items whose transcript looped and were decoded again with RETRY_BEAMS
         self.kept_stream = 0  # items that looped with beams too and kept the stream's text
 
     def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
         offline = self.offline
         encoded = offline.encode(audio)
-        ids = offline.decode(encoded)
+        draft = [t.id for t in item.tokens]  # the stream's words: on human speech most are right
+        greedy = self.search is not None and offline.beams == 1
+        ids = self.search(encoded) if greedy else offline.decode(encoded, draft=draft)
         looped = loops(offline.text(ids))
         if looped and offline.beams < RETRY_BEAMS:
             self.retried += 1

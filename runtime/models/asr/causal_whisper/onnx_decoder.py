@@ -108,43 +108,64 @@ def export_step(model: WhisperForConditionalGeneration, quantize: bool = True,
                         quantize=quantize, progress=progress)
 
 
+class _CrossKV(nn.Module):
+    """Every decoder layer's cross-attention K and V of encoder frames [n, d]: [layers, heads, n, head_dim] each."""
+
+    def __init__(self, model: WhisperForConditionalGeneration) -> None:
+        super().__init__()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.layers = base.model.decoder.layers
+        self.heads = base.config.decoder_attention_heads
+
+    def forward(self, frames: Tensor) -> tuple[Tensor, Tensor]:
+        x = frames[None]  # [1, n, d]: each projection a MatMul (+ Add), as the quantiser rewrites them
+        attns = [layer.encoder_attn for layer in self.layers]
+        return (torch.stack([split_heads(a.k_proj(x), self.heads) for a in attns]),
+                torch.stack([split_heads(a.v_proj(x), self.heads) for a in attns]))
+
+
+def export_cross_kv(model: WhisperForConditionalGeneration, quantize: bool = True,
+                    progress: Callable[[str], None] | None = None) -> Path:
+    """The cross-attention K/V projections of `model` as an ONNX file (exported once, then cached)."""
+    module = _CrossKV(model)
+    args = (torch.zeros(3, model.config.d_model),)
+    return export_graph(module, "whisper-cross-kv", args, ["frames"], ["k", "v"], {"frames": {0: "n"}},
+                        quantize=quantize, progress=progress)
+
+
 def cache_names(n_layers: int) -> list[str]:
     return [f"{kind}_{i}" for kind in ("self_k", "self_v", "cross_k", "cross_v") for i in range(n_layers)]
 
 
 class OnnxStep:
-    """The decoder graph of one model (shared by every stream of it) and the cross-attention projections the
-    streams run on their own new frames (in torch, float, as `asr.decoder_weights = int8` keeps them too)."""
+    """The decoder graph of one model (shared by every stream of it), and a second graph of the cross-attention
+    projections the streams run on their own new frames (every layer's in one call, quantised as the step is)."""
 
     def __init__(self, model: WhisperForConditionalGeneration, quantize: bool = True, threads: int = 0,
                  progress: Callable[[str], None] | None = None) -> None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_float_cpu(base)
         self.session = graph_session(lambda: export_step(base, quantize, progress), threads)
-        self.layers = base.model.decoder.layers
+        self.cross = graph_session(lambda: export_cross_kv(base, quantize, progress), threads)
+        self.n_layers = len(base.model.decoder.layers)  # no torch weights kept: both graphs hold their own
         self.heads = base.config.decoder_attention_heads
         self.d_head = base.config.d_model // self.heads
         self.max_positions = base.config.max_target_positions
-        self.names = cache_names(len(self.layers))
+        self.names = cache_names(self.n_layers)
 
-    @torch.inference_mode()
     def cross_kv(self, frames: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Cross-attention K and V of encoder frames [n, d]: [layers, heads, n, head_dim] each, float32."""
-        n = frames.shape[0]
-        k = torch.stack([layer.encoder_attn.k_proj(frames).view(n, self.heads, -1).transpose(0, 1)
-                         for layer in self.layers])
-        v = torch.stack([layer.encoder_attn.v_proj(frames).view(n, self.heads, -1).transpose(0, 1)
-                         for layer in self.layers])
-        return k.float().numpy(), v.float().numpy()
+        k, v = self.cross.run(None, {"frames": np.ascontiguousarray(frames.float().numpy())})
+        return k, v
 
 
 class _Room:
     """Per-layer [heads, room, head_dim] float32 buffers with `size` valid rows, grown by doubling. Each layer's
     buffer is one contiguous array, so the graph reads it in place."""
 
-    def __init__(self, layers: int, heads: int, d_head: int) -> None:
+    def __init__(self, layers: int, heads: int, d_head: int, room: int = 16) -> None:
         self.shape = (layers, heads, d_head)
-        self.data = np.zeros((layers, 2, heads, 16, d_head), np.float32)  # [layer, k|v, heads, room, head_dim]
+        self.data = np.zeros((layers, 2, heads, room, d_head), np.float32)  # [layer, k|v, heads, room, head_dim]
         self.size = 0
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
@@ -169,10 +190,11 @@ class OnnxDecoder:
     encoder frames it was fed with; `truncate` and `drop_frames` roll back), the same log-probabilities up to the
     graph's arithmetic."""
 
-    def __init__(self, step: OnnxStep) -> None:
+    def __init__(self, step: OnnxStep, frames: int = 16) -> None:
+        """`frames`: the encoder frames to make room for at once (more are made room for as they come)."""
         self._step = step
-        shape = (len(step.layers), step.heads, step.d_head)
-        self._cross = _Room(*shape)
+        shape = (step.n_layers, step.heads, step.d_head)
+        self._cross = _Room(*shape, room=frames)
         self._self = _Room(*shape)
 
     @property
@@ -186,6 +208,11 @@ class OnnxDecoder:
     def add_frames(self, frames: Tensor) -> None:
         if frames.shape[0]:
             self._cross.append(*self._step.cross_kv(frames))
+
+    def add_kv(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Frames given by their cross-attention K and V [layers, heads, n, head_dim], projected once elsewhere
+        (the offline pass's silence, `onnx_pass.py`)."""
+        self._cross.append(k, v)
 
     def feed(self, ids: Sequence[int], last: int | None = None) -> Tensor:
         """Log-probs [len(ids) or last, vocab] of the token after each of `ids`; the ids join the cache."""

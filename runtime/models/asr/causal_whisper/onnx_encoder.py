@@ -1,5 +1,7 @@
 """The encoder's layers over a block as one ONNX Runtime graph (`asr.graph_runtime`; onnx_export.py says why), in
-float32: the states are `encoder_layers.packed_layer`'s to float rounding.
+float32, the states `encoder_layers.packed_layer`'s to float rounding; or with `asr.encoder_weights = "int8"` its
+linears in 8-bit weights and activations, which take about a third less time, most on a preview's few frames
+(docs/model_card_causal_whisper.md measures what they change).
 
 `_Layers` takes a block's frames (after the convolutions and positions: `MelEncoderStream` runs those in torch), the
 number of frames the layers' K/V caches hold before it, the caches themselves (the stream's `KVCache` tensors,
@@ -53,7 +55,8 @@ class _Layers(nn.Module):
         return self.encoder.layer_norm(h)[0], torch.stack(new_k), torch.stack(new_v)
 
 
-def export_layers(encoder: WhisperEncoder, progress: Callable[[str], None] | None = None) -> Path:
+def export_layers(encoder: WhisperEncoder, progress: Callable[[str], None] | None = None,
+                  quantize: bool = False) -> Path:
     """The encoder layers of `encoder` as an ONNX file (onnx_export.export_graph: exported once, then cached)."""
     module = _Layers(encoder)
     n_layers, d = len(encoder.layers), encoder.config.d_model
@@ -64,7 +67,7 @@ def export_layers(encoder: WhisperEncoder, progress: Callable[[str], None] | Non
     return export_graph(module, "whisper-encoder-layers", args, ["h", "start", "sees", *names],
                         ["states", "new_k", "new_v"],
                         {"h": {0: "t"}, "sees": {0: "t", 1: "t"}, **{name: {1: f"room_{name}"} for name in names}},
-                        quantize=False, progress=progress)
+                        quantize=quantize, progress=progress)
 
 
 def cache_names(n_layers: int) -> list[str]:
@@ -74,10 +77,10 @@ def cache_names(n_layers: int) -> list[str]:
 class OnnxEncoderLayers:
     """The graph of one encoder (shared by its streams): `run` is `MelEncoderStream._run`'s layer loop."""
 
-    def __init__(self, encoder: WhisperEncoder, threads: int = 0,
-                 progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, encoder: WhisperEncoder, threads: int = 0, progress: Callable[[str], None] | None = None,
+                 quantize: bool = False) -> None:
         check_float_cpu(encoder)
-        self.session = graph_session(lambda: export_layers(encoder, progress), threads)
+        self.session = graph_session(lambda: export_layers(encoder, progress, quantize), threads)
         self.names = cache_names(len(encoder.layers))
         self.heads = encoder.config.encoder_attention_heads
         self.d_head = encoder.config.d_model // self.heads

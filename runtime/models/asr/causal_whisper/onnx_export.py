@@ -4,13 +4,18 @@ Why: the stream's calls are small (a 300 ms block is 15 encoder frames, a decode
 in torch's eager mode on a CPU a small call is mostly fixed cost: dozens of operations, each dispatched on its own,
 and small matrix products that MKL runs far below its peak. The same computation exported once as a graph and run
 by ONNX Runtime takes about half the time (docs/model_card_causal_whisper.md). What runs as a graph:
-- the encoder's layers over a block or a preview's partial block (`onnx_encoder.py`), always in float32, so the
-  stream's states stay those of `CausalWhisperEncoder.forward_full` to float rounding;
+- the encoder's layers over a block or a preview's partial block (`onnx_encoder.py`), in float32, so the stream's
+  states stay those of `CausalWhisperEncoder.forward_full` to float rounding, or with `asr.encoder_weights = "int8"`
+  quantised as the decoder's are (below);
 - the decoder's step (`onnx_decoder.py`), in float32, or with `asr.decoder_weights = "int8"` its weight products
   (every linear and the vocabulary projection) as `MatMulNBits`: 8-bit weights in blocks of 32 with a scale each,
   and activations quantised per block of 32 as well (accuracy level 4). ONNX Runtime's dynamic quantisation was
   tried first: one scale for a whole activation row was too coarse, and the stream stopped after the demo
-  sample's first sentence where torch's int8 decoder goes on.
+  sample's first sentence where torch's int8 decoder goes on;
+- the cross-attention K/V projections of new encoder frames, every decoder layer's in one call, quantised as the
+  step is (`onnx_decoder.export_cross_kv`: in torch, eight small products a call cost 1.3 ms, as 8-bit graph 0.55);
+- the same step exported from the checkpoint without the adapter, for the offline final pass's search
+  (`onnx_pass.py`).
 
 A graph is exported from the model the stream runs (its adapter merged) and kept under `cache_dir()/onnx` by a hash
 of its weights, of the code that writes it and of the libraries', so a process exports it once (a few seconds) and
@@ -43,9 +48,18 @@ GRAPH_RUNTIMES = ("auto", "torch", "onnxruntime")  # auto: onnxruntime for a flo
 QUANT_BLOCK = 32  # int8 weights and activations in blocks of this many along the input, a scale each
 
 
+ENCODER_WEIGHTS = ("float", "int8")  # the encoder graph's linears: float32, or MatMulNBits as the decoder's
+
+
 def check_runtime(kind: str) -> str:
     if kind not in GRAPH_RUNTIMES:
         raise ConfigError(f"asr.graph_runtime={kind!r} is not one of {', '.join(repr(k) for k in GRAPH_RUNTIMES)}")
+    return kind
+
+
+def check_encoder_weights(kind: str) -> str:
+    if kind not in ENCODER_WEIGHTS:
+        raise ConfigError(f"asr.encoder_weights={kind!r} is not one of {', '.join(repr(k) for k in ENCODER_WEIGHTS)}")
     return kind
 
 
