@@ -163,8 +163,9 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
     """{"systems": {system: {set: row}}, "system_settings", "sets", "targets"}."""
     from runtime.bench.word_latency import Aligner, timed_stream
     from runtime.config import load_profile
-    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, offline_decoder, pass_graph
+    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, offline_decoder
     from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass
+    from runtime.models.asr.causal_whisper.graph_choice import pass_graph
     from runtime.models.asr.registry import load_asr
     from runtime.models.asr.whisper_buffered import WhisperBuffered
     from runtime.models.asr.whisper_checkpoint import whisper_path

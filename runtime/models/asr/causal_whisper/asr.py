@@ -48,7 +48,6 @@ steps, resets and previews.
 from __future__ import annotations
 
 import copy
-import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -74,16 +73,15 @@ from runtime.models.asr.causal_whisper.encoder import (
     emission_sample,
 )
 from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, check
+from runtime.models.asr.causal_whisper.graph_choice import pass_graph, stream_graphs, wants_graphs
 from runtime.models.asr.causal_whisper.onnx_decoder import OnnxDecoder, OnnxStep
 from runtime.models.asr.causal_whisper.onnx_encoder import OnnxEncoderLayers
 from runtime.models.asr.causal_whisper.onnx_export import check_encoder_weights, check_runtime
-from runtime.models.asr.causal_whisper.onnx_pass import GraphSearch
 from runtime.models.asr.whisper_buffered import WhisperBuffered
 from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
 from runtime.models.asr.whisper_head import check_decoder, check_head, quantize_decoder, quantize_head
 from runtime.models.loading import load_progress, torch_dtype
 
-_log = logging.getLogger(__name__)
 RESTART_MARGIN_S = 0.5  # re-feed from this long before the last stable token's emission
 MAX_OVERLAP_S = 5.0  # ... but never more than this (nor half the segment) before the reset point
 CARRY_TOKENS = 64  # stable tokens carried across a reset as prompt / forced prefix
@@ -173,7 +171,7 @@ class CausalWhisperASR:
             model, tokenizer, path = load_whisper(cfg.model, dtype=dtype, progress=progress)
             final: FinalPass | None = DecoderPass() if kind == "decoder" else None
             if kind == "offline":  # its own copy where the stream's model is changed: merged, cast, exported
-                graphs = _wants_graphs(cfg, device, dtype)
+                graphs = wants_graphs(cfg, device, dtype)
                 own = cfg.adapter or cfg.final_pass_dtype not in ("", dtype) or graphs
                 offline = offline_decoder(copy.deepcopy(model) if own else model, tokenizer, path, cfg, device,
                                           cfg.final_pass_dtype or dtype)
@@ -188,7 +186,7 @@ class CausalWhisperASR:
                     raise CheckpointNotFound(f"asr adapter {cfg.adapter!r} cannot be loaded ({err}); point "
                                              "--set asr.adapter= at a directory written by `runtime train`") from None
             model = model.to(device).eval()
-            step, encoder = _graphs(model, cfg, progress)
+            step, encoder = stream_graphs(model, cfg, progress)
             if step is None:
                 model = quantize_decoder(quantize_head(model, cfg.head_weights), cfg.decoder_weights)
         return cls(model, tokenizer, cfg, name=cfg.model, final_pass=final, onnx_step=step, encoder_graph=encoder)
@@ -228,49 +226,6 @@ class CausalWhisperASR:
         if self.final_pass is None or not self.text(ids).strip():
             return ids
         return self.final_pass.revise(item, audio)
-
-
-def _wants_graphs(cfg: ASRConfig, device: str, dtype: str) -> bool:
-    """Whether `cfg.graph_runtime` asks for ONNX Runtime graphs: "onnxruntime", or "auto" for float32 on the CPU."""
-    return cfg.graph_runtime == "onnxruntime" or (cfg.graph_runtime == "auto" and (torch.device(device).type, dtype)
-                                                   == ("cpu", "float32"))
-
-
-def _graphs(model: WhisperForConditionalGeneration, cfg: ASRConfig, progress: Callable[[str], None] | None
-            ) -> tuple[OnnxStep | None, OnnxEncoderLayers | None]:
-    """The stream's ONNX Runtime graphs (onnx_export.py), or (None, None) for torch. Under "auto" a graph that cannot
-    be exported or loaded (no `onnx` package, a read-only cache, an exporter error) leaves torch running the stream,
-    saying why; under "onnxruntime" it is an error."""
-    param = next(model.parameters())
-    if not _wants_graphs(cfg, param.device.type, str(param.dtype).removeprefix("torch.")):
-        return None, None
-    try:  # the decoder's graph is quantised as a whole: head and layers
-        return (OnnxStep(model, quantize=cfg.decoder_weights == "int8", progress=progress),
-                OnnxEncoderLayers(model.get_encoder(), progress=progress, quantize=cfg.encoder_weights == "int8"))
-    except Exception as err:  # the exporter, the quantiser and onnxruntime each raise their own types
-        _no_graph(cfg, "the stream", err, progress)
-        return None, None
-
-
-def pass_graph(model: WhisperForConditionalGeneration, offline: WhisperBuffered, cfg: ASRConfig,
-               progress: Callable[[str], None] | None) -> GraphSearch | None:
-    """The `offline` pass's greedy search on a graph of `model` (the checkpoint without the adapter, float32 on the
-    CPU: the caller has asked `wants_graphs`), or None where it cannot be built and torch's search runs."""
-    try:
-        return GraphSearch(OnnxStep(model, quantize=cfg.decoder_weights == "int8", progress=progress), offline)
-    except Exception as err:  # as in _graphs
-        _no_graph(cfg, "the offline pass", err, progress)
-        return None
-
-
-def _no_graph(cfg: ASRConfig, what: str, err: Exception, progress: Callable[[str], None] | None) -> None:
-    """A graph could not be built: an error under "onnxruntime", a line saying so under "auto" (torch runs it)."""
-    if cfg.graph_runtime != "auto":
-        if isinstance(err, ConfigError):
-            raise err
-        raise ConfigError(f"asr.graph_runtime=onnxruntime: {what}'s graphs cannot be built "
-                          f"({type(err).__name__}: {err}); --set asr.graph_runtime=torch runs it in torch") from err
-    (progress or _log.warning)(f"asr.graph_runtime=auto: torch runs {what} ({type(err).__name__}: {err})")
 
 
 def offline_decoder(model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, path: Path,
