@@ -28,15 +28,21 @@ from runtime.models.asr.causal_whisper.onnx_export import check_float_cpu, expor
 NEG = -1e30  # a masked score: exp() of it is 0 in float32, and unlike -inf a fully masked row stays finite
 
 
-def split_heads(x: Tensor, heads: int) -> Tensor:
-    """[1, T, d] -> [heads, T, head_dim]."""
-    return x[0].view(x.shape[1], heads, -1).transpose(0, 1)
+def split_heads(x: Tensor, heads: int, d_head: int) -> Tensor:
+    """[1, T, d] -> [heads, T, head_dim]. The sizes are Python ints, so the exported graph reshapes by constants
+    instead of computing shapes at run time (a dozen small operations less per layer)."""
+    return x[0].reshape(-1, heads, d_head).transpose(0, 1)
 
 
-def self_attention_qkv(attn: nn.Module, x: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+def merge_heads(a: Tensor, d: int) -> Tensor:
+    """[heads, T, head_dim] -> [1, T, d]."""
+    return a.transpose(0, 1).reshape(1, -1, d)
+
+
+def self_attention_qkv(attn: nn.Module, x: Tensor, heads: int, d_head: int) -> tuple[Tensor, Tensor, Tensor]:
     """Whisper's self-attention queries (pre-scaled, as it does), keys and values of x [1, T, d], split by head."""
-    return (split_heads(attn.q_proj(x) * attn.scaling, heads), split_heads(attn.k_proj(x), heads),
-            split_heads(attn.v_proj(x), heads))
+    return (split_heads(attn.q_proj(x) * attn.scaling, heads, d_head), split_heads(attn.k_proj(x), heads, d_head),
+            split_heads(attn.v_proj(x), heads, d_head))
 
 
 class _Step(nn.Module):
@@ -51,10 +57,7 @@ class _Step(nn.Module):
         self.decoder = base.model.decoder
         self.proj_out = base.proj_out
         self.heads = base.config.decoder_attention_heads
-
-    def _merge(self, a: Tensor) -> Tensor:
-        """[heads, T, head_dim] -> [1, T, d]."""
-        return a.transpose(0, 1).reshape(1, a.shape[1], -1)
+        self.d = base.config.d_model
 
     def forward(self, ids: Tensor, start: Tensor, rows: Tensor, frames: Tensor, *caches: Tensor
                 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -70,24 +73,25 @@ class _Step(nn.Module):
         causal = new[None, :] <= new[:, None]  # [n, n]: a fed position sees itself and those fed before it
         past_ok = torch.arange(self_k[0].shape[1]) < start  # [room]: the valid cached positions
         cross_ok = torch.arange(cross_k[0].shape[1]) < frames
+        room = self_k[0].shape[1]  # every layer's buffer has the same
+        heads, d = self.heads, self.d
         new_k, new_v = [], []
         for i, layer in enumerate(dec.layers):
             sa = layer.self_attn
             x = layer.self_attn_layer_norm(h)
-            q, k, v = self_attention_qkv(sa, x, self.heads)
+            q, k, v = self_attention_qkv(sa, x, heads, d // heads)
             new_k.append(k)
             new_v.append(v)
             # scores over the cache and over the fed tokens apart: concatenating K would copy the whole cache
             s_past = torch.where(past_ok, q @ self_k[i].transpose(1, 2), NEG)
             s_new = torch.where(causal, q @ k.transpose(1, 2), NEG)
             p = torch.cat([s_past, s_new], -1).softmax(-1)
-            room = self_k[i].shape[1]
-            h = h + sa.out_proj(self._merge(p[..., :room] @ self_v[i] + p[..., room:] @ v))
+            h = h + sa.out_proj(merge_heads(p[..., :room] @ self_v[i] + p[..., room:] @ v, d))
             ca = layer.encoder_attn
             x = layer.encoder_attn_layer_norm(h)
-            q = split_heads(ca.q_proj(x) * ca.scaling, self.heads)
+            q = split_heads(ca.q_proj(x) * ca.scaling, heads, d // heads)
             p = torch.where(cross_ok, q @ cross_k[i].transpose(1, 2), NEG).softmax(-1)
-            h = h + ca.out_proj(self._merge(p @ cross_v[i]))
+            h = h + ca.out_proj(merge_heads(p @ cross_v[i], d))
             x = layer.final_layer_norm(h)
             h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
         last = dec.layer_norm(h[0].index_select(0, torch.arange(rows) + (n - rows)))[None]
@@ -116,12 +120,13 @@ class _CrossKV(nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.layers = base.model.decoder.layers
         self.heads = base.config.decoder_attention_heads
+        self.d_head = base.config.d_model // self.heads
 
     def forward(self, frames: Tensor) -> tuple[Tensor, Tensor]:
         x = frames[None]  # [1, n, d]: each projection a MatMul (+ Add), as the quantiser rewrites them
         attns = [layer.encoder_attn for layer in self.layers]
-        return (torch.stack([split_heads(a.k_proj(x), self.heads) for a in attns]),
-                torch.stack([split_heads(a.v_proj(x), self.heads) for a in attns]))
+        return (torch.stack([split_heads(a.k_proj(x), self.heads, self.d_head) for a in attns]),
+                torch.stack([split_heads(a.v_proj(x), self.heads, self.d_head) for a in attns]))
 
 
 def export_cross_kv(model: WhisperForConditionalGeneration, quantize: bool = True,

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from runtime.models.asr.causal_whisper.encoder_layers import KVCache
-from runtime.models.asr.causal_whisper.onnx_decoder import NEG, self_attention_qkv
+from runtime.models.asr.causal_whisper.onnx_decoder import NEG, merge_heads, self_attention_qkv
 from runtime.models.asr.causal_whisper.onnx_export import check_float_cpu, export_graph, graph_session
 
 
@@ -30,26 +30,27 @@ class _Layers(nn.Module):
         super().__init__()
         self.encoder = encoder
         self.heads = encoder.config.encoder_attention_heads
+        self.d = encoder.config.d_model
 
     def forward(self, h: Tensor, start: Tensor, sees: Tensor, *caches: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # [1, T, d] activations: the exporter writes each linear as MatMul + Add
         n_layers = len(self.encoder.layers)
         past_k, past_v = caches[:n_layers], caches[n_layers:]
-        t = h.shape[0]
         h = h[None]
         held = torch.arange(start)  # the cached frames: every one is visible to the block
+        heads, d = self.heads, self.d
         new_k, new_v = [], []
         for i, layer in enumerate(self.encoder.layers):
             sa = layer.self_attn
             x = layer.self_attn_layer_norm(h)
-            q, k, v = self_attention_qkv(sa, x, self.heads)
+            q, k, v = self_attention_qkv(sa, x, heads, d // heads)
             new_k.append(k)
             new_v.append(v)
             kp, vp = past_k[i].index_select(1, held), past_v[i].index_select(1, held)
             s_new = torch.where(sees, q @ k.transpose(1, 2), NEG)
             p = torch.cat([q @ kp.transpose(1, 2), s_new], -1).softmax(-1)
-            a = p[..., : kp.shape[1]] @ vp + p[..., kp.shape[1] :] @ v
-            h = h + sa.out_proj(a.transpose(0, 1).reshape(1, t, -1))
+            a = p[..., :start] @ vp + p[..., start:] @ v
+            h = h + sa.out_proj(merge_heads(a, d))
             x = layer.final_layer_norm(h)
             h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
         return self.encoder.layer_norm(h)[0], torch.stack(new_k), torch.stack(new_v)
