@@ -64,8 +64,8 @@ class ASRConfig:
     # model's dtype) | int8 (weight-only, bfloat16 activations, on CPU: whisper_head.py)
     decoder_weights: str = "float"
     # causal-whisper: what runs the stream's encoder layers and decoder step: torch | onnxruntime (each exported once
-    # to an ONNX graph, cached; the encoder's in float32, the decoder's, head included, in 8-bit weights and
-    # activations when decoder_weights is int8, whatever head_weights says; CPU, float32 models; the `onnx` extra
+    # to an ONNX graph, cached; the encoder's as encoder_weights says, the decoder's, head included, in 8-bit weights
+    # and activations when decoder_weights is int8, whatever head_weights says; CPU, float32 models; the `onnx` extra
     # exports: causal_whisper/onnx_export.py) | auto (onnxruntime for a float32 model on the CPU, torch elsewhere or
     # where a graph cannot be built). The offline final pass's greedy search runs on a graph of the checkpoint's
     # decoder too (causal_whisper/onnx_pass.py); its encoder and beam search stay torch's.

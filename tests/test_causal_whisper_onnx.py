@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import replace
 
 import onnx
 import pytest
@@ -268,3 +269,22 @@ def test_the_int8_encoder_graph_quantises_every_linear_and_stays_near_the_float_
     cosine = torch.nn.functional.cosine_similarity(states[False], states[True], dim=-1)
     assert states[True].shape == states[False].shape and cosine.min() > 0.99, cosine.min()
     assert not torch.equal(states[True], states[False])  # the int8 graph did run
+
+
+def test_the_pass_graph_is_built_for_greedy_cpu_searches_only(monkeypatch) -> None:
+    from runtime.models.asr.causal_whisper.graph_choice import pass_graph
+
+    beams = load(**STREAM, graph_runtime="onnxruntime", final_pass="offline", final_pass_beam=5)
+    assert beams.final_pass.search is None and beams.onnx_step is not None  # the graph searches greedily only
+    greedy = load(**STREAM, graph_runtime="onnxruntime", final_pass="offline")
+    assert greedy.final_pass.search.step.cross is None  # the pass projects its own frames
+    with pytest.raises(RuntimeError, match="without its cross-attention graph"):
+        greedy.final_pass.search.step.cross_kv(torch.zeros(2, greedy.model.config.d_model))
+    monkeypatch.setattr(onnx_decoder, "export_graph", lambda *a, **k: pytest.fail("exported for a CUDA model"))
+    cfg = ASRConfig(graph_runtime="onnxruntime", final_pass="offline")
+    with pytest.raises(ConfigError, match="graphs run on the CPU, and asr runs on cuda"):
+        pass_graph(copy.deepcopy(greedy.model), greedy.final_pass.offline, cfg, "cuda", None)
+    said: list[str] = []
+    auto = replace(cfg, graph_runtime="auto")
+    assert pass_graph(copy.deepcopy(greedy.model), greedy.final_pass.offline, auto, "cuda", said.append) is None
+    assert any("torch runs the offline pass" in line for line in said), said

@@ -236,7 +236,8 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                                              final_pass_window_s=window, final_pass_beam=beams), device,
                                      pass_dtype)
             # the pass's greedy search on a graph of the checkpoint's decoder where the stream runs graphs
-            search = pass_graph(copy.deepcopy(offline.model), second, cfg, status) if first.onnx_step else None
+            search = (pass_graph(copy.deepcopy(offline.model), second, cfg, device, status)
+                      if first.onnx_step and beams == 1 else None)
             passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second, search)})
         for ms, name, every in rows:
             each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none", preview_ms=every)

@@ -175,8 +175,9 @@ class CausalWhisperASR:
                 own = cfg.adapter or cfg.final_pass_dtype not in ("", dtype) or graphs
                 offline = offline_decoder(copy.deepcopy(model) if own else model, tokenizer, path, cfg, device,
                                           cfg.final_pass_dtype or dtype)
-                final = OfflinePass(offline, pass_graph(copy.deepcopy(model), offline, cfg, progress)
-                                    if graphs else None)
+                searched = graphs and cfg.final_pass_beam == 1  # the graph runs greedy searches only
+                final = OfflinePass(offline, pass_graph(copy.deepcopy(model), offline, cfg, device, progress)
+                                    if searched else None)
             if cfg.adapter:
                 from runtime.models.asr.causal_whisper.lora import load_adapter
 

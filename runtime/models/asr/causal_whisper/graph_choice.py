@@ -45,12 +45,16 @@ def stream_graphs(model: WhisperForConditionalGeneration, cfg: ASRConfig, progre
         return None, None
 
 
-def pass_graph(model: WhisperForConditionalGeneration, offline: WhisperBuffered, cfg: ASRConfig,
+def pass_graph(model: WhisperForConditionalGeneration, offline: WhisperBuffered, cfg: ASRConfig, device: str,
                progress: Callable[[str], None] | None) -> GraphSearch | None:
-    """The `offline` pass's greedy search on a graph of `model` (the checkpoint without the adapter, float32 on the
-    CPU: the caller has asked `wants_graphs`), or None where it cannot be built and torch's search runs."""
+    """The `offline` pass's greedy search on a graph of `model` (the checkpoint without the adapter, float32, not
+    yet moved to `device`: the caller has asked `wants_graphs`), or None where it cannot be built and torch's search
+    runs."""
     try:
-        return GraphSearch(OnnxStep(model, quantize=cfg.decoder_weights == "int8", progress=progress), offline)
+        if torch.device(device).type != "cpu":  # before any export: the graphs are for the CPU
+            raise ConfigError(f"the graphs run on the CPU, and asr runs on {device}")
+        step = OnnxStep(model, quantize=cfg.decoder_weights == "int8", cross_kv=False, progress=progress)
+        return GraphSearch(step, offline)
     except Exception as err:  # as in stream_graphs
         _no_graph(cfg, "the offline pass", err, progress)
         return None

@@ -147,11 +147,12 @@ class OnnxStep:
     projections the streams run on their own new frames (every layer's in one call, quantised as the step is)."""
 
     def __init__(self, model: WhisperForConditionalGeneration, quantize: bool = True, threads: int = 0,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, cross_kv: bool = True) -> None:
+        """`cross_kv` False: no projection graph (the offline pass projects its frames itself, onnx_pass.py)."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_float_cpu(base)
         self.session = graph_session(lambda: export_step(base, quantize, progress), threads)
-        self.cross = graph_session(lambda: export_cross_kv(base, quantize, progress), threads)
+        self.cross = graph_session(lambda: export_cross_kv(base, quantize, progress), threads) if cross_kv else None
         self.n_layers = len(base.model.decoder.layers)  # no torch weights kept: both graphs hold their own
         self.heads = base.config.decoder_attention_heads
         self.d_head = base.config.d_model // self.heads
@@ -160,7 +161,9 @@ class OnnxStep:
 
     def cross_kv(self, frames: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Cross-attention K and V of encoder frames [n, d]: [layers, heads, n, head_dim] each, float32."""
-        k, v = self.cross.run(None, {"frames": np.ascontiguousarray(frames.float().numpy())})
+        if self.cross is None:
+            raise RuntimeError("this OnnxStep was built without its cross-attention graph (cross_kv=False)")
+        k, v = self.cross.run(None, {"frames": np.ascontiguousarray(frames.detach().float().numpy())})
         return k, v
 
 
