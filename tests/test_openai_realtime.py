@@ -278,7 +278,10 @@ async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped
                 await connection.session.update(session={"audio": {"input": {"turn_detection": {
                     "type": "server_vad", "create_response": True}}}})
                 await talk.next("session.updated")
-                await talk.send_audio(said("When is the meeting?"))
+                # "When is the meeting?", as espeak says it and the turn is cut, is "Well, it's the meeting." to
+                # tiny.en in float32 (torch and the ONNX graph alike); only the bfloat16 pass heard it right. This
+                # question is transcribed right by all three.
+                await talk.send_audio(said("What day is the meeting?"))
                 done = await talk.next("response.done", timeout=120)
     question = talk.of("conversation.item.input_audio_transcription.completed")[-1]["transcript"]
     answer = done["response"]["output"][0]["content"][0]["text"]
