@@ -10,8 +10,8 @@ whisper_window.py), the loop check and the beam retry stay torch's (`WhisperBuff
 
 The search feeds one token at a time and does not check the stream's words as a draft (transcript_draft.py), as
 torch's does: over 1500 frames the graph's step costs about 2.7 ms for one token and 0.7 ms more for each token
-fed with it, so checking a guess costs about what decoding it would, and on the quick sets the drafted search took
-longer (47 ms a turn against 33).
+fed with it, so checking a guess costs about what decoding it would: on the quick sets the search took 0.013 s per
+audio second feeding one token at a time, 0.014-0.019 s checking guesses of 2 to 16 tokens (model card).
 """
 
 from __future__ import annotations
