@@ -49,15 +49,15 @@ def onnx_asr() -> CausalWhisperASR:
 
 def test_the_float_graph_gives_the_torch_decoders_log_probabilities(torch_asr) -> None:
     model = torch_asr.model
-    enc = torch.randn(60, model.config.d_model, generator=torch.Generator().manual_seed(0))
+    enc = torch.randn(150, model.config.d_model, generator=torch.Generator().manual_seed(0))
     ids = [*torch_asr.sot, *range(20, 40)]
     ours, ref = OnnxDecoder(OnnxStep(model, quantize=False)), IncrementalDecoder(model)
-    # frames and positions past the buffers' first room (16 rows), rolled back and fed again, a preview's frames
-    # added and dropped, only the last rows asked for
+    # frames and positions past the buffers' first room (16 rows) and past later growths (64 rows each), rolled back
+    # and fed again, a preview's frames added and dropped, only the last rows asked for
     script = [("frames", enc[:10]), ("feed", ids[:5], None), ("frames", enc[10:27]), ("feed", ids[5:7], 1),
               ("truncate", 4), ("feed", ids[7:20], None), ("frames", enc[27:35]), ("feed", [5], None),
               ("drop", 27), ("truncate", 10), ("feed", [7, 8, 9], 2), ("frames", enc[27:]),
-              ("feed", list(range(200, 215)), None)]
+              ("feed", list(range(200, 215)), None), ("feed", list(range(300, 360)), 3)]
     fed = 0
     for op, arg, *last in script:
         outs = []
@@ -75,7 +75,7 @@ def test_the_float_graph_gives_the_torch_decoders_log_probabilities(torch_asr) -
             assert outs[0].shape == outs[1].shape
             torch.testing.assert_close(outs[0], outs[1], atol=TOL, rtol=0)
         assert (ours.length, ours.n_frames) == (ref.length, ref.n_frames)
-    assert fed == 6 and ours.length > 16 and ours.n_frames > 16
+    assert fed == 7 and ours.length > 64 and ours.n_frames > 128
     with pytest.raises(RuntimeError, match="before any encoder frame"):
         OnnxDecoder(OnnxStep(model, quantize=False)).feed([1])
 
@@ -122,6 +122,27 @@ def test_the_graph_is_exported_once_and_read_from_the_cache(torch_asr, monkeypat
     first.write_bytes(b"not a graph")
     step = OnnxStep(torch_asr.model, quantize=True)
     assert first.stat().st_size > 1000 and step.session.get_inputs()[0].name == "ids"
+
+
+def test_the_cache_keeps_the_most_recently_used_files_of_each_graph(torch_asr) -> None:
+    import os
+
+    from runtime.models.asr.causal_whisper import onnx_export
+
+    path = onnx_decoder.export_step(torch_asr.model, quantize=True)
+    os.utime(path, (1e9, 1e9))
+    assert onnx_decoder.export_step(torch_asr.model, quantize=True) == path and path.stat().st_mtime > 1e9  # used
+    folder = path.parent / "prune"
+    folder.mkdir()
+    names = [f"graph-{i:024x}-int8.onnx" for i in range(7)]
+    others = ["graph-" + "a" * 24 + ".onnx", "graph-x-" + "b" * 24 + "-int8.onnx", "graphs-" + "c" * 24 + "-int8.onnx"]
+    for i, name in enumerate(names + others):
+        (folder / name).write_bytes(b"x")
+        os.utime(folder / name, (1e9 + i, 1e9 + i))
+    os.utime(folder / names[0], (2e9, 2e9))  # the oldest file, used last
+    onnx_export._prune(folder, "graph", "-int8")
+    kept = sorted(p.name for p in folder.iterdir())
+    assert kept == sorted([names[0], *names[4:], *others])  # KEEP = 4 of graph's int8 files; other graphs untouched
 
 
 def test_the_int8_graph_keeps_the_float_decoders_choices(onnx_asr, torch_asr) -> None:

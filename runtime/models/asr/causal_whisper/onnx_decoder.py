@@ -168,8 +168,12 @@ class OnnxStep:
 
 
 class _Room:
-    """Per-layer [heads, room, head_dim] float32 buffers with `size` valid rows, grown by doubling. Each layer's
-    buffer is one contiguous array, so the graph reads it in place."""
+    """Per-layer [heads, room, head_dim] float32 buffers with `size` valid rows, grown `GROW` rows at a time. Each
+    layer's buffer is one contiguous array, so the graph reads it in place; it attends over the whole room (masking
+    the rows past `size`), so the room stays close to the size rather than doubling, and a growth copies the valid
+    rows once."""
+
+    GROW = 64
 
     def __init__(self, layers: int, heads: int, d_head: int, room: int = 16) -> None:
         self.shape = (layers, heads, d_head)
@@ -180,7 +184,8 @@ class _Room:
         """Append K/V [layers, heads, n, head_dim] as rows size..size+n."""
         n = k.shape[2]
         if self.size + n > self.data.shape[3]:
-            grown = np.zeros((*self.data.shape[:3], max(16, 2 * (self.size + n)), self.data.shape[4]), np.float32)
+            room = -(-(self.size + n) // self.GROW) * self.GROW
+            grown = np.zeros((*self.data.shape[:3], room, self.data.shape[4]), np.float32)
             grown[:, :, :, : self.size] = self.data[:, :, :, : self.size]
             self.data = grown
         self.data[:, 0, :, self.size : self.size + n] = k

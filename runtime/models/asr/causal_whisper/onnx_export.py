@@ -19,16 +19,20 @@ by ONNX Runtime takes about half the time (docs/model_card_causal_whisper.md). W
 
 A graph is exported from the model the stream runs (its adapter merged) and kept under `cache_dir()/onnx` by a hash
 of its weights, of the code that writes it and of the libraries', so a process exports it once (a few seconds) and
-later loads read the file. Exporting needs the `onnx` extra (`onnx`, and `onnx_ir` for the quantiser); running
-needs onnxruntime alone.
+later loads read the file. Every new adapter, checkpoint or upgrade of the runtime writes new files (a decoder's is
+112 MB), so an export keeps only the `KEEP` most recently used files of each graph and removes older ones: a
+process loading a removed file exports it again. Exporting needs the `onnx` extra (`onnx`, and `onnx_ir` for the
+quantiser); running needs onnxruntime alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 
 GRAPH_RUNTIMES = ("auto", "torch", "onnxruntime")  # auto: onnxruntime for a float32 model on the CPU
 QUANT_BLOCK = 32  # int8 weights and activations in blocks of this many along the input, a scale each
+KEEP = 4  # cached files kept per graph (name and weight format): the stream's and the pass's decoders are two
 
 
 ENCODER_WEIGHTS = ("float", "int8")  # the encoder graph's linears: float32, or MatMulNBits as the decoder's
@@ -92,6 +97,8 @@ def export_graph(module: nn.Module, name: str, args: Sequence[torch.Tensor], inp
     tag = "-int8" if quantize else ""
     path = cache_dir() / "onnx" / f"{name}-{_fingerprint(module, quantize)}{tag}.onnx"
     if path.exists():
+        with contextlib.suppress(OSError):  # a read-only cache is still read
+            os.utime(path)  # used now: what `_prune` keeps
         return path
     try:
         import onnx
@@ -130,7 +137,21 @@ def export_graph(module: nn.Module, name: str, args: Sequence[torch.Tensor], inp
         else:
             plain.rename(out)
         os.replace(out, path)  # atomic: a concurrent process sees the whole file or none
+    _prune(path.parent, name, tag)
     return path
+
+
+def _prune(folder: Path, name: str, tag: str) -> None:
+    """Remove all but the `KEEP` most recently used files of graph `name` (weights `tag`) from `folder`."""
+    pattern = re.compile(rf"{re.escape(name)}-[0-9a-f]{{24}}{re.escape(tag)}\.onnx")
+    files = []
+    for file in folder.iterdir():
+        if pattern.fullmatch(file.name):
+            with contextlib.suppress(OSError):  # removed meanwhile by another process
+                files.append((file.stat().st_mtime, file))
+    for _, file in sorted(files, reverse=True)[KEEP:]:
+        with contextlib.suppress(OSError):
+            file.unlink()
 
 
 def open_session(path: Path, threads: int = 0) -> InferenceSession:
