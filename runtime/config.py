@@ -40,8 +40,9 @@ class ASRConfig:
     lookback_tokens: int = 2
     reset_s: float = 30.0
     adapter: str = ""
-    # causal-whisper: every preview_ms inside a block, show what the block would add if it ended there (its partial
-    # block encoded and decoded, then taken back): the unstable tail of long blocks at a short cadence (0: off)
+    # causal-whisper: every preview_ms inside a block, show the words the block would add if it ended there (its
+    # partial block encoded, decoded on from the tail, then taken back; the block re-checks the tail): long blocks'
+    # words at a short cadence (0: off)
     preview_ms: int = 0
     loop_repeats: int = 3  # a phrase said this many times running is a decoding loop and ends the block (0: off)
     # causal-whisper: a block that stops on eos or a loop with the item's decoder positions fed this long ago is

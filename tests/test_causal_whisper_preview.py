@@ -101,6 +101,26 @@ def test_item_preview_is_taken_back() -> None:
     assert runs[0] == runs[1] == [(1, 0.9), (2, 0.35)]
 
 
+def test_a_preview_decodes_on_from_the_tail_and_leaves_its_recheck_to_the_block() -> None:
+    # Vocabulary 0..5, eos = 0, context [5]. After 2 frames: 5 -> 1 -> 2 -> eos. From 3 frames on, 2 loses its
+    # probability and the argmax after 1 (a block's step cuts it for 3), and 2 is followed by 4, not eos.
+    def script(frames: int, prev: int) -> dict[int, float]:
+        late = frames >= 3
+        return {5: {1: 0.9}, 1: {2: 0.1, 3: 0.8} if late else {2: 0.8}, 2: {4: 0.7} if late else {0: 0.9},
+                3: {0: 0.9}, 4: {0: 0.9}}[prev]
+
+    scorer = DroppingScorer(script)
+    item = ItemDecoder(scorer, [5], eos_id=0, lookback=2, max_tokens=10, block_tokens=5, frame0=0)
+    item.step(torch.zeros(2, 1))
+    assert [t.id for t in item.tokens] == [1, 2] and item.stable == 0
+    fed = len(scorer.ids)
+    assert item.preview(torch.zeros(1, 1)) == [1, 2, 4]  # the tail kept, the words after it decoded on
+    assert scorer.truncated[-2] == fed - 1  # it fed the last token and its continuation only (no re-check)
+    assert [t.id for t in item.tokens] == [1, 2] and scorer.n_frames == 2  # taken back
+    item.step(torch.zeros(1, 1))  # the block re-checks the tail: 2 is cut, 3 follows 1
+    assert [t.id for t in item.tokens] == [1, 3]
+
+
 @dataclass
 class Calls:
     """A stream fed in `sizes`: per call, the samples fed, the open item's text shown, the stable text added."""

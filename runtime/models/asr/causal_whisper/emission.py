@@ -97,12 +97,13 @@ class ItemDecoder:
             s.truncate(0)
             self._decode(final)
 
-    def _decode(self, final: bool) -> bool:
-        """One pass of the rule over the frames heard; True if it stopped on eos or a loop (not on a budget)."""
+    def _decode(self, final: bool, recheck: bool = True) -> bool:
+        """One pass of the rule over the frames heard; True if it stopped on eos or a loop (not on a budget).
+        Without `recheck` the unstable tail is kept as it is and only decoded on from (a preview's pass)."""
         s = self.scorer
-        tail = self.tokens[self.stable :]
+        tail = self.tokens[self.stable :] if recheck else []
         ids = self.context + [t.id for t in self.tokens]
-        anchor = len(self.context) + self.stable - 1  # the last context/stable position: predicts tail[0]
+        anchor = len(ids) - 1 - len(tail)  # the last position not re-checked: predicts tail[0], or what follows
         start = min(s.length, anchor)
         s.truncate(start)
         if start == 0:
@@ -142,15 +143,23 @@ class ItemDecoder:
 
     def preview(self, frames: torch.Tensor) -> list[int]:
         """The ids this item would hold if its open block ended with `frames` (a partial block's states, from
-        the encoder's `preview`): one `step` on them, then everything is taken back (tokens, their probabilities,
-        the stable count, the scorer's frames and every position fed with them), so the next real step runs
-        exactly as if no preview had been made. The step re-feeds from `anchor` on, and so does every later
-        one: positions before it are never touched, positions from it on are re-fed with the real block."""
+        the encoder's `preview`) and the block only added words: the item's tokens as they are, then greedy
+        decoding on from the last of them over every frame heard, by the rule's budget and stops. Then everything
+        is taken back (the tokens added, the scorer's frames and every position fed with them), so the next real
+        step runs exactly as if no preview had been made.
+
+        A preview does not re-check the unstable tail, as a block's step does: that re-check is a feed of the
+        tail's positions and a vocabulary row each (three rows where one token is fed otherwise), and it would
+        cost as much again as the preview's own words (docs/model_card_causal_whisper.md). The block's step
+        re-judges the tail at most 200 ms later. Everything fed here is at or after the position the next step
+        starts feeding from (`kept`), so that step re-feeds it with the real block."""
         s = self.scorer
         tokens, stable, n_frames, fed_at = [replace(t) for t in self.tokens], self.stable, s.n_frames, self.fed_at
         kept = min(s.length, len(self.context) + self.stable - 1)  # where the next real step starts feeding
         try:
-            self.step(frames, refresh=False)  # a refresh would re-feed positions before `kept`
+            s.add_frames(frames)
+            if s.n_frames:
+                self._decode(final=False, recheck=False)  # and no refresh: it would re-feed positions before `kept`
             return [t.id for t in self.tokens]
         finally:
             self.tokens, self.stable, self.fed_at = tokens, stable, fed_at
