@@ -134,6 +134,23 @@ def test_timed_stream_queues_calls_on_a_real_time_clock(monkeypatch):
     assert [t.wall for t in timed] == pytest.approx([0.35, 0.6, 0.85, 1.1])
 
 
+def test_repeats_count_each_clips_fastest_run(monkeypatch):
+    """`--repeats`: every clip runs that many times, and its least time counts (other load only ever adds time)."""
+    times = iter([0.0, 3.0, 3.0, 4.0, 4.0, 6.5, 6.5, 9.0, 9.0, 9.5, 9.5, 14.0])  # perf_counter: before, after
+    monkeypatch.setattr(asr_systems.time, "perf_counter", lambda: next(times))
+    calls = []
+    outs, compute = asr_systems.timed_map(lambda a: calls.append(len(a)) or len(a), [np.zeros(2), np.zeros(5)], 3)
+    assert outs == [2, 5] and calls == [2, 2, 2, 5, 5, 5]
+    assert compute == pytest.approx(1.0 + 0.5)  # clip 1 took 3, 1 and 2.5 s; clip 2 2.5, 0.5 and 4.5 s
+    assert asr_systems.fastest(iter([("a", 2.0), ("b", 1.0), ("c", 1.5)]).__next__, 3) == ("b", 1.0)
+    with pytest.raises(SystemExit):
+        from runtime.bench import add_arguments
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        parser.parse_args(["asr-quality", "--repeats", "0"])
+
+
 def test_targets_from_rows_of_one_run():
     table = {
         "whisper-offline": {"human": {"wer": 0.0, "compute_s": 1.0, "audio_s": 10.0}},

@@ -53,6 +53,12 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def _sessions(text: str) -> tuple[int, ...]:
     """`--sessions 1,2,4`: the concurrent conversations of each phase of `serve --url`, in order."""
     try:
@@ -98,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--final-pass-beam", type=int, default=None, help="asr-quality: beams of the two-pass "
                         "systems' offline pass, asr.final_pass_beam (default: the whisper-tiny-en profile's; "
                         "1: greedy)")
+    parser.add_argument("--repeats", type=_positive, default=1, help="asr-quality: run each clip this many times and "
+                        "count its fastest run's compute, so that other load on the machine moves the ratios less "
+                        "(default: 1)")
     parser.add_argument("--graph-runtime", choices=("auto", "torch", "onnxruntime"), default=None,
                         help="asr-quality: what runs the causal systems' encoder layers and decoder step, "
                         "asr.graph_runtime (default: the whisper-tiny-en profile's, auto)")

@@ -17,7 +17,9 @@ with a `reason`.
 
 Each row: `wer`/`cer` (percent, pooled over the clips, after `text_norm.normalize`), `compute_s_per_audio_s`
 (wall seconds inside the system's calls / audio seconds; torch on `--threads` threads, faster-whisper on 2;
-each system first warmed up on one second of audio, untimed) and, for the streaming systems, `word_latency_s`
+each system first warmed up on one second of audio, untimed; with `--repeats N` each clip runs N times and its
+fastest run counts, so that another process's load on the machine, which only ever adds time, moves the ratios
+between systems less) and, for the streaming systems, `word_latency_s`
 (`word_latency.py` says exactly what it measures; offline systems: null with a reason). Targets compare WER on
 the human set and compute pooled over every clip of both sets.
 """
@@ -30,8 +32,9 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -40,6 +43,8 @@ from runtime.chunks import SAMPLE_RATE
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.train.text_norm import cer, wer
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from runtime.models.asr.base import StreamingASR
@@ -128,13 +133,23 @@ def _row(s: EvalSet, hyps: list[str], compute: float) -> dict[str, Any]:
             "compute_s_per_audio_s": round(compute / audio_s, 4)}
 
 
-def timed_map(fn: Callable[[np.ndarray], Any], audios: list[np.ndarray]) -> tuple[list[Any], float]:
-    """(fn(audio) for each audio, seconds spent inside fn)."""
+def fastest(run: Callable[[], tuple[T, float]], repeats: int = 1) -> tuple[T, float]:
+    """The one of `repeats` runs (result, seconds) that took the fewest seconds."""
+    return min((run() for _ in range(max(1, repeats))), key=lambda r: r[1])
+
+
+def timed_map(fn: Callable[[np.ndarray], T], audios: list[np.ndarray], repeats: int = 1) -> tuple[list[T], float]:
+    """(fn(audio) for each audio, seconds spent inside fn: each audio's fastest of `repeats` runs)."""
+    def timed(audio: np.ndarray) -> tuple[T, float]:
+        began = time.perf_counter()
+        out = fn(audio)
+        return out, time.perf_counter() - began
+
     outs, compute = [], 0.0
     for audio in audios:
-        began = time.perf_counter()
-        outs.append(fn(audio))
-        compute += time.perf_counter() - began
+        out, spent = fastest(partial(timed, audio), repeats)
+        outs.append(out)
+        compute += spent
     return outs, compute
 
 
@@ -143,14 +158,14 @@ def offline_row(s: EvalSet, hyps: list[str], compute: float) -> dict[str, Any]:
             "word_latency_reason": "offline: the transcript exists only once the whole clip is heard"}
 
 
-def streaming_row(s: EvalSet, asr: StreamingASR, ends: list[list[tuple[str, float]]], *, whole_words: bool = False
-                  ) -> dict[str, Any]:
+def streaming_row(s: EvalSet, asr: StreamingASR, ends: list[list[tuple[str, float]]], *, whole_words: bool = False,
+                  repeats: int = 1) -> dict[str, Any]:
     from runtime.bench.word_latency import latencies, summary, timed_stream, transcript, word_times
 
     hyps, compute = [], 0.0
     lat: dict[str, list[float]] = {"shown": [], "final": [], "shown_media": [], "final_media": []}
     for audio, clip_ends in zip(s.audios, ends, strict=True):
-        timed, spent = timed_stream(asr, audio)
+        timed, spent = fastest(partial(timed_stream, asr, audio), repeats)
         compute += spent
         hyps.append(transcript(timed))
         for key, values in latencies(clip_ends, word_times(timed, whole_words=whole_words)).items():
@@ -173,6 +188,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
     from runtime.models.loading import resolve_checkpoint
 
     present = [s for s in sets if not s.reason]
+    repeats = getattr(args, "repeats", 1)
     warm = present[0].audios[0][:SAMPLE_RATE] if present else np.zeros(SAMPLE_RATE, np.float32)
     ref = getattr(args, "whisper", None) or WHISPER
     table: dict[str, dict[str, Any]] = {}
@@ -187,7 +203,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
 
     def streamed(system: str, asr: StreamingASR, *, whole_words: bool = False) -> None:
         timed_stream(asr, warm)
-        each(system, lambda s: streaming_row(s, asr, ends[s.name], whole_words=whole_words))
+        each(system, lambda s: streaming_row(s, asr, ends[s.name], whole_words=whole_words, repeats=repeats))
 
     buffered = load_asr(ASRConfig(backend="whisper-buffered", model=ref, step_s=1.0), device=device, dtype=dtype,
                         progress=status)
@@ -195,7 +211,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                               replace(buffered.cfg, max_new_tokens=OFFLINE_TOKENS), name=ref)
     offline.hypothesis(warm)
     status(f"offline {ref} on {', '.join(s.name for s in present) or 'no set'} ...")
-    reference = {s.name: timed_map(offline.hypothesis, s.audios) for s in present}
+    reference = {s.name: timed_map(offline.hypothesis, s.audios, repeats) for s in present}
     settings[OFFLINE] = f"{ref}, greedy over the whole clip (padded to 30 s, cut there), <= {OFFLINE_TOKENS} tokens"
     if "offline" in kinds:
         each(OFFLINE, lambda s: offline_row(s, [offline.text(i) for i in reference[s.name][0]],
@@ -255,7 +271,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                    f"{' on an ONNX Runtime graph' if search and beams == 1 else ''}, a loop decoded again with beams)"
                    if name == "offline" else ""))
             streamed(causal_id(ms, name, every), asr)
-            if isinstance(final, OfflinePass):  # counted over every set, the warm-up clip included
+            if isinstance(final, OfflinePass):  # counted over every set and repeat, the warm-up clip included
                 settings[causal_id(ms, name, every)] += (f"; items that looped: {final.retried} decoded again with "
                                                          f"beams, {final.kept_stream} kept the stream's text")
     if "buffered" in kinds:
@@ -271,7 +287,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
             table[FASTER] = {s.name: {"utterances": 0, "reason": s.reason or why} for s in sets}
         else:
             fw(warm)
-            each(FASTER, lambda s: offline_row(s, *timed_map(fw, s.audios)))
+            each(FASTER, lambda s: offline_row(s, *timed_map(fw, s.audios, repeats)))
     if "fastconformer" in kinds:
         cfg = replace(load_profile("fastconformer").asr, model=fc_ref)
         settings[FASTCONFORMER] = f"{fc_ref}, look-ahead {cfg.lookahead_ms} ms, {cfg.decoder} decoder (its profile)"
