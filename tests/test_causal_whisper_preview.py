@@ -79,12 +79,11 @@ class DroppingScorer(ScriptedScorer):
 
 
 def test_item_preview_is_taken_back() -> None:
-    # Vocabulary 0..5, eos = 0, context [5]: 5 -> 1 -> 2 -> eos. Token 2's probability is 0.3 after the first block,
-    # 0.6 in the preview and 0.35 at the block's end, no longer the argmax: kept (0.35 >= 0.3), unless the
-    # preview's 0.6 were left behind as what it must not fall below.
+    # Vocabulary 0..5, eos = 0, context [5]: 5 -> 1 -> 2 -> eos after 2 frames. With 3 frames (the preview) 2 is
+    # followed by 3, then eos; at the block's end (4 frames) 2 loses its probability and the argmax after 1.
     def script(frames: int, prev: int) -> dict[int, float]:
-        after_one = {2: 0.3} if frames <= 2 else {2: 0.6} if frames == 3 else {2: 0.35, 3: 0.4}
-        return {5: {1: 0.9}, 1: after_one, 2: {0: 0.9}, 3: {0: 0.9}}[prev]
+        after_one = {2: 0.3} if frames <= 3 else {2: 0.25, 3: 0.4}
+        return {5: {1: 0.9}, 1: after_one, 2: {3: 0.8} if frames == 3 else {0: 0.9}, 3: {0: 0.9}}[prev]
 
     runs = []
     for preview in (False, True):
@@ -93,12 +92,60 @@ def test_item_preview_is_taken_back() -> None:
         item.step(torch.zeros(2, 1))
         before = ([(t.id, t.prob, t.frame) for t in item.tokens], item.stable, scorer.n_frames)
         if preview:
-            assert item.preview(torch.zeros(1, 1)) == [1, 2]
+            assert item.preview(torch.zeros(1, 1)) == [1, 2, 3]
             assert ([(t.id, t.prob, t.frame) for t in item.tokens], item.stable, scorer.n_frames) == before
-            assert scorer.length <= len(item.context) + item.stable  # what the preview fed is gone
+            assert scorer.length == len(item.context) + len(item.tokens) - 1  # what the preview fed is gone
         item.step(torch.zeros(2, 1))
         runs.append([(t.id, round(t.prob, 6)) for t in item.tokens])
-    assert runs[0] == runs[1] == [(1, 0.9), (2, 0.35)]
+    assert runs[0] == runs[1] == [(1, 0.9), (3, 0.4)]
+
+
+class HeardScorer:
+    """A fake decoder whose positions remember what they heard: a position's state is the state before it, its
+    token and the frames heard when it was fed, and its next-token distribution comes from that state. So a
+    position fed with a preview's frames and left behind changes every distribution after it."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.states, self.n_frames = seed, [], 0
+
+    @property
+    def length(self) -> int:
+        return len(self.states)
+
+    def add_frames(self, frames: torch.Tensor) -> None:
+        self.n_frames += frames.shape[0]
+
+    def drop_frames(self, n_frames: int) -> None:
+        self.n_frames = min(self.n_frames, n_frames)
+
+    def truncate(self, length: int) -> None:
+        del self.states[length:]
+
+    def feed(self, ids: list[int], last: int | None = None) -> torch.Tensor:
+        out = []
+        for i in ids:
+            self.states.append(hash((self.states[-1] if self.states else self.seed, i, self.n_frames)))
+            gen = torch.Generator().manual_seed(self.states[-1] % 2**62)
+            out.append((torch.randn(6, generator=gen) * 3).log_softmax(-1))
+        return torch.stack(out)[-(last or len(ids)) :]
+
+
+def test_a_preview_does_not_depend_on_earlier_previews_of_the_block() -> None:
+    """A stream makes only the latest preview point its call reaches, the reference every one: so a preview must
+    show the same whether or not others were made before it in the block."""
+    import copy
+
+    differ = 0
+    for seed in range(300):
+        item = ItemDecoder(HeardScorer(seed), [5], eos_id=0, lookback=2, max_tokens=12, block_tokens=3, frame0=0)
+        for _ in range(3):
+            item.step(torch.zeros(3, 1))
+            alone, after = copy.deepcopy(item), copy.deepcopy(item)
+            first = after.preview(torch.zeros(1, 1))
+            second = after.preview(torch.zeros(2, 1))
+            assert second == alone.preview(torch.zeros(2, 1)), seed
+            differ += first != second
+    assert differ > 50  # the previews do see their frames: else this test could not tell
 
 
 def test_a_preview_decodes_on_from_the_tail_and_leaves_its_recheck_to_the_block() -> None:

@@ -151,16 +151,20 @@ class ItemDecoder:
         A preview does not re-check the unstable tail, as a block's step does: the re-check feeds the tail's
         positions with a vocabulary row each (three rows under the two-token look-back, where decoding on from the
         last token feeds one), which was a fifth of a previewed stream's compute and showed a median word 80 ms
-        sooner on human speech (docs/model_card_causal_whisper.md). The block's step re-judges the tail at most
-        200 ms later. Everything fed here is at or after the position the next step starts feeding from (`kept`),
-        so that step re-feeds it with the real block."""
+        sooner on human speech (docs/model_card_causal_whisper.md). The block's step re-judges the tail at its end.
+
+        Only what the preview fed is taken back: it feeds from `kept` on (the last token, or from where the
+        scorer stops), so the positions before are as the last real step left them, and the next preview or step
+        finds the scorer as if no preview had been made: a preview does not depend on earlier ones, whichever
+        preview points a stream's calls reach (the reference makes every one), and the next real step re-feeds
+        from its own start, at or before `kept`."""
         s = self.scorer
         tokens, stable, n_frames, fed_at = [replace(t) for t in self.tokens], self.stable, s.n_frames, self.fed_at
-        kept = min(s.length, len(self.context) + self.stable - 1)  # where the next real step starts feeding
+        kept = min(s.length, len(self.context) + len(self.tokens) - 1)  # where this preview starts feeding
         try:
             s.add_frames(frames)
             if s.n_frames:
-                self._decode(final=False, recheck=False)  # and no refresh: it would re-feed positions before `kept`
+                self._decode(final=False, recheck=False)  # no refresh: it would re-feed positions before `kept`
             return [t.id for t in self.tokens]
         finally:
             self.tokens, self.stable, self.fed_at = tokens, stable, fed_at
