@@ -187,9 +187,11 @@ def test_missing_faster_whisper_and_human_set_are_rows_with_reasons(capsys, tmp_
     soundfile.write(tmp_path / "a.flac", demo_speech()[: 3 * SAMPLE_RATE], SAMPLE_RATE, subtype="PCM_16")
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"audio": "a.flac", "text": demo_script()}) + "\n")
     code, out, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--json", "--threads", "1", "--data",
-                             str(tmp_path), "--systems", "offline,faster-whisper", "--human", str(tmp_path / "none"))
+                             str(tmp_path), "--systems", "offline,faster-whisper", "--human", str(tmp_path / "none"),
+                             "--repeats", "2")
     assert code == 0, err
     result = json.loads(out)
+    assert result["repeats"] == 2
     assert "greedy" not in result  # the FastConformer's own report is skipped without `fastconformer`
     assert set(result["systems"]) == {"whisper-offline", "faster-whisper-int8"}
     row = result["systems"]["whisper-offline"]["synthetic"]

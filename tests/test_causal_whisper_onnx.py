@@ -124,7 +124,7 @@ def test_the_graph_is_exported_once_and_read_from_the_cache(torch_asr, monkeypat
     assert first.stat().st_size > 1000 and step.session.get_inputs()[0].name == "ids"
 
 
-def test_the_cache_keeps_the_most_recently_used_files_of_each_graph(torch_asr) -> None:
+def test_the_cache_keeps_the_most_recently_used_files_of_each_graph(torch_asr, tmp_path) -> None:
     import os
 
     from runtime.models.asr.causal_whisper import onnx_export
@@ -132,8 +132,7 @@ def test_the_cache_keeps_the_most_recently_used_files_of_each_graph(torch_asr) -
     path = onnx_decoder.export_step(torch_asr.model, quantize=True)
     os.utime(path, (1e9, 1e9))
     assert onnx_decoder.export_step(torch_asr.model, quantize=True) == path and path.stat().st_mtime > 1e9  # used
-    folder = path.parent / "prune"
-    folder.mkdir()
+    folder = tmp_path
     names = [f"graph-{i:024x}-int8.onnx" for i in range(7)]
     others = ["graph-" + "a" * 24 + ".onnx", "graph-x-" + "b" * 24 + "-int8.onnx", "graphs-" + "c" * 24 + "-int8.onnx"]
     for i, name in enumerate(names + others):

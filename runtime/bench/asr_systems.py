@@ -272,8 +272,9 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                    if name == "offline" else ""))
             streamed(causal_id(ms, name, every), asr)
             if isinstance(final, OfflinePass):  # counted over every set and repeat, the warm-up clip included
-                settings[causal_id(ms, name, every)] += (f"; items that looped: {final.retried} decoded again with "
-                                                         f"beams, {final.kept_stream} kept the stream's text")
+                settings[causal_id(ms, name, every)] += (
+                    f"; items that looped: {final.retried} decoded again with beams, {final.kept_stream} kept the "
+                    "stream's text" + (f" (over the {repeats} runs of each clip)" if repeats > 1 else ""))
     if "buffered" in kinds:
         settings[BUFFERED] = (f"{ref}, LocalAgreement-2, re-decoded every {buffered.cfg.step_s:g} s, items of "
                               f"{buffered.cfg.segment_s:g} s")
