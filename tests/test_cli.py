@@ -29,7 +29,9 @@ def test_help_answers_before_the_models_libraries_load():
     a command's models do."""
     code = ("import sys\nfrom runtime.__main__ import main\n"
             "for argv in (['--help'], ['bench', '--help'], ['train', '--help'], ['transcribe', '--help'], ['ask'],\n"
-            "             ['transcribe', '/nonexistent/talk.wav']):\n"
+            "             ['transcribe', '/nonexistent/talk.wav'], ['train', 'fastconformer', '--help'],\n"
+            "             ['train', 'average', '--help'], ['train', 'word-lm', '--help'],\n"
+            "             ['train', 'synth-speech', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -41,9 +41,18 @@ RECIPES: dict[str, tuple[str, str, str]] = {
 }
 
 
+# recipes whose flags a lighter module defines (their config, without torch), so that `--help` answers at once
+FLAGS: dict[str, str] = {"fastconformer": "fastconformer_config"}
+
+
 def recipe(name: str) -> ModuleType:
     """The module behind `runtime train <name>`."""
     return importlib.import_module(f"runtime.train.{RECIPES[name][0]}")
+
+
+def flags(name: str) -> ModuleType:
+    """The module whose `add_arguments` defines `runtime train <name>`'s flags."""
+    return importlib.import_module(f"runtime.train.{FLAGS.get(name, RECIPES[name][0])}")
 
 
 class _RecipeParser(argparse.ArgumentParser):
@@ -56,7 +65,7 @@ class _RecipeParser(argparse.ArgumentParser):
     def _load(self) -> None:
         if self.recipe_name is not None:
             name, self.recipe_name = self.recipe_name, None
-            recipe(name).add_arguments(self)
+            flags(name).add_arguments(self)
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None

@@ -12,19 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from runtime.errors import ConfigError
-from runtime.models.asr.fastconformer.checkpoint import (
-    CONFIG_FILE,
-    config_to_dict,
-    load_checkpoint,
-    save_checkpoint,
-)
-from runtime.models.asr.fastconformer.model import FastConformerCTC
-from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer
 from runtime.train.outputs import out_folder
+
+if TYPE_CHECKING:  # the model code imports torch, which `--help` does not need
+    from runtime.models.asr.fastconformer.model import FastConformerCTC
+    from runtime.models.asr.fastconformer.tokenizer import CTCTokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def average_checkpoints(directories: list[Path]) -> tuple[FastConformerCTC, CTCTokenizer]:
     """The first checkpoint's model with every floating-point tensor replaced by the mean over all of them
     (summed in float64); integer buffers must agree. Refuses checkpoints that differ in anything but weights."""
+    import torch
+
+    from runtime.models.asr.fastconformer.checkpoint import config_to_dict, load_checkpoint
+
     if len(directories) < 2:
         raise ConfigError("give at least two checkpoints to average")
     model, tokenizer = load_checkpoint(directories[0])
@@ -58,6 +57,8 @@ def average_checkpoints(directories: list[Path]) -> tuple[FastConformerCTC, CTCT
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.models.asr.fastconformer.checkpoint import CONFIG_FILE, save_checkpoint
+
     directories = [Path(p).expanduser() for p in args.checkpoints]
     out = Path(args.out).expanduser()
     if any(out.resolve() == d.resolve() for d in directories):

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 from runtime.errors import ConfigError
-from runtime.models.asr.fastconformer.decoding import LM_FILE
 from runtime.models.asr.word_lm import WordLM
 from runtime.train.outputs import out_folder
 from runtime.train.text_norm import normalize
@@ -85,6 +84,8 @@ def heldout_perplexity(lm: WordLM, data: Path) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.models.asr.fastconformer.decoding import LM_FILE  # the model package imports torch: not for --help
+
     if args.order < 1:
         raise ConfigError(f"--order must be >= 1, got {args.order}")
     if not 0.0 < args.words_weight <= 1.0:
