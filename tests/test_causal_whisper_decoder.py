@@ -16,7 +16,7 @@ from runtime.errors import ConfigError
 from runtime.models.asr import TranscriptUpdate
 from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, CausalWhisperStream, plan_reset
 from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder, context_ids
-from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token, keep_count, loops
+from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token, argmax, keep_count, loops
 from runtime.models.asr.causal_whisper.reference import offline_transcript
 
 
@@ -241,6 +241,14 @@ def test_a_loop_ends_what_the_block_says() -> None:
     assert [t.id for t in item.tokens] == [1, 2, 1, 2, 1]
     item.step(torch.zeros(2, 1), final=True)
     assert [t.id for t in item.tokens] == [1, 2, 1, 2, 1] and item.stable == 5
+
+
+def test_argmax_is_torchs_first_largest() -> None:
+    rows = torch.randn(200, 51864).log_softmax(-1)
+    assert [argmax(r) for r in rows] == rows.argmax(-1).tolist()
+    rows[:, [7, 500, 51863]] = 0.0  # ties: the first wins, as in torch
+    assert [argmax(r) for r in rows] == [7] * 200 == rows.argmax(-1).tolist()
+    assert argmax(torch.tensor([1.0, 3.0, 3.0], dtype=torch.float64)) == 1  # other dtypes take torch's own
 
 
 def test_suppressed_tokens_are_never_said() -> None:

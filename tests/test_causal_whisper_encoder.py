@@ -17,6 +17,7 @@ from runtime.models.asr.causal_whisper.encoder import (
     EncoderWindowFull,
     block_causal_mask,
     block_frames_for,
+    stream_conv,
 )
 from runtime.models.asr.causal_whisper.features import StreamingLogMel, log_mel
 from runtime.models.loading import resolve_checkpoint
@@ -127,6 +128,28 @@ def test_log_mel_stream_edges() -> None:
 
 
 # --- encoder: offline ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the CPU path runs on oneDNN")
+@pytest.mark.parametrize("stride", [1, 2])
+def test_the_fronts_convolution_in_pieces_is_the_whole_clips(stride: int) -> None:
+    """A stream convolves a few frames at a time; the offline encoder convolves the whole clip, which torch runs on
+    oneDNN. `stream_conv` runs the pieces on oneDNN too, and each output comes out bit for bit as in the whole
+    (torch's own path for small inputs differs in the last bits)."""
+    torch.manual_seed(stride)
+    conv = torch.nn.Conv1d(96, 128, 3, stride=stride)
+    x = torch.randn(1, 96, 1201)
+    with torch.inference_mode():
+        whole = torch.nn.functional.conv1d(x, conv.weight, conv.bias, stride=stride)
+        pieces, done = [], 0
+        for k in [5, 11, 6, 1, 21, 33, 60, 7] * 20:  # k outputs at a time, from the input frames they read
+            start = done * stride
+            if start + stride * (k - 1) + 3 > x.shape[2]:
+                break
+            pieces.append(stream_conv(x[:, :, start : start + stride * (k - 1) + 3], conv, stride))
+            done += k
+        got = torch.cat(pieces, dim=2)
+    assert torch.equal(got, whole[:, :, : got.shape[2]])
 
 
 def test_block_sizes_and_mask() -> None:
