@@ -65,6 +65,15 @@ def probe_logits(model: torch.nn.Module, data_dir: Path) -> torch.Tensor:
         return loss_and_logits(model, CausalWhisperEncoder(model, block_frames=2), batch)[1]
 
 
+def test_the_recipes_flags_agree_with_the_model_code() -> None:
+    """The flags live apart from torch (`causal_whisper_config`), with two numbers of the model code's own."""
+    from runtime.models.asr.causal_whisper import encoder, lora
+    from runtime.train import causal_whisper_config
+
+    assert causal_whisper_config.RANK == lora.DEFAULT_RANK
+    assert causal_whisper_config.FRAME_MS == encoder.FRAME_MS
+
+
 def test_data_pairs_and_resampling(data_dir: Path) -> None:
     examples = load_examples(data_dir)
     assert [e.path.name for e in examples] == [f"clip{i}.wav" for i in range(4)]  # orphan.txt skipped

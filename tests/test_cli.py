@@ -31,6 +31,7 @@ def test_help_answers_before_the_models_libraries_load():
             "for argv in (['--help'], ['bench', '--help'], ['train', '--help'], ['transcribe', '--help'], ['ask'],\n"
             "             ['transcribe', '/nonexistent/talk.wav'], ['train', 'fastconformer', '--help'],\n"
             "             ['train', 'average', '--help'], ['train', 'word-lm', '--help'],\n"
+            "             ['train', 'causal-whisper', '--help'], ['train', 'distil-whisper', '--help'],\n"
             "             ['train', 'synth-speech', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "print('torch' in sys.modules, 'transformers' in sys.modules)")

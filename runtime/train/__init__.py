@@ -42,7 +42,7 @@ RECIPES: dict[str, tuple[str, str, str]] = {
 
 
 # recipes whose flags a lighter module defines (their config, without torch), so that `--help` answers at once
-FLAGS: dict[str, str] = {"fastconformer": "fastconformer_config"}
+FLAGS: dict[str, str] = {"fastconformer": "fastconformer_config", "causal-whisper": "causal_whisper_config"}
 
 
 def recipe(name: str) -> ModuleType:

@@ -39,66 +39,15 @@ from transformers import PreTrainedTokenizerBase
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.encoder import FRAME_MS, CausalWhisperEncoder, block_frames_for
 from runtime.models.asr.causal_whisper.features import log_mel, mel_frames_for
-from runtime.models.asr.causal_whisper.lora import DEFAULT_RANK, adapter_path, add_lora, load_adapter
+from runtime.models.asr.causal_whisper.lora import adapter_path, add_lora, load_adapter
 from runtime.models.asr.whisper_checkpoint import load_whisper, transcript_prompt
+from runtime.train.causal_whisper_config import TrainConfig, add_arguments  # noqa: F401  (add_arguments: the entry point)
 from runtime.train.data import load_examples
 from runtime.train.outputs import out_folder
 from runtime.train.run_state import latest_checkpoint, restore_rng, rng_state, truncate_log, write_checkpoint
 from runtime.train.token_times import cached_token_ends, fed_frames
 
 BUCKET_POOL = 16  # batches whose clips are sorted by length together (see batch_indices)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    base: str
-    data: str
-    out: str
-    rank: int = DEFAULT_RANK
-    chunk_ms: int | str = 300  # one size, or several comma-separated (one adapter over all: steps take turns)
-    steps: int = 1000
-    batch_size: int = 8
-    lr: float = 1e-4
-    save_every: int = 200
-    resume: bool = False
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    language: str = "en"
-    init: str = ""  # an adapter (folder or builtin:NAME) whose weights a new run starts from ("": zero, at --rank)
-    stale_share: float = 0.0  # share of a batch's clips whose positions see about what the stream's saw
-    stale_lag_ms: int = 0  # how long after a token's end its stale position is fed
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TrainConfig("", "", "")
-    parser.add_argument("--base", required=True, help="Whisper checkpoint: hub id, local directory or tiny:whisper")
-    parser.add_argument("--data", required=True, help="folder of audio files, each with a same-named .txt")
-    parser.add_argument("--out", required=True, help="output folder: checkpoint-N/, adapter/, log.jsonl")
-    parser.add_argument("--rank", type=int, default=d.rank,
-                        help="LoRA rank (16-32; alpha = rank; default: %(default)s)")
-    parser.add_argument("--chunk-ms", default=str(d.chunk_ms),
-                        help="encoder block (chunk) size to train for, or several (100,200,300): steps take turns")
-    parser.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="clips a step (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate, constant (default: %(default)s)")
-    parser.add_argument("--save-every", type=int, default=d.save_every,
-                        help="steps between checkpoints (default: %(default)s)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest --out/checkpoint-N")
-    parser.add_argument("--seed", type=int, default=d.seed, help="random seed (default: %(default)s)")
-    parser.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N (default: %(default)s)")
-    parser.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--language", default=d.language, help="language token of the transcripts")
-    parser.add_argument("--init", default=d.init, metavar="ADAPTER",
-                        help="start from this adapter's weights (a folder or builtin:NAME; its rank, not --rank) "
-                             "instead of zero; ignored by --resume, which continues its own checkpoint")
-    parser.add_argument("--stale-share", type=float, default=d.stale_share, metavar="S",
-                        help="share (0-1) of each batch's clips whose decoder positions see only the frames heard "
-                             "when the stream predicts their next token (0: every position sees the whole clip)")
-    parser.add_argument("--stale-lag-ms", type=int, default=d.stale_lag_ms, metavar="MS",
-                        help="with --stale-share: a stale position is fed this long after its token ends (a multiple "
-                             f"of {FRAME_MS} ms; the alignment's ends can be early, and the stream re-checks its last "
-                             "tokens on later blocks)")
 
 
 def run(args: argparse.Namespace) -> int:

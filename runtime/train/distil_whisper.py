@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import soundfile
-import torch
 
 from runtime.chunks import SAMPLE_RATE
 from runtime.errors import ConfigError
@@ -139,6 +138,8 @@ def fast_teacher(base: str, teacher: WhisperBuffered) -> Callable[[list[np.ndarr
         import ctranslate2
     except ImportError:
         return None
+    import torch  # here, not at the top: `runtime train distil-whisper --help` answers without it
+
     from runtime.models.asr.whisper_ct2 import is_ct2_whisper_dir
     from runtime.models.loading import resolve_checkpoint
 
