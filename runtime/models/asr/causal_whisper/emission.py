@@ -145,10 +145,11 @@ class ItemDecoder:
         is checked against (the probabilities of the others are left as they are)."""
         if not len(self.suppress):
             return logp
-        if self._mask is None or self._mask.shape[-1] != logp.shape[-1] or self._mask.device != logp.device:
-            self._mask = torch.zeros(logp.shape[-1], dtype=logp.dtype, device=logp.device)
-            self._mask[self.suppress.to(logp.device)] = float("-inf")
-        return logp + self._mask  # one pass over the row, where a copy and a scatter took two
+        mask = self._mask
+        if mask is None or (mask.shape[-1], mask.device, mask.dtype) != (logp.shape[-1], logp.device, logp.dtype):
+            mask = self._mask = torch.zeros(logp.shape[-1], dtype=logp.dtype, device=logp.device)
+            mask[self.suppress.to(logp.device)] = float("-inf")
+        return logp + mask  # one pass over the row, where a copy and a scatter took two
 
     def preview(self, frames: torch.Tensor) -> list[int]:
         """The ids this item would hold if its open block ended with `frames` (a partial block's states, from

@@ -56,9 +56,11 @@ def stream_conv(x: torch.Tensor, conv: nn.Conv1d, stride: int = 1) -> torch.Tens
 
     Why: torch picks oneDNN only for inputs of more than 20,480 values, so a stream's few frames went to its
     im2col-and-GEMM path, which a stride-2 convolution over a dozen frames makes slow (0.6-1 ms on one core against
-    0.3 ms) and which rounds otherwise than `forward_full`, whose whole clip takes oneDNN. oneDNN's outputs here
-    were bit for bit those of the whole clip's, however many frames a call has."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    0.3 ms) and which rounds otherwise than `forward_full`, whose clips of more than 2.56 s take oneDNN. oneDNN's
+    outputs here were bit for bit those of such a clip's, however many frames a call has. Where oneDNN is turned
+    off (`torch.backends.mkldnn.flags(enabled=False)`), `F.conv1d` runs as before."""
+    mkldnn = torch.backends.mkldnn
+    if x.device.type == "cpu" and x.dtype == torch.float32 and mkldnn.is_available() and mkldnn.enabled:
         out = torch.ops.aten.mkldnn_convolution(x[..., None], conv.weight[..., None], conv.bias, [0, 0], [stride, 1],
                                                 [1, 1], 1)  # as a 2-D convolution of width 1
         return out[..., 0]
