@@ -112,8 +112,11 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
     grounding = None  # with it, a question nothing heard or shown mentions is answered "not known yet"
     if profile.lm.grounded:  # (load_models refuses it beside a vision-language model's video memory)
         grounding = Grounding(conversation, screens=screen_notes.shown if screen_notes is not None else None)
+    # the picture reaches the answerer through the screen reader or the video memory; without either, a question about
+    # the screen is answered that this session cannot see it (pipeline/answers.py)
+    sees_screen = screen is not None or video_memory is not None
     answers = QuestionProcessor(questions, answering, emit, conversation, heard, activity, changes,
-                                prefiller=prefiller, grounding=grounding)
+                                prefiller=prefiller, grounding=grounding, sees_screen=sees_screen)
     requests = ResponseRequests(questions, answers, activity, heard, settings, emit)
     turns = TurnTaking(models.turns, settings, activity) if models.turns is not None else None
     parts = SessionParts(

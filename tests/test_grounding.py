@@ -186,6 +186,20 @@ async def test_one_shared_word_the_setting_off_declared_tools_or_the_runtimes_ow
 
 
 @pytest.mark.asyncio
+async def test_an_answer_that_continues_function_calls_asks_the_model():
+    """After a call and its output, the response answering the user's turn reads the output: what the stream never
+    mentioned ("the weather in Paris"), the function said, so the check does not apply (tools or not)."""
+    conversation = Conversation([
+        spoken("u1", "What's the weather in Paris?"),
+        Item("c1", 1.0, 1.0, role="assistant", audio=False, type="function_call", name="get_weather", call_id="call_1",
+             stable='{"city": "Paris"}'),
+        Item("o1", 1.0, 1.0, audio=False, type="function_call_output", call_id="call_1", stable="21 degrees, sunny")])
+    weather = (FunctionTool("get_weather", "", {}),)
+    answering, done = await ask(conversation, Question(None, 2.0, 0.0, tools=ToolUse(weather, "none")))
+    assert len(answering.requests) == 1 and "grounding" not in done
+
+
+@pytest.mark.asyncio
 async def test_a_question_does_not_vouch_for_itself_spoken_or_referenced():
     conversation = Conversation([screen("s1", "Budget | 4.2 million euros"),
                                  spoken("u1", "When is the public release?")])

@@ -238,3 +238,17 @@ def test_an_answer_made_without_the_model_says_why_and_how_to_ask_it() -> None:
     assert out.getvalue().splitlines() == [
         "A: Not known yet: nothing heard or shown so far mentions webinar. [the model was not asked: lm.grounded; "
         "--set lm.grounded=false asks it]"]
+
+
+def test_an_answer_that_cannot_see_the_screen_says_the_model_was_not_asked() -> None:
+    from runtime.memory.screen_questions import CANNOT_SEE_SCREEN
+
+    out = io.StringIO()
+    printer = TextPrinter(out, error_stream=io.StringIO())
+    printer.write(ResponseCreated(response={"id": "r", "question": "What is on the slide?"}))
+    printer.write(ResponseTextDelta(delta=CANNOT_SEE_SCREEN, response_id="r", item_id="a"))
+    printer.write(ResponseDone(response={"id": "r", "status": "completed", "screen": "unseen"}))
+    printer.close()
+    assert out.getvalue().splitlines() == [
+        "Q: What is on the slide?",
+        f"A: {CANNOT_SEE_SCREEN} [the model was not asked: no screen reader, no video model]"]

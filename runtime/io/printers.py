@@ -191,6 +191,9 @@ class TextPrinter:
         elif event.response.get("grounding"):  # answered without the model: say why, and what turns it off
             self._open(f"answer:{response_id}", "A: ")
             self._out(" [the model was not asked: lm.grounded; --set lm.grounded=false asks it]")
+        elif event.response.get("screen") == "unseen":  # answered without the model: it cannot see the screen either
+            self._open(f"answer:{response_id}", "A: ")
+            self._out(" [the model was not asked: no screen reader, no video model]")
         if self._line in (f"answer:{response_id}", "answer:"):
             self._end_line()
         self._answered.discard(response_id)

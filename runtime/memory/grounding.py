@@ -10,8 +10,11 @@ One-sided on purpose: a single shared word sends the question to the model, so t
 question with nothing in the stream to stand on, and a doubt always goes to the model. The words compared are
 those left once function words, question words, words about the medium and words of one or two letters are
 dropped, each cut to a crude stem so that "hired" meets "hiring" and "cities" meets "city". A question whose
-words are all about the stream as a whole ("what is happening?", "summarize the talk") always goes to the model.
-What is shown counts whole: a screen the context keeps only as its title still vouches with every line it showed.
+words are all about the stream as a whole ("what is happening?", "summarize the talk", "what is written on
+screen?") always goes to the model, but for one about the screen (`screen_questions.py`) before the screen reader
+has read any text: that is not known yet either. What is shown counts whole: a screen the context keeps only as its
+title still vouches with every line it showed. (A session that does not read the screen at all says so instead:
+`pipeline/answers.py`.)
 
 It cannot tell a question about the stream from a general one ("what is the capital of France?" abstains too),
 see a word the ASR misheard or OCR misread, or see what a picture shows without text: it is a setting for
@@ -33,6 +36,7 @@ happen going talk speaker speak spoke presenter present presentation lecture mee
 discussion topic subject summary summarize summarise overview recap gist conclusion question main point far
 everyone someone anyone person people mean think know explain describe see seen saw hear heard said say
 give please again repeat detail thing anything something everything stuff
+write written wrote writing display displayed visible appear appears current
 hello hey thank thanks okay bye goodbye good morning afternoon evening great nice cool sorry sure welcome
 """
 # how a question starts: a statement ("let me show the next slide") is never answered "not known yet"
@@ -137,3 +141,8 @@ class Grounding:
     def not_heard(self, question: str, question_items: Sequence[Item] = (), instructions: str = "") -> list[str]:
         """`unheard` against this session's evidence."""
         return unheard(question, self.evidence(question_items, instructions))
+
+    def nothing_read_on_screen(self) -> bool:
+        """Whether the session reads the screen (`screens` given) and has read no text on it yet: a question about
+        the screen then has nothing to stand on, though its words are all about the medium (an open question)."""
+        return self.screens is not None and not any(text.strip() for text in self.screens())

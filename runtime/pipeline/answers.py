@@ -5,6 +5,11 @@ context (with the question choosing the video memory's segments), then asks its 
 awaits one step at a time: a local backend runs each step as a worker job (ASR chunks overtake decoding between
 tokens), a remote one streams from its server. A cancel does not wait for the step in flight. What the answer
 reads is the conversation; what it says (text, function calls) becomes the response's items (`ResponseOutput`).
+
+Two answers are given without asking the model, since it would only guess: a question about the screen in a
+session that cannot see it (`sees_screen` false: no screen reader and no video memory) is told so
+(`memory/screen_questions.py`), and with `grounding` a question nothing heard or shown mentions yet, or one about
+the screen before any text on it was read, is "not known yet" (`memory/grounding.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from runtime.events import ItemAdded, ItemDone, ResponseCreated, ResponseDone, e
 from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item
 from runtime.memory.grounding import Grounding, not_known_answer
+from runtime.memory.screen_questions import CANNOT_SEE_SCREEN, NOTHING_READ_YET, asks_about_screen
 from runtime.models.lm.answering import Answering, AnswerRequest, PastCall, RunningAnswer, Step, TextAnswer
 from runtime.models.lm.backend import DecodingStats
 from runtime.models.lm.remote_answerer import RemoteError
@@ -76,11 +82,15 @@ class QuestionProcessor:
 
     def __init__(self, channel: BlockingChannel[Question], answering: Answering, emit: Emit,
                  conversation: Conversation, heard: HeardClock, activity: AnswerActivity, changes: ContextChanges, *,
-                 prefiller: QuestionPrefill | None = None, grounding: Grounding | None = None) -> None:
+                 prefiller: QuestionPrefill | None = None, grounding: Grounding | None = None,
+                 sees_screen: bool = True) -> None:
         self.channel, self.answering, self.emit = channel, answering, emit
         self.conversation, self.heard, self.activity, self.changes = conversation, heard, activity, changes
         self.prefiller = prefiller
         self.grounding = grounding  # with it, a question nothing heard or shown mentions is "not known yet"
+        # False: the session has no screen reader and no video memory, so a question about the screen is told that
+        # it cannot be seen (the session builder says which; a test's processor sees by default)
+        self.sees_screen = sees_screen
         self.current: Question | None = None
         self._cancelled: dict[str, str] = {}  # response id -> why
         self._cancel_signal = asyncio.Event()  # set while the current answer is cancelled
@@ -131,22 +141,30 @@ class QuestionProcessor:
         decoding: DecodingStats | None = None
         selected: list[tuple[float, float]] = []  # memory segments the question chose
         not_heard: list[str] = []  # with `grounding`: the question's words that nothing heard or shown mentions
+        unseen = unread = False  # a screen question the session cannot see / has read no text for yet
+        given: str | None = None  # the answer given without asking the model
         try:
             if not question.strip():
                 raise NothingToAnswer("nothing to answer: no user message since the last answer")
-            # with tools, a function may know what the stream does not
-            if self.grounding is not None and q.asks_about_stream and not q.tools.active:
-                not_heard = self.grounding.not_heard(question, asked, q.instructions)
+            # with tools, a function may know what the stream does not; continuing calls, its output answers
+            if q.asks_about_stream and not q.tools.active and not calls:
+                screen_question = asks_about_screen(question)
+                unseen = screen_question and not self.sees_screen
+                if self.grounding is not None and not unseen:
+                    unread = screen_question and self.grounding.nothing_read_on_screen()
+                    not_heard = [] if unread else self.grounding.not_heard(question, asked, q.instructions)
+            given = (CANNOT_SEE_SCREEN if unseen else NOTHING_READ_YET if unread
+                     else not_known_answer(not_heard) if not_heard else None)
             # usually only the question's memory selection is left to prefill
-            if self.prefiller is not None and not not_heard:
+            if self.prefiller is not None and given is None:
                 await self.prefiller.catch_up(question)
                 selected = list(self.prefiller.selected)
             request = AnswerRequest(self.conversation.context(), q.prompt(question), q.max_tokens, q.tools,
                                     context_before_calls=self.conversation.context(
                                         without=frozenset(it.item_id for it in calls)),
                                     calls=past_calls(calls))
-            if not_heard:  # the model is not asked: it would guess
-                answer = TextAnswer(not_known_answer(not_heard))
+            if given is not None:  # the model is not asked: it would guess
+                answer = TextAnswer(given)
             else:
                 answer = await self._start_or_cancel(request, q.response_id)
             prompt_tokens = answer.prompt_tokens if answer is not None else 0
@@ -211,14 +229,16 @@ class QuestionProcessor:
             status_details=details,
             output=[item.to_api() for item in items],
             usage={"total_tokens": prompt_tokens + tokens, "input_tokens": prompt_tokens, "output_tokens": tokens,
-                   "decode_steps": 0 if not_heard else steps},
+                   "decode_steps": 0 if given is not None else steps},
             timing={"first_token_s": None if first_token_s is None else round(first_token_s, 4),
                     "total_s": round(total_s, 4)},
         )
         if decoding is not None:  # speculative decoding: target forwards, drafted and accepted tokens
             response["decoding"] = decoding
-        if not_heard:
-            response["grounding"] = {"not_heard": not_heard}
+        if not_heard or unread:
+            response["grounding"] = {"not_heard": not_heard, **({"screen": "unread"} if unread else {})}
+        if unseen:
+            response["screen"] = "unseen"
         if self.prefiller is not None and self.prefiller.sees_video:
             response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in selected]}
         await self.emit(ResponseDone(response=response, media_time=q.media_time))
