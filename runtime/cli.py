@@ -1,4 +1,4 @@
-"""`runtime serve|demo|transcribe|ask|bench|train`: what each command does (its flags: `cli_parser.py`).
+"""`runtime serve|demo|transcribe|ask|profiles|bench|train`: what each command does (its flags: `cli_parser.py`).
 
 Every command loads a profile (`--profile`, `--device`, `--dtype`, `--set`), opens its source before
 loading models (so a bad file or a missing camera fails at once), loads the models on the device worker,
@@ -176,8 +176,8 @@ def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[De
         models = ", ".join(f"{role} {ref}" for role, ref in random)
         verb = "has" if len(random) == 1 else "have"
         console.status(f"profile '{profile.name}': {models} {verb} random, untrained weights, so its {noise} are "
-                       "noise; for real models offline run with --profile demo or --profile whisper-tiny-en "
-                       "(see README)")
+                       "noise; for real models offline run with the default profile, --profile demo (runtime "
+                       "profiles lists them)")
     require_device(profile.device)
     worker = DeviceWorker(max_pending=profile.pipeline.worker_queue).start()
     started = time.perf_counter()
@@ -317,6 +317,10 @@ def run(args: argparse.Namespace) -> int:
             return bench.run(args, console.status)
         if args.command == "train":
             return train.run(args)
+        if args.command == "profiles":
+            from runtime.profile_list import run as list_profiles
+
+            return list_profiles(args, sys.stdout)
         return _run(args, console)
     except UserError as err:
         console.close()

@@ -1,4 +1,4 @@
-"""The command line's grammar: `runtime serve|demo|transcribe|ask|bench|train` and their options.
+"""The command line's grammar: `runtime serve|demo|transcribe|ask|profiles|bench|train` and their options.
 
 Kept apart from `cli.py` (what the commands do) so that either reads on its own: every flag with its help and
 default here, the data path there. Argument types refuse nan, inf and out-of-range numbers as argparse errors,
@@ -12,14 +12,17 @@ import math
 from pathlib import Path
 
 from runtime import __version__, bench, train
-from runtime.config import available_profiles
+from runtime.config import DEFAULT_PROFILE, available_profiles
 
 DEMO_QUESTION = "What did the red ball do?"
 
-def _common(p: argparse.ArgumentParser, profile: str) -> None:
+def _common(p: argparse.ArgumentParser) -> None:
+    """The profile and output flags every session command shares; all four default to one profile, so a user need
+    not guess which command sees what (`runtime profiles` lists them)."""
     g = p.add_argument_group("profile")
-    g.add_argument("--profile", default=profile, help=f"profile name in configs/ or a .toml path (default: "
-                   f"{profile}; known: {', '.join(available_profiles()) or 'none'})")
+    g.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name in configs/ or a .toml path (default: "
+                   f"{DEFAULT_PROFILE}; known: {', '.join(available_profiles()) or 'none'}; runtime profiles "
+                   "says what each loads)")
     g.add_argument("--device", help="override the profile's device: cpu, cuda, cuda:N")
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="override the profile's dtype")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -89,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", type=Path, metavar="FILE", help="play FILE as the live source instead of devices; "
                    "the server stops when it ends (Ctrl-D or Ctrl-C before)")
     _speed(p, 1.0, "with --source")
-    _common(p, profile="demo")  # real captions and answers offline (configs/demo.toml)
+    _common(p)
 
     p = sub.add_parser("demo", help="play the built-in sample through the whole pipeline",
                        description="Play a built-in sample (speech and moving objects) through the pipeline at "
@@ -98,14 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     _speed(p, 1.0, "real time")
     p.add_argument("--question", default=DEMO_QUESTION, help=f"the scripted question (default: {DEMO_QUESTION!r})")
     p.add_argument("--at", type=_seconds, metavar="SECONDS", help="media time to ask at (default: 60%% through)")
-    _common(p, profile="demo")  # Whisper tiny.en two-pass captions, SmolLM2 answers (configs/demo.toml)
+    _common(p)
 
     p = sub.add_parser("transcribe", help="stream a file through the ASR and print the live transcript",
                        description="Stream any audio or video file PyAV reads through the streaming ASR and "
                        "print transcript events as they would appear live.")
     p.add_argument("file", type=Path, help="an audio or video file with an audio track (wav, mp3, mp4, ...)")
     _speed(p, 0.0, "as fast as possible")
-    _common(p, profile="whisper-tiny-en")  # real Whisper tiny.en, two-pass: right on a person's voice
+    _common(p)
 
     p = sub.add_parser("ask", help="stream a file and ask a question about it at a media time",
                        description="Stream a file, ask QUESTION when the media reaches --at SECONDS (default: "
@@ -114,7 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("question", help="the question, asked at --at")
     p.add_argument("--at", type=_seconds, metavar="SECONDS", help="media time to ask at (default: the end)")
     _speed(p, 0.0, "as fast as possible")
-    _common(p, profile="whisper-tiny-en")  # as transcribe: a file's talk, its slides read, answers from them
+    _common(p)
+
+    p = sub.add_parser("profiles", help="list the profiles: what each loads, hears and sees, and what it costs",
+                       description="List every profile in configs/ (and $RUNTIME_CONFIGS), one line each: the models "
+                       "it loads, what it hears and sees, and its cost (load time and resident memory where "
+                       "measured, else the models' size), the default marked. Reads the TOML files only: no model "
+                       "loads.")
+    p.add_argument("--json", action="store_true", help="print one JSON object: the default and every profile")
 
     p = sub.add_parser("bench", help="benchmarks printing one JSON object",
                        description="Benchmarks, each printing one JSON object. Speed and memory run shape-true (real "

@@ -23,6 +23,8 @@ C = TypeVar("C")  # a settings dataclass
 V = TypeVar("V")  # a setting's value
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# the profile `serve`, `demo`, `transcribe` and `ask` load without --profile: captions, answers and the screen reader
+DEFAULT_PROFILE = "demo"
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -213,7 +215,8 @@ class ServeConfig:
 @dataclass(frozen=True)
 class Profile:
     name: str = "tiny"
-    description: str = ""
+    description: str = ""  # what it loads, in a line (`runtime profiles`)
+    cost: str = ""  # what it costs to load and run, measured where it says so (`runtime profiles`)
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0

@@ -20,7 +20,7 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for command in ("serve", "demo", "transcribe", "ask", "bench", "train"):
+    for command in ("serve", "demo", "transcribe", "ask", "profiles", "bench", "train"):
         assert command in out
 
 
@@ -49,7 +49,7 @@ def test_every_command_defaults_to_real_models():
     parser = build_parser()
     defaults = {argv[0]: parser.parse_args(argv).profile
                 for argv in (["serve"], ["demo"], ["transcribe", "x.wav"], ["ask", "x.wav", "what?"])}
-    assert defaults == {"serve": "demo", "demo": "demo", "transcribe": "whisper-tiny-en", "ask": "whisper-tiny-en"}
+    assert set(defaults.values()) == {"demo"}  # one default (tests/test_profiles.py: what it loads)
 
 
 def test_a_file_without_a_picture_loads_no_screen_reader(capsys, demo_file, tmp_path, monkeypatch):
