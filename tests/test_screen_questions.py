@@ -181,3 +181,17 @@ def test_ask_without_the_screen_reader_says_it_cannot_see(capsys, demo_file):
     done = next(json.loads(line) for line in out.splitlines() if json.loads(line)["type"] == "response.done")
     assert done["response"]["screen"] == "unseen"
     assert done["response"]["output"][0]["content"][0]["text"] == CANNOT_SEE_SCREEN
+
+
+def test_a_screen_question_that_points_at_no_screen_is_given_the_latest_one():
+    """The current screen goes with "what does the slide say?" even while the context holds it whole (a 135M model
+    answered from the context alone with an older slide's lines); a question naming a screen gets that one as before,
+    and one about the talk gets none."""
+    conversation = Conversation()
+    notes = ScreenNotes(conversation, max_tokens=256, selected_tokens=128, count=lambda text: len(text.split()))
+    notes.publish("s1", 0.0, 5.0, ["Budget review 2027", "Office opens in Lisbon"])
+    notes.publish("s2", 5.0, 9.0, ["Roadmap", "Launch in May"])
+    given = notes.with_question("What does the slide say?")
+    assert given.endswith("\n\nWhat does the slide say?") and "Roadmap" in given and "Lisbon" not in given
+    assert notes.with_question("What did the budget slide say?") == "What did the budget slide say?"  # whole already
+    assert notes.with_question("What did the speaker say?") == "What did the speaker say?"

@@ -14,8 +14,10 @@ rewrites older lines, which cuts the prefilled KV back to the first rewritten li
 
 At question time `with_question` picks the screens the question points at (`screen_selection.pick`: shared
 words, "before"/"after"/"first"/"last"), and gives those not already whole in the context with the question,
-as the context writes them, within `selected_tokens`. The question is the one part of the prompt prefilled
-per answer, so the context and its prefilled KV stay as they are. A talk under budget changes nothing.
+as the context writes them, within `selected_tokens`; a question about the screen that points at none ("what is
+on the slide?", `screen_questions.py`) gets the latest screen, even whole in the context. The question is the one
+part of the prompt prefilled per answer, so the context and its prefilled KV stay as they are. A talk under budget
+changes nothing else.
 
 Everything here runs on the event loop (publishing and answering both do), on strings copied from the screen
 reader's screens, which the worker may be merging meanwhile.
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from runtime.events import new_id
 from runtime.memory.conversation import Conversation, Item
+from runtime.memory.screen_questions import asks_about_screen
 from runtime.memory.screen_selection import pick
 
 if TYPE_CHECKING:
@@ -218,12 +221,16 @@ class ScreenNotes:
 
     def select(self, question: str) -> list[Note]:
         """The screens `question` points at that the context does not hold whole, in time order, as many as fit
-        `selected_tokens`."""
+        `selected_tokens`. A question about the screen that points at none ("what does the slide say?") gets the
+        latest screen, whole in the context or not: asked 4 s into the next slide of a two-slide talk, SmolLM2-135M
+        read the first slide's lines back from the context alone, and the current slide's given it here."""
         chosen: list[Note] = []
         room = self.selected_budget
-        for i in pick(question, self.notes):
+        picked = pick(question, self.notes)
+        current = not picked and bool(self.notes) and asks_about_screen(question)
+        for i in [len(self.notes) - 1] if current else picked:
             note = self.notes[i]
-            if note.whole_in_context:
+            if note.whole_in_context and not current:
                 continue
             need = self.count(note_line(note)) + 1
             if need <= room:
