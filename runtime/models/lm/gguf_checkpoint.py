@@ -15,6 +15,7 @@ The tokenizer and chat template come from the file's metadata through transforme
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -84,8 +85,24 @@ class Q4Blocks:
     group: int = 32
 
 
+def open_gguf(path: Path) -> GGUFCheckpoint:
+    """The file's `GGUFCheckpoint`, parsed once per process while the file stays as it was.
+
+    Why: gguf's reader walks every metadata value in Python, and a vocabulary is an array of tens of thousands of
+    strings (SmolLM2's 49,152 took about 6 s on 2 cores). The tokenizer's end-of-turn ids and the weights are read
+    from the same file at every load; parsed once, a second load (or a test's) reads them for nothing."""
+    path = Path(path).resolve()
+    stat = path.stat() if path.is_file() else None
+    return _open_gguf(path, None if stat is None else (stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)  # the reader memory-maps the file: a few open files cost address space only
+def _open_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
+    return GGUFCheckpoint(path)
+
+
 class GGUFCheckpoint:
-    """One GGUF file: its architecture, `ModelArgs`, weights and tokenizer metadata."""
+    """One GGUF file: its architecture, `ModelArgs`, weights and tokenizer metadata (`open_gguf` keeps one per file)."""
 
     def __init__(self, path: Path) -> None:
         from gguf import GGUFReader  # lazy: only GGUF users pay for the import

@@ -17,7 +17,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from runtime.errors import CheckpointNotFound
-from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file
+from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
 from runtime.models.loading import cache_dir
 
 
@@ -31,7 +31,7 @@ def _gguf_tokenizer(file: Path) -> PreTrainedTokenizerBase:
     except (KeyError, ValueError, TypeError) as err:  # transformers' converter on incomplete metadata
         raise CheckpointNotFound(f"lm checkpoint {file}: no usable tokenizer in the GGUF metadata "
                                  f"({type(err).__name__}: {err})") from None
-    template = GGUFCheckpoint(file).field("tokenizer.chat_template")
+    template = open_gguf(file).field("tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = str(template)
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def _gguf_tokenizer(file: Path) -> PreTrainedTokenizerBase:
 def load_tokenizer(path: Path) -> tuple[PreTrainedTokenizerBase, list[int] | None]:
     """(tokenizer with its chat template, the checkpoint's end-of-turn ids or None for the tokenizer's own)."""
     if (file := gguf_file(path)) is not None:
-        return _gguf_tokenizer(file), GGUFCheckpoint(file).eos_ids or None
+        return _gguf_tokenizer(file), open_gguf(file).eos_ids or None
     tokenizer = AutoTokenizer.from_pretrained(path)
     template = path / "chat_template.json"  # VLM checkpoints keep the template beside the processor
     if not getattr(tokenizer, "chat_template", None) and template.is_file():

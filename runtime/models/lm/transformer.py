@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm.attention import Mask, TokenKeys, attention_by_token, token_keys
-from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file
+from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
 from runtime.models.lm.weight_formats import BlockSource, format_dtype, quantize_linears
 from runtime.models.lm.weights import ModelArgs, load_state, read_config
 
@@ -343,7 +343,7 @@ class Transformer(nn.Module):
         weight format `weights` (`weight_formats`: auto keeps `dtype`)."""
         path = Path(path)
         if (file := gguf_file(path)) is not None:
-            ckpt = GGUFCheckpoint(file)
+            ckpt = open_gguf(file)
             state = ckpt.state_dict(format_dtype(weights, dtype))  # cast tensor by tensor: no float32 copy of all
             return cls.from_state(ckpt.args, state, where=str(file), device=device, dtype=dtype, weights=weights,
                                   blocks=ckpt.q4_blocks)
