@@ -38,7 +38,9 @@ everyone someone anyone person people mean think know explain describe see seen 
 give please again repeat detail thing anything something everything stuff
 write written wrote writing display displayed visible appear appears current
 hello hey thank thanks okay bye goodbye good morning afternoon evening great nice cool sorry sure welcome
+day date time hour year month week name number place
 """
+# (the last line: words that name the kind of answer asked for, "what day is it?" answered by "Thursday")
 # how a question starts: a statement ("let me show the next slide") is never answered "not known yet"
 _FILLERS = frozenset(("so", "and", "but", "okay", "ok", "well", "um", "uh", "then", "also", "now", "oh", "right"))
 _ASKING = frozenset(("what", "when", "where", "who", "whom", "whose", "which", "why", "how", "is", "are", "was",
