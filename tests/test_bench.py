@@ -110,6 +110,7 @@ def test_unknown_builtin_checkpoints_name_the_shipped_ones():
         resolve_checkpoint("builtin:no-such-model", role="asr")
 
 
+@pytest.mark.slow
 def test_asr_quality_on_a_folder_splits_scores_by_engine(capsys, tmp_path):
     """The shipped model over a two-row `--data` folder: the demo recording labelled espeak with its script, and
     the same audio labelled flite with the wrong words. The espeak row is the demo sample itself, so its

@@ -4,10 +4,13 @@ machine is shared and noisy), only that every number is there and consistent."""
 
 import json
 
+import pytest
+
 from runtime.bench import serve
 from runtime.cli import main
 
 
+@pytest.mark.slow
 def test_bench_serve_quick_json(capsys, monkeypatch):
     monkeypatch.setenv(serve.SECONDS_ENV, "3")
     assert main(["bench", "serve", "--quick", "--json", "-q"]) == 0

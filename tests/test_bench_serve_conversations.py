@@ -7,12 +7,14 @@ timestamps, and the sentence cuts against Silero VAD."""
 import json
 
 import numpy as np
+import pytest
 from cli_common import one_error_line, run_cli
 
 from runtime.bench import demo_sentences
 from runtime.bench.turn_accounting import Ev, TurnMarks, account, summarize
 
 
+@pytest.mark.slow
 def test_bench_serve_conversations_quick_json(capsys):
     code, out, _ = run_cli(capsys, "bench", "serve", "--conversations", "--quick", "--json", "-q")
     assert code == 0

@@ -53,6 +53,7 @@ def test_the_set_asks_every_kind_inside_its_talks() -> None:
         assert all(q.get("expect") or q.get("forbid") for q in talk["questions"])
 
 
+@pytest.mark.slow
 def test_quick_run_end_to_end(capsys) -> None:
     packaged_or_skip("pp-ocrv4-det")
     packaged_or_skip("whisper-tiny.en")

@@ -148,6 +148,7 @@ def _events(stdout: str) -> list:
     return [parse_event(json.loads(line)) for line in lines]  # every line is one valid event
 
 
+@pytest.mark.slow
 def test_demo_at_speed_8_prints_transcript_and_answer():
     result = _subprocess("demo", "--speed", "8", "--json")
     assert result.returncode == 0, result.stderr

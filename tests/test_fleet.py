@@ -329,6 +329,7 @@ async def reconnect_and_turn(fleet: Fleet, dead: set[str]) -> Talker:
     return talker
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
     talkers: list[Talker] = []
@@ -392,6 +393,7 @@ async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
             await t.close()
 
 
+@pytest.mark.slow
 def test_bench_serve_url_through_the_proxy(capsys, fleet):
     """`runtime bench serve --url` pointed at the proxy: three conversations at once land on three replicas
     (each replica's own counters show its share), answered by the one shared server, with every turn answered and

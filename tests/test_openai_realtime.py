@@ -248,6 +248,7 @@ async def test_cancel_clear_delete_and_a_refused_field_keep_the_session(turn_mod
         await stop(server, worker)
 
 
+@pytest.mark.slow
 async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped_models(tmp_path):
     """The demo profile's real models (Whisper tiny.en two-pass, SmolLM2-135M-Instruct, Silero VAD) behind the SDK:
     a statement, then a spoken question; turn detection commits each and answers the question from the first."""

@@ -46,6 +46,7 @@ def run(*argv: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_slide_video_end_to_end(reader, tmp_path: Path) -> None:
     seconds = sum(s.seconds for s in SLIDES)
     speech = demo_speech()[: seconds * SAMPLE_RATE]  # someone talks over the slides: user items beside the screens

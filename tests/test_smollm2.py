@@ -38,14 +38,16 @@ def path():
 
 @pytest.fixture(scope="module")
 def engines(path) -> Callable[[str], LMEngine]:
-    """The real model's engine in a weight format, loaded once for the module (an int4 load takes about a
-    minute on 2 cores)."""
+    """The real model's engine in a weight format, loaded once for the module. Eager (`compile="off"`): what these
+    tests compare is the verifier's and the prefill's logits, which never run the compiled decode step;
+    tests/test_compiled_step.py holds that step equal to the eager one (a compile costs 15-60 s per format)."""
     loaded: dict[str, LMEngine] = {}
 
     def engine(weights: str) -> LMEngine:
         if weights not in loaded:
             loaded[weights] = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights=weights,
-                                                           drafter="none"), device="cpu", dtype="float32").engine
+                                                           drafter="none", compile="off"),
+                                                  device="cpu", dtype="float32").engine
         return loaded[weights]
 
     return engine
@@ -81,13 +83,17 @@ def test_missing_package_names_the_install_command(monkeypatch) -> None:
         resolve_checkpoint(REF, role="lm")
 
 
+@pytest.mark.slow
 def test_drafters_are_lossless_on_real_weights(path) -> None:
     context = ("[00:01.0] The quarterly review is on Monday at nine in room 4B.\n"
                "[00:05.0] Ines presents the sales numbers: revenue grew by twelve percent to 3.4 million.\n")
     outputs = {}
+    # "none" decodes through the compiled step, as `lm.compile = auto` runs plain int4 decoding: the one real-weights
+    # check of that step (the drafters verify eagerly)
     for drafter in ("none", "ngram", "recycling", "trigram", "swift", "auto"):
         answerer = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="int4", drafter=drafter,
                                                 max_new_tokens=40), device="cpu", dtype="float32")
+        assert (answerer.engine.compiled is not None) == (drafter == "none")
         outs, accepted = [], 0
         for question in ("Who presents, and what did revenue do?", "Write two sentences about the review."):
             state = answerer.start(context, question, stream=answerer.open_stream())
@@ -236,6 +242,7 @@ def test_paired_trials_put_each_ratio_beside_its_own_peer_run(path, monkeypatch)
     assert row["median_ratio"] == pytest.approx(sorted(row["ratios"])[1], abs=0.002)
 
 
+@pytest.mark.slow
 def test_bench_answers_quick_runs_the_question_set(path, capsys) -> None:
     import json
 

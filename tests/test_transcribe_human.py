@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from speech_dev import dev_rows
 
 from runtime.train.text_norm import wer
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 WER_BOUND = 0.35  # pooled over the clips
 
 
+@pytest.mark.slow
 def test_runtime_transcribe_hears_people_reading() -> None:
     refs, hyps = [], []
     for row in dev_rows():

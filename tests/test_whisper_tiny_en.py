@@ -178,6 +178,7 @@ class UncachedRows:
         return self._logprobs()
 
 
+@pytest.mark.slow
 def test_beam_search_with_caches_equals_it_without(buffered) -> None:
     """Five beams over the cached decoder (self-attention rows reordered as beams are kept, one cross-attention row
     that every beam reads) give the tokens of the same search re-running the decoder over whole sequences."""
