@@ -54,3 +54,9 @@ def worker():
     """A device worker of the test's own, stopped after it (a module may keep one with a wider scope)."""
     with DeviceWorker() as w:
         yield w
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked `slow` first, each kept in its place among them: under xdist they start while the short
+    ones fill the other worker, instead of one landing last and holding the run's end on a single core."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
