@@ -259,12 +259,15 @@ def test_grounded_is_refused_beside_a_vision_language_models_video_memory(worker
 
 @pytest.mark.asyncio
 async def test_a_turns_earlier_item_vouches_for_its_question():
-    """A statement committed without a response (`create_response: false`), then a spoken question: both are the
-    pending turn, and the statement is what the question stands on, so the model is asked. The question's own
-    item still vouches for nothing."""
-    conversation = Conversation([spoken("u1", "The launch moved to Thursday."), spoken("u2", "When is the launch?")])
+    """Two typed messages before one `response.create`: both are the pending turn, and the first is what the question
+    stands on, so the model is asked. The question's own item still vouches for nothing."""
+
+    def typed(item_id: str, text: str) -> Item:
+        return Item(item_id, 0.0, 0.0, audio=False, stable=text, completed=True, status="completed")
+
+    conversation = Conversation([typed("u1", "The launch moved to Thursday."), typed("u2", "When is the launch?")])
     answering, done = await ask(conversation, Question(None, 14.0, 0.0))
     assert len(answering.requests) == 1 and answer_text(done) == "June." and "grounding" not in done
-    alone = Conversation([spoken("u1", "When is the launch?")])
+    alone = Conversation([typed("u1", "When is the launch?")])
     answering, done = await ask(alone, Question(None, 14.0, 0.0))
     assert answering.requests == [] and done["grounding"] == {"not_heard": ["launch"]}

@@ -152,7 +152,7 @@ class QuestionProcessor:
                 unseen = screen_question and not self.sees_screen
                 if self.grounding is not None and not unseen:
                     unread = screen_question and self.grounding.nothing_read_on_screen()
-                    # the turn's earlier items tell (a statement committed without a response): only the last one asks
+                    # a turn of several typed messages: the earlier ones tell, only the last one asks
                     not_heard = [] if unread else self.grounding.not_heard(question, asked[-1:], q.instructions)
             given = (CANNOT_SEE_SCREEN if unseen else NOTHING_READ_YET if unread
                      else not_known_answer(not_heard) if not_heard else None)
