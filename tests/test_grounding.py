@@ -126,8 +126,11 @@ def test_a_screen_the_context_holds_only_as_a_title_still_vouches_with_every_lin
     assert Grounding(conversation, screens=notes.shown).not_heard(question) == []
 
 
-async def ask(conversation: Conversation, question: Question, grounded: bool = True) -> tuple[Scripted, dict]:
-    answering = Scripted([Step(text="June.", tokens=1), Step(done=True, finish_reason="stop")])
+async def answer(conversation: Conversation, question: Question, *, grounding: Grounding | None,
+                 sees_screen: bool = True, reply: str = "June.") -> tuple[Scripted, dict]:
+    """`question` through a QuestionProcessor whose model would answer `reply`: (the model, response.done's
+    response)."""
+    answering = Scripted([Step(text=reply, tokens=1), Step(done=True, finish_reason="stop")])
     events: list = []
 
     async def emit(event) -> None:
@@ -135,14 +138,17 @@ async def ask(conversation: Conversation, question: Question, grounded: bool = T
 
     channel: BlockingChannel[Question] = BlockingChannel(4, "questions")
     processor = QuestionProcessor(channel, answering, emit, conversation, HeardClock(), AnswerActivity(),
-                                  ContextChanges(), grounding=Grounding(conversation) if grounded else None)
+                                  ContextChanges(), grounding=grounding, sees_screen=sees_screen)
     task = asyncio.create_task(processor.run())
     await channel.put(question)
     await asyncio.wait_for(question.answered.wait(), 5)
     channel.close()
     await task
-    done = next(e for e in events if e.type == "response.done").response
-    return answering, done
+    return answering, next(e for e in events if e.type == "response.done").response
+
+
+async def ask(conversation: Conversation, question: Question, grounded: bool = True) -> tuple[Scripted, dict]:
+    return await answer(conversation, question, grounding=Grounding(conversation) if grounded else None)
 
 
 def answer_text(done: dict) -> str:

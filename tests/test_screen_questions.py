@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from cli_common import run_cli
 from session_fakes import EchoAnswerer, WordASR, audio_chunks, collect, profile_for
-from test_grounding import answer_text, screen, spoken
+from test_grounding import answer, answer_text, screen, spoken
 from test_response_output import Scripted
 
-from runtime.channels import BlockingChannel
 from runtime.chunks import VideoFrame
 from runtime.config import with_overrides
 from runtime.function_tools import FunctionTool, ToolUse
@@ -24,11 +23,9 @@ from runtime.memory.conversation import Conversation
 from runtime.memory.grounding import Grounding, unheard
 from runtime.memory.screen_notes import ScreenNotes
 from runtime.memory.screen_questions import CANNOT_SEE_SCREEN, NOTHING_READ_YET, asks_about_screen
-from runtime.models.lm.answering import Step
 from runtime.models.ocr.reader import TextLine
-from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.answers import Question
 from runtime.session_builder import open_session
-from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 
 SCREEN_QUESTIONS = [
     "What is on the slide?", "what does the screen show?", "What's written on screen?", "What is shown now?",
@@ -63,21 +60,7 @@ def test_grounding_takes_the_words_about_the_screen_for_the_medium(question):
 
 async def ask(conversation: Conversation, question: Question, *, sees_screen: bool,
               grounding: Grounding | None = None) -> tuple[Scripted, dict]:
-    answering = Scripted([Step(text="Lisbon.", tokens=1), Step(done=True, finish_reason="stop")])
-    events: list = []
-
-    async def emit(event) -> None:
-        events.append(event)
-
-    channel: BlockingChannel[Question] = BlockingChannel(4, "questions")
-    processor = QuestionProcessor(channel, answering, emit, conversation, HeardClock(), AnswerActivity(),
-                                  ContextChanges(), grounding=grounding, sees_screen=sees_screen)
-    task = asyncio.create_task(processor.run())
-    await channel.put(question)
-    await asyncio.wait_for(question.answered.wait(), 5)
-    channel.close()
-    await task
-    return answering, next(e for e in events if e.type == "response.done").response
+    return await answer(conversation, question, grounding=grounding, sees_screen=sees_screen, reply="Lisbon.")
 
 
 @pytest.mark.asyncio
