@@ -2,16 +2,22 @@
 CLI subprocesses share."""
 
 import os
+import shutil
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("RUNTIME_CACHE", tempfile.mkdtemp(prefix="runtime-test-cache-"))
+# The run's cache: made by the first process (xdist's controller; its workers inherit it) and removed when that
+# process ends the run (it holds joined checkpoints of 1.6 GB, exported graphs, converted models). A cache given
+# in the environment is the caller's and stays.
+_OWN_CACHE = None if "RUNTIME_CACHE" in os.environ else tempfile.mkdtemp(prefix="runtime-test-cache-")
+if _OWN_CACHE is not None:
+    os.environ["RUNTIME_CACHE"] = _OWN_CACHE
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 import pytest  # noqa: E402
 
-from runtime.worker import DeviceWorker
+from runtime.worker import DeviceWorker  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,3 +66,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The tests marked `slow` first, each kept in its place among them: under xdist they start while the short
     ones fill the other worker, instead of one landing last and holding the run's end on a single core."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _OWN_CACHE is not None and not hasattr(session.config, "workerinput"):  # the process that made it
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
