@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from runtime.bench.llm_peers import decode_once, llama_cpp_rows, open_llama
-from runtime.bench.llm_spec import spec_table
+from runtime.bench.llm_spec import spec_table, spec_tokens
 from runtime.bench.timing import machine
 from runtime.config import LMConfig
 from runtime.errors import UserError
@@ -113,15 +113,21 @@ def quality(model: Transformer, ref_greedy: list[int], prompt: list[int], ppl_id
     return {"perplexity": round(float(nll.exp()), 3), "greedy_agreement": round(agree, 4)}
 
 
-def _formats(ref: str, args: argparse.Namespace, status: Status, n: int) -> tuple[dict[str, Any], list[int]]:
+def _formats(ref: str, args: argparse.Namespace, status: Status,
+             n: int) -> tuple[dict[str, Any], list[int], dict[str, EngineAnswerer]]:
+    """The rows per weight format, the prompt's ids, and the loaded answerer of each of `FORMATS` (kept for the
+    rows after: loading a format again, and compiling its step again per thread count, cost more than the rows)."""
     rows: dict[str, Any] = {}
+    kept: dict[str, EngineAnswerer] = {}
     ref_greedy: list[int] = []
     prompt: list[int] = []
     ppl_ids: list[int] = []
     for name, (fmt, compile_mode) in ROWS.items():
         status(f"{name}: loading")
-        cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none", max_new_tokens=n + 8,
-                       compile=compile_mode)
+        # the speculative table's answer length (at least n + 8): its plain row then shares this row's cache
+        # geometry, so the step compiled here serves it
+        cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none",
+                       max_new_tokens=max(n + 8, spec_tokens(args.quick)), compile=compile_mode)
         answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
         engine = answerer.engine
         if fmt == "fp32":
@@ -134,15 +140,19 @@ def _formats(ref: str, args: argparse.Namespace, status: Status, n: int) -> tupl
         row: dict[str, Any] = {"weights": fmt, "compiled_step": engine.compiled is not None,
                                "weight_bytes_per_token": step_bytes(engine.model)}
         for threads in THREADS:
+            recompiles = engine.compiled is not None and threads != torch.get_num_threads()  # compiled at load's
             torch.set_num_threads(threads)
-            status(f"{name}: decode and prefill at {threads} thread(s)")
+            status(f"{name}: decode and prefill at {threads} thread(s)" + (
+                " (compiling the step for this thread count first: about a minute)" if recompiles else ""))
             row[f"decode_tok_s_{threads}t"] = round(max(decode_tok_s(answerer, n) for _ in range(2)), 2)
             row[f"prefill_tok_s_{threads}t"] = round(prefill_tok_s(engine, 512), 1)
         torch.set_num_threads(1)
         row.update(quality(engine.model, ref_greedy, prompt, ppl_ids))
         rows[name] = row
+        if name in FORMATS:
+            kept[name] = answerer
         del answerer, engine
-    return rows, prompt
+    return rows, prompt, kept
 
 
 def transformers_rows(path: Path, prompt: list[int], n: int, status: Status) -> dict[str, Any]:
@@ -168,16 +178,21 @@ def transformers_rows(path: Path, prompt: list[int], n: int, status: Status) -> 
 
 
 def paired_vs_llama_cpp(ref: str, fmt: str, file: Path, prompt: list[int], n: int, trials: int,
-                        status: Status) -> dict[str, Any]:
+                        status: Status, answerer: EngineAnswerer | None = None) -> dict[str, Any]:
     """The engine in format `fmt` (as `lm.compile = auto` runs it) and llama.cpp decoding the same prompt in
     turns, `trials` times per thread count, each trial's ratio from two back-to-back runs (who goes first
     alternates).
 
     Why: this machine is shared, and its speed drifts by 10-20 % over minutes (the same engine has measured 96 and
     125 tokens/s at 2 threads an hour apart). The rows above are minutes apart, so their ratio carries that drift;
-    a ratio of neighbouring runs does not, and the median over trials drops the trial a burst of other work hit."""
-    cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none", max_new_tokens=n + 8, compile="auto")
-    answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
+    a ratio of neighbouring runs does not, and the median over trials drops the trial a burst of other work hit.
+
+    `answerer`: the format's row's own (`_formats`), whose step is already compiled at each thread count; without
+    one it is loaded here."""
+    if answerer is None:
+        cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none", max_new_tokens=n + 8,
+                       compile="auto")
+        answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
     out: dict[str, Any] = {"weights": fmt, "trials": trials, "decode_tokens": n}
     for threads in THREADS:
         torch.set_num_threads(threads)
@@ -200,11 +215,15 @@ def paired_vs_llama_cpp(ref: str, fmt: str, file: Path, prompt: list[int], n: in
     return out
 
 
-def ttft_after_streaming(ref: str, fmt: str, tokens: int, status: Status) -> dict[str, Any]:
+def ttft_after_streaming(ref: str, fmt: str, tokens: int, status: Status,
+                         loaded: LMEngine | None = None) -> dict[str, Any]:
     """First token after `tokens` of transcript were streamed in (prefilled as they landed) vs the same engine
-    prefilling all of them when the question comes."""
-    cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none", window_tokens=tokens + 512)
-    engine = LMEngine.load(cfg, device="cpu", dtype="float32")
+    prefilling all of them when the question comes. `loaded`: an engine of that format whose weights are used
+    (no second load). No decode step is timed here (prefill and the question's tail only), so none is compiled."""
+    cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none", window_tokens=tokens + 512,
+                   compile="off")
+    engine = LMEngine.load(cfg, device="cpu", dtype="float32") if loaded is None else LMEngine(
+        loaded.model, loaded.tokenizer, cfg, name=ref, eos_ids=loaded.eos_ids)
     lines = [f"[{i // 60:02d}:{i % 60:02d}] Speaker {i % 3}: item {i} on the agenda costs {i * 7} euros." for i in
              range(2000)]
     text, k = "", 0
@@ -250,7 +269,7 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     status("copy bandwidth")
     bandwidth = copy_bandwidth_gb_s()
     out["copy_bandwidth_gb_s"] = round(bandwidth, 1)
-    formats, prompt = _formats(ref, args, status, n)
+    formats, prompt, answerers = _formats(ref, args, status, n)
     for row in formats.values():
         row["bandwidth_bound_tok_s"] = round(bandwidth * 1e9 / row["weight_bytes_per_token"], 1)
     out["formats"] = formats
@@ -264,7 +283,8 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     if file and "skipped" not in out["llama_cpp"]:
         try:
             paired = out["paired_vs_llama_cpp"] = paired_vs_llama_cpp(ref, best, file, prompt, n,
-                                                                      3 if args.quick else 7, status)
+                                                                      3 if args.quick else 7, status,
+                                                                      answerer=answerers[best])
         except Exception as err:  # the peer's failure is its row, never the bench's end
             out["paired_vs_llama_cpp"] = {"skipped": f"llama.cpp failed: {type(err).__name__}: {err}"}
     targets: dict[str, Any] = {}
@@ -279,9 +299,10 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         hf = out["transformers_generate"][f"decode_tok_s_{threads}t"]
         targets[f"decode_vs_transformers_{threads}t"] = {"ratio": round(ours / hf, 2), "target": ">= 3",
                                                          "met": ours / hf >= 3}
-    out["ttft_after_streaming"] = ttft_after_streaming(ref, best, 1024 if args.quick else 4096, status)
+    out["ttft_after_streaming"] = ttft_after_streaming(ref, best, 1024 if args.quick else 4096, status,
+                                                       loaded=answerers[best].engine)
     targets["ttft_streamed_vs_prefill"] = {k: out["ttft_after_streaming"][k] for k in ("speedup", "target", "met")}
     out["targets"] = targets
-    out["speculative"] = spec_table(ref, best, quick=args.quick, status=status)
+    out["speculative"] = spec_table(ref, best, quick=args.quick, status=status, loaded=answerers[best].engine)
     out["machine"] = machine("cpu", "weights per row; activations float32 (fp32) or bfloat16", 1)
     return out

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.config import LMConfig
+from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
 
 DRAFTER_ROWS = ("none", "ngram", "recycling", "trigram", "swift", "auto")
@@ -49,13 +50,24 @@ def _run(answerer: EngineAnswerer, prompts: list[tuple[str, str]]) -> tuple[list
     return outputs, seconds, steps, emitted
 
 
-def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], None]) -> dict[str, Any]:
-    n = 48 if quick else 128
+def spec_tokens(quick: bool) -> int:
+    """The answer length of each prompt (`max_new_tokens`)."""
+    return 40 if quick else 128
+
+
+def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], None],
+               loaded: LMEngine | None = None) -> dict[str, Any]:
+    """`loaded`: an engine of `ref` in `weights` whose weights every drafter's answerer shares (no load per row)."""
+    n = spec_tokens(quick)
     table: dict[str, Any] = {}
-    answerers = {d: EngineAnswerer.load(LMConfig(backend="engine", model=ref, weights=weights, drafter=d,
-                                                 max_new_tokens=n), device="cpu", dtype="float32")
-                 for d in DRAFTER_ROWS}
-    for task, prompts in TASKS.items():
+    status(f"speculative: {len(DRAFTER_ROWS)} drafters on {weights}" + (" (loading)" if loaded is None else ""))
+    answerers = {}
+    for d in DRAFTER_ROWS:
+        cfg = LMConfig(backend="engine", model=ref, weights=weights, drafter=d, max_new_tokens=n)
+        answerers[d] = (EngineAnswerer.load(cfg, device="cpu", dtype="float32") if loaded is None
+                        else EngineAnswerer.sharing(loaded, cfg))
+    for task, all_prompts in TASKS.items():
+        prompts = all_prompts[:1] if quick else all_prompts  # quick: every task and drafter, on one prompt each
         rows: dict[str, Any] = {}
         plain, base_s, _, _ = (None, 0.0, 0, 0)
         for drafter in DRAFTER_ROWS:
@@ -69,4 +81,5 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
         table[task] = rows
     table["weights"] = weights
     table["max_new_tokens"] = n
+    table["prompts_per_task"] = {task: 1 if quick else len(prompts) for task, prompts in TASKS.items()}
     return table

@@ -61,9 +61,11 @@ class LMEngine:
     def __init__(self, model: Transformer, tokenizer: PreTrainedTokenizerBase, cfg: LMConfig, *, name: str,
                  seed: int = 0, eos_ids: int | Iterable[int] | None = None, max_question_tokens: int = 256,
                  tree_tokens: int = 128, reserve_tokens: int | None = None, pin_head: bool = True,
-                 exact_prefill: bool = True) -> None:
+                 exact_prefill: bool = True, compiled: CompiledStep | None = None) -> None:
         """`exact_prefill`: the context's KV the same however it was cut into prefill jobs (`by_token`); a draft
-        engine, whose guesses the target verifies, does without it."""
+        engine, whose guesses the target verifies, does without it. `compiled`: another engine's step of this same
+        model (`model`), reused if this engine compiles one: the keys it has compiled (cache geometry, threads)
+        are not compiled again."""
         if cfg.sink_tokens < 0 or cfg.window_tokens <= 0 or cfg.prefill_chunk_tokens <= 0:
             raise ConfigError("lm.sink_tokens must be >= 0, lm.window_tokens and lm.prefill_chunk_tokens > 0")
         self.model, self.tokenizer, self.cfg, self.name, self.seed = model, tokenizer, cfg, name, seed
@@ -86,7 +88,7 @@ class LMEngine:
         if wanted(cfg.compile, model, cfg.drafter):
             a = model.args
             try:
-                self.compiled = CompiledStep(model)
+                self.compiled = compiled if compiled is not None and compiled.model is model else CompiledStep(model)
                 self.compiled.warm_up(a.num_layers, a.num_kv_heads, self.capacity(), a.head_dim)
             except Exception as err:  # no C++ compiler, an unwritable cache, ...: `auto` decodes eagerly instead
                 if cfg.compile == "on":

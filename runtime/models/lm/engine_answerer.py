@@ -113,6 +113,27 @@ class EngineAnswerer:
     def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,
              progress: Callable[[str], None] | None = None) -> EngineAnswerer:
         engine = LMEngine.load(cfg, device=device, dtype=dtype, seed=seed, progress=progress)
+        return cls(engine, cls._draft(engine, cfg, device=device, dtype=dtype, seed=seed, progress=progress))
+
+    @classmethod
+    def sharing(cls, engine: LMEngine, cfg: LMConfig, *, seed: int = 0) -> EngineAnswerer:
+        """An answerer under `cfg` (its drafter other than draft-model, token limits, window) on the weights
+        `engine` has loaded: no second load (the benchmarks' rows). Its decode step compiles anew if `cfg` wants
+        one for a cache geometry or thread count that `engine`'s step has not compiled. `cfg` names the same model and
+        format."""
+        if (cfg.model, cfg.weights) != (engine.cfg.model, engine.cfg.weights) or cfg.drafter == "draft-model":
+            raise ValueError(f"an answerer sharing {engine.cfg.model} ({engine.cfg.weights}) cannot run "
+                             f"{cfg.model} ({cfg.weights}, drafter {cfg.drafter})")
+        target = LMEngine(engine.model, engine.tokenizer, cfg, name=engine.name, seed=seed, eos_ids=engine.eos_ids,
+                          compiled=engine.compiled)
+        return cls(target, cls._draft(target, cfg, device=engine.model.device.type, dtype="", seed=seed,
+                                      progress=None))
+
+    @staticmethod
+    def _draft(engine: LMEngine, cfg: LMConfig, *, device: str, dtype: str, seed: int,
+               progress: Callable[[str], None] | None) -> LMEngine | None:
+        """The draft engine `cfg.drafter` decodes with (draft-model: another model, loaded; swift: `engine`'s own
+        layers), or None."""
         draft = None
         if cfg.drafter == "draft-model":
             draft_cfg = replace(cfg, model=cfg.draft_model, drafter="none",  # verified in trees: eager
@@ -124,7 +145,7 @@ class EngineAnswerer:
                              replace(cfg, drafter="none", compile="off" if cfg.compile == "auto" else cfg.compile),
                              name=f"{cfg.model} (layer-skip draft)", seed=seed, eos_ids=engine.eos_ids,
                              exact_prefill=False)
-        return cls(engine, draft)
+        return draft
 
     def open_stream(self) -> StreamLM:
         """A stream's state; the pipeline keeps it for the stream's life. Runs on the worker (allocates KV)."""
