@@ -205,3 +205,36 @@ def test_gguf_file_is_found_in_a_folder(tmp_path: Path) -> None:
     (tmp_path / "b.gguf").write_bytes(b"")
     with pytest.raises(CheckpointNotFound, match="holds 2 GGUF files"):
         gguf_file(tmp_path)
+
+
+def random_q4_k(rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw Q4_K rows [rows, k / 256 * 144]: random nibbles and 6-bit scales, finite float16 d and dmin (gguf's
+    writer cannot quantise to Q4_K, and any such bytes are a valid tensor)."""
+    n = k // 256
+    b = rng.integers(0, 256, size=(rows, n, 144), dtype=np.uint8)
+    b[..., 0:2] = (rng.random((rows, n)) * 0.02 + 1e-4).astype(np.float16).view(np.uint8).reshape(rows, n, 2)
+    b[..., 2:4] = (rng.random((rows, n)) * 0.02).astype(np.float16).view(np.uint8).reshape(rows, n, 2)
+    return b.reshape(rows, n * 144)
+
+
+def test_q4_k_groups_are_exactly_the_files_weights(tmp_path: Path) -> None:
+    """A Q4_K tensor (Qwen2.5-Coder-1.5B's 4-bit storage) handed to the int4 format as 32-value groups: q * scale +
+    low is bit for bit what gguf's own dequantiser reads, and the kernel's weight is that to bf16 rounding."""
+    path = tmp_path / "q4k.gguf"
+    w = GGUFWriter(str(path), "qwen2")
+    w.add_tensor("blk.0.attn_q.weight", random_q4_k(32, 512, np.random.default_rng(0)),
+                 raw_dtype=GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ckpt = GGUFCheckpoint(path)
+    b = ckpt.q4_blocks("model.layers.0.self_attn.q_proj.weight")
+    assert b is not None and b.q.shape == (32, 512) and int(b.q.min()) >= 0 and int(b.q.max()) <= 15
+    mine = b.q.float() * b.scale.repeat_interleave(32, 1) + b.low.repeat_interleave(32, 1)
+    assert torch.equal(mine, torch.from_numpy(ckpt.tensor("blk.0.attn_q.weight")))
+    lin = Int4Linear.from_blocks(b, None, torch.bfloat16)
+    bf = b.scale.bfloat16().float(), (b.low + 8 * b.scale).bfloat16().float()
+    exact = (b.q.float() - 8) * bf[0].repeat_interleave(32, 1) + bf[1].repeat_interleave(32, 1)
+    err = (lin.dequantized() - exact).abs()
+    assert bool((err <= exact.abs() * 2**-8 + 1e-6).all()), float((err - exact.abs() * 2**-8).max())

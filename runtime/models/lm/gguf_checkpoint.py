@@ -202,22 +202,29 @@ class GGUFCheckpoint:
         return state
 
     def q4_blocks(self, hf: str) -> Q4Blocks | None:
-        """The 4-bit blocks of the weight transformers calls `hf`, when the file stores it as Q4_0 or Q4_1 (a
-        32-value block: float16 scale [and minimum], then 16 bytes whose low nibbles are values 0..15 and high
-        nibbles values 16..31); None for any other storage."""
+        """The 4-bit blocks of the weight transformers calls `hf`, when the file stores it as Q4_0, Q4_1 or Q4_K;
+        None for any other storage. Each is a 32-value group w = q * scale + low with q in 0..15:
+        - Q4_0 / Q4_1: a float16 scale [and minimum], then 16 bytes whose low nibbles are values 0..15 and high
+          nibbles values 16..31 (Q4_0: w = (q - 8) * d);
+        - Q4_K (llama.cpp's k-quants): a 256-value super-block of float16 d and dmin, eight 6-bit (scale, min)
+          pairs, then 4 x 32 bytes whose low nibbles are group 2j and high nibbles group 2j + 1: w = d * sc * q -
+          dmin * m. Groups of 32 are exactly the int4 kernel's, so the file's integers are kept as they are."""
         name = next((n for n in self.tensors if hf_name(n) == hf), None)
-        if name is None or self.tensors[name].tensor_type.name not in ("Q4_0", "Q4_1"):
+        if name is None or self.tensors[name].tensor_type.name not in ("Q4_0", "Q4_1", "Q4_K"):
             return None
         t = self.tensors[name]
         raw = np.asarray(t.data, dtype=np.uint8)
         rows = raw.shape[0]
-        lead = 4 if t.tensor_type.name == "Q4_1" else 2
-        blocks = raw.reshape(rows, -1, lead + 16)
-        scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        # Q4_1 stores the block's minimum; Q4_0 has w = (q - 8) * d
-        low = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if lead == 4 else -8.0 * scale
-        nib = blocks[..., lead:]
-        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(rows, -1).astype(np.int32)
+        if t.tensor_type.name == "Q4_K":
+            q, scale, low = _q4_k_groups(raw)
+        else:
+            lead = 4 if t.tensor_type.name == "Q4_1" else 2
+            blocks = raw.reshape(rows, -1, lead + 16)
+            scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+            # Q4_1 stores the block's minimum; Q4_0 has w = (q - 8) * d
+            low = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if lead == 4 else -8.0 * scale
+            nib = blocks[..., lead:]
+            q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(rows, -1).astype(np.int32)
         out = [torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(low)]
         if (heads := self._rows_heads(hf)) is not None:
             out = [unpermute(x, heads) for x in out]
@@ -229,3 +236,21 @@ class GGUFCheckpoint:
         `<|eot_id|>` / `<|eom_id|>` end an instruct answer while eos is `<|end_of_text|>`)."""
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         return sorted({int(v) for v in (self.field(k) for k in keys) if v is not None})
+
+
+def _q4_k_groups(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q int32 [rows, k], scale and low float32 [rows, k // 32]) of a Q4_K tensor's rows of 144-byte
+    super-blocks; the 6-bit scales and minimums unpacked by gguf's own reader (`Q4_K.get_scale_min`)."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 144)
+    n = blocks.shape[1]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(rows * n, 12).copy())
+    scale = (d[..., None] * sc.reshape(rows, n, 8).astype(np.float32)).reshape(rows, n * 8)
+    low = -(dmin[..., None] * m.reshape(rows, n, 8).astype(np.float32)).reshape(rows, n * 8)
+    qs = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, n * 256).astype(np.int32)
+    return q, scale, low
