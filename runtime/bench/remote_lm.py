@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from runtime.bench.llama_server import LlamaServer, installed
@@ -79,10 +80,13 @@ def _profile(url: str, model: str, warm: bool) -> Profile:
     return with_overrides(load_profile("tiny"), lm=lm, pipeline={"metrics_interval_s": 0.0})
 
 
-async def _run(url: str, model: str, lines: list[str], warm: bool, worker: DeviceWorker) -> dict[str, Any]:
+async def _run(url: str, model: str, lines: list[str], warm: bool, worker: DeviceWorker,
+               status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     profile = _profile(url, model, warm)
     remote = RemoteAnswerer.load(profile.lm)
+    status("remote-lm: replacing the server's cache with an unrelated conversation")
     await remote.warm("(an unrelated conversation that replaces the server's cache) " + "x " * 64)
+    status(f"remote-lm: streaming {len(lines)} lines, then asking (the first token can take a minute on 2 cores)")
     session = await open_session(profile, Models(_Deaf(), NoAnswerer(), remote=remote), worker)
     await session.start()
     try:
@@ -153,7 +157,7 @@ def run(args: argparse.Namespace, status: Any) -> dict[str, Any]:  # noqa: ANN40
                 row: dict[str, Any] = {"context_tokens": tokens, "tokens_estimated": estimated, "lines": len(lines)}
                 for warm in (False, True):
                     status(f"remote-lm: {tokens} tokens of context, {'with' if warm else 'without'} warming")
-                    row["warm" if warm else "cold"] = asyncio.run(_run(url, model, lines, warm, worker))
+                    row["warm" if warm else "cold"] = asyncio.run(_run(url, model, lines, warm, worker, status))
                 cold, hot = row["cold"]["ttft_s"], row["warm"]["ttft_s"]
                 row["speedup"] = round(cold / hot, 2) if cold and hot else None
                 rows.append(row)
