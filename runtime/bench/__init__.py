@@ -2,7 +2,9 @@
 
 Shape-true: the real architectures' configs with random weights. Compute does not depend on weight values,
 so speed and memory are real; accuracy, acceptance rates and answer quality are not, and no benchmark here
-reports them. `--quick` shrinks shapes so a run fits in about a minute on 2 CPU cores (CI-sized).
+reports them. `--quick` shrinks shapes and data (every row and peer kept) so a run fits in 3 minutes on 2 CPU
+cores, most in well under one (CI-sized); `llm --model` is the exception: about 5 minutes, most of it compiling
+the int8 and int4 decode steps at 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def _sessions(text: str) -> tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = ", ".join([*BENCHES, *NOT_BUILT])
     parser.add_argument("name", metavar="NAME", help=f"which benchmark: {names}")
-    parser.add_argument("--quick", action="store_true", help="small shapes; about a minute on 2 CPU cores")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes and less data, every row kept; within 3 minutes on 2 CPU cores "
+                             "(llm --model: about 5)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
