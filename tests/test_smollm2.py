@@ -88,12 +88,12 @@ def test_drafters_are_lossless_on_real_weights(path) -> None:
     context = ("[00:01.0] The quarterly review is on Monday at nine in room 4B.\n"
                "[00:05.0] Ines presents the sales numbers: revenue grew by twelve percent to 3.4 million.\n")
     outputs = {}
-    # "none" decodes through the compiled step, as `lm.compile = auto` runs plain int4 decoding: the one real-weights
-    # check of that step (the drafters verify eagerly)
+    # plain decoding eager, as every drafter's verifier runs: tests/test_compiled_step.py holds the compiled step
+    # bitwise equal to it (bf16 activations), and an int4 compile costs about 50 s here (torch's on-disk cache
+    # misses it: docs/testing.md)
     for drafter in ("none", "ngram", "recycling", "trigram", "swift", "auto"):
         answerer = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="int4", drafter=drafter,
-                                                max_new_tokens=40), device="cpu", dtype="float32")
-        assert (answerer.engine.compiled is not None) == (drafter == "none")
+                                                max_new_tokens=40, compile="off"), device="cpu", dtype="float32")
         outs, accepted = [], 0
         for question in ("Who presents, and what did revenue do?", "Write two sentences about the review."):
             state = answerer.start(context, question, stream=answerer.open_stream())
