@@ -214,8 +214,8 @@ def test_llama_cpp_missing_is_a_row_with_the_reason(monkeypatch) -> None:
 
     monkeypatch.setattr(builtins, "__import__", no_llama)
     row = llama_cpp_rows(Path("x.gguf"), [1, 2], 8, (1, 2), lambda _: None)
-    assert row == {"skipped": "llama-cpp-python is not installed: pip install -e '.[llamacpp]'  (builds llama.cpp "
-                              "from source: about 10 minutes on 2 cores)"}
+    assert row == {"skipped": "llama-cpp-python is not installed: make peers  (builds llama.cpp from source for "
+                              "this CPU: about 5 minutes on 2 cores)"}
 
 
 def test_paired_trials_put_each_ratio_beside_its_own_peer_run(path, monkeypatch) -> None:

@@ -1,6 +1,6 @@
 """llama.cpp as the CPU speed peer of `runtime bench llm --model FILE.gguf`: llama-cpp-python on the same GGUF file
-at the same thread counts. Optional (`pip install -e .[llamacpp]` builds it from source, about 10 minutes on 2
-cores; pip's wheel cache keeps the build): when it is missing the row says so and the bench goes on."""
+at the same thread counts. Optional (`make peers` builds it from source for this CPU, about 5 minutes on 2
+cores, once per kind of CPU): when it is missing the row says so and the bench goes on."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
-INSTALL = "pip install -e '.[llamacpp]'  (builds llama.cpp from source: about 10 minutes on 2 cores)"
+INSTALL = "make peers  (builds llama.cpp from source for this CPU: about 5 minutes on 2 cores)"
 
 
 def llama_cpp_rows(file: Path, prompt: Sequence[int], n: int, threads: Sequence[int],
