@@ -89,7 +89,9 @@ async def test_notes_are_written_for_closed_segments_when_idle(models, worker):
     session = await (await open_session(profile(notes=True), models, worker)).start()
     events = []
     collector = asyncio.create_task(_collect(session, events))
-    await push_seconds(session, 0, 10)  # segments of 4 s: two close
+    # segments of 4 s: three close. Two notes are waited for: a note the random tiny model happens to leave empty
+    # (its first token an end) is only a missing note, and how the prefill was cut (machine load) can change it
+    await push_seconds(session, 0, 14)
     await wait_for(lambda: session.notes.written >= 2)
     await session.finish()
     await collector
@@ -103,7 +105,7 @@ async def test_notes_are_written_for_closed_segments_when_idle(models, worker):
     assert final["segments"] == len(session.video_memory.snapshot().segments) >= 2
     by_id = {s.id: s for s in session.video_memory.snapshot().segments}
     for note in notes:
-        assert note.end <= 10 and note.start < note.end
+        assert note.end <= 14 and note.start < note.end
         if note.segment_id in by_id:
             assert by_id[note.segment_id].note == note.text
 
