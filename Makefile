@@ -39,10 +39,11 @@ demo: install
 	$(VENV)/bin/runtime demo $(ARGS)
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; one torch thread each), each test handed to whichever
-# worker is free (worksteal: a few long end-to-end tests would otherwise hold one worker while the other idles).
+# worker is free (loadgroup); the tests paced in real time (browser, WebRTC, fleet, serve benches) share the group
+# "realtime" and run one at a time on one worker, so that two of them never starve each other of the CPU.
 TEST_WORKERS ?= 2
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25 $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check runtime tests examples

@@ -9,6 +9,9 @@ import pytest
 from runtime.bench import serve
 from runtime.cli import main
 
+# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
+pytestmark = pytest.mark.xdist_group("realtime")
+
 
 @pytest.mark.slow
 def test_bench_serve_quick_json(capsys, monkeypatch):

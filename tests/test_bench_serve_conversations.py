@@ -13,6 +13,9 @@ from cli_common import one_error_line, run_cli
 from runtime.bench import demo_sentences
 from runtime.bench.turn_accounting import Ev, TurnMarks, account, summarize
 
+# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
+pytestmark = pytest.mark.xdist_group("realtime")
+
 
 @pytest.mark.slow
 def test_bench_serve_conversations_quick_json(capsys):

@@ -16,6 +16,9 @@ from runtime.bench.serve import _Server
 from runtime.bench.serve_url import base_url
 from runtime.errors import UserError
 
+# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
+pytestmark = pytest.mark.xdist_group("realtime")
+
 
 def metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:

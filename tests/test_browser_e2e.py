@@ -22,6 +22,9 @@ from runtime.session_builder import open_session
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
 
+# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
+pytestmark = pytest.mark.xdist_group("realtime")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package; Playwright's own browser downloads are never used

@@ -43,6 +43,9 @@ from runtime.client import AsyncRealtimeClient
 from runtime.events import Error, ResponseDone, ResponseTextDelta, TranscriptionCompleted, TranscriptionDelta
 from runtime.io.sample import demo_speech
 
+# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
+pytestmark = pytest.mark.xdist_group("realtime")
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "deploy" / "haproxy.cfg"
 REPLICAS = ("r1", "r2", "r3")  # the server names in deploy/haproxy.cfg

@@ -19,6 +19,9 @@ from test_web_server import tiny, wait_until  # noqa: F401  (the module-scoped m
 from runtime.io.sample import demo_speech, render_frame
 from runtime.web.server import RealtimeServer
 
+# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
+pytestmark = pytest.mark.xdist_group("realtime")
+
 
 class SpeechTrack(MediaStreamTrack):
     """The demo speech as a browser sends a microphone: 48 kHz stereo s16, 20 ms frames, paced in real time."""
