@@ -41,6 +41,7 @@ from runtime.config import LMConfig
 from runtime.errors import ConfigError, PromptTooLong
 from runtime.models.lm.compiled_step import CompiledStep, wanted
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
+from runtime.models.lm.packed_weights import load_model
 from runtime.models.lm.pieces import Piece, visual_id
 from runtime.models.lm.prompt import EMPTY_CONTEXT, prompt_parts
 from runtime.models.lm.sampling import eos_ids as eos_set
@@ -105,7 +106,7 @@ class LMEngine:
         with load_progress(progress, "lm", cfg.model, device, shown):
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
             tokenizer, eos = load_tokenizer(path)
-            model = Transformer.from_pretrained(path, device=device, dtype=torch_dtype(dtype), weights=cfg.weights)
+            model = load_model(path, device=device, dtype=torch_dtype(dtype), weights=cfg.weights, progress=progress)
             if progress is not None and wanted(cfg.compile, model, cfg.drafter):
                 progress("compiling the decode step (lm.compile: about a minute the first time on this machine, "
                          "14 s from torch's cache after) ...")

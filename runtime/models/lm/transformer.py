@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm.attention import Mask, TokenKeys, attention_by_token, token_keys
 from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
-from runtime.models.lm.weight_formats import BlockSource, format_dtype, quantize_linears
+from runtime.models.lm.weight_formats import BlockSource, empty_like_state, format_dtype, quantize_linears
 from runtime.models.lm.weights import ModelArgs, load_state, read_config
 
 CacheBuffers = tuple[Tensor, Tensor, Tensor, Tensor]  # K, V, rotated K [layers, 1, kv_heads, slots, d]; positions
@@ -350,6 +350,22 @@ class Transformer(nn.Module):
         args = read_config(path)
         state = load_state(path, device=device, dtype=format_dtype(weights, dtype))
         return cls.from_state(args, state, where=str(path), device=device, dtype=dtype, weights=weights)
+
+    @classmethod
+    def from_packed(cls, args: ModelArgs, state: dict[str, Tensor], *, weights: str) -> Transformer:
+        """Rebuild a model from its own `state_dict` (int8/int4 layers included; `packed_weights` saves them),
+        on the CPU, without repacking anything."""
+        with torch.device("meta"):
+            model = cls(args)
+        empty_like_state(model, state)
+        if args.tie_word_embeddings and "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        if args.tie_word_embeddings and type(model.lm_head) is nn.Linear:  # a float head reads the embeddings
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.inv_freq = rope_inv_freq(args)
+        model.weights = weights
+        return model.eval().requires_grad_(False)
 
     @classmethod
     def from_state(cls, args: ModelArgs, state: dict[str, Tensor], *, where: str, device: str | torch.device,

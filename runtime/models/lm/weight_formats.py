@@ -48,7 +48,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)  # int8 [out, in]
         self.register_buffer("scales", scales)  # [out], the activations' dtype
-        self.bias = bias
+        self.register_buffer("bias", bias)  # a buffer: saved with the packed weights (`packed_weights`)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @classmethod
@@ -74,7 +74,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.register_buffer("packed", packed)  # uint8 [out, in / 2], the CPU kernel's layout
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # [in / group, out, 2]
-        self.bias = bias
+        self.register_buffer("bias", bias)
         self.group, self.in_features, self.out_features = group, in_features, packed.shape[0]
 
     @classmethod
@@ -101,6 +101,26 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def empty_like_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Give `model` (built on the meta device) int8 and int4 layers wherever `state` (a quantised model's own
+    `state_dict`, as `packed_weights` saves it) holds their buffers, so that `load_state_dict(state, assign=True)`
+    puts every tensor in place: `.packed` marks an int4 layer, an int8 `.weight` an int8 one."""
+    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        bias = state.get(f"{name}.bias")
+        new: nn.Module
+        if f"{name}.packed" in state:
+            packed, sz = state[f"{name}.packed"], state[f"{name}.scales_and_zeros"]
+            k = packed.shape[1] * 2
+            new = Int4Linear(packed, sz, bias, k, k // sz.shape[0])
+        elif state.get(f"{name}.weight", torch.empty(0)).dtype == torch.int8:
+            new = Int8Linear(state[f"{name}.weight"], state[f"{name}.scales"], bias)
+        else:
+            continue
+        setattr(parent, attr, new)
 
 
 def q4_blocks_of(w: Tensor, group: int = GROUP) -> Q4Blocks:

@@ -1,0 +1,109 @@
+"""A GGUF model repacked into the engine's int8/int4 layouts once, kept in the runtime's cache, read back after.
+
+Why: building the int4 model of Qwen2.5-Coder-1.5B from its GGUF file took about a minute on 2 cores: gguf's
+reader walks the 151,646-token vocabulary and its merges in Python (17 s), the 5- to 8-bit tensors are
+dequantised in numpy and quantised again, and every 4-bit block is unpacked and packed into torch's kernel layout.
+None of it depends on anything but the file, the format and the torch build, so the result (the model's own
+`state_dict`: packed int4 buffers, int8 weights and scales, bf16 embeddings, float32 norms) is saved once as
+safetensors beside its `ModelArgs`, and a later load is a read of that file.
+
+The key (`packed_file`) is the file's name, size and modification time, the weight format and activations' dtype,
+the torch version and the CPU capability torch's kernels were chosen for (the packed int4 layout is the CPU
+kernel's own), and `VERSION`, raised when the packing changes. A file that does not match any of those is packed
+again; an older packing of the same file and format is removed then. Writes go to a temporary file renamed into
+place, so two processes packing at once both end with a whole file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.models.lm.gguf_checkpoint import gguf_file
+from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.weight_formats import format_dtype
+from runtime.models.lm.weights import ModelArgs
+from runtime.models.loading import cache_dir
+
+VERSION = 1
+PACKED_FORMATS = ("int8", "int4")  # the formats whose build from a GGUF file repacks every weight
+ALIGN = 64  # bytes: a cache line, what a fresh torch allocation is aligned to
+
+
+def packed_file(file: Path, weights: str, dtype: torch.dtype) -> Path:
+    """Where the packed form of GGUF `file` in format `weights` is kept (see the module docstring for the key)."""
+    stat = file.stat()
+    cpu = torch.backends.cpu.get_cpu_capability().lower()
+    dt = str(format_dtype(weights, dtype)).removeprefix("torch.")
+    key = f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}-{weights}-{dt}-torch{torch.__version__}-{cpu}-v{VERSION}"
+    return cache_dir() / "packed-lm" / f"{key}.safetensors"
+
+
+def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, weights: str,
+               progress: Callable[[str], None] | None = None) -> Transformer:
+    """`Transformer.from_pretrained(path, ...)`, through the packed cache when `path` is a GGUF file loaded to the
+    CPU in an int8/int4 format: read back when packed before, else built and saved for the next load."""
+    file = gguf_file(path)
+    if file is None or weights not in PACKED_FORMATS or torch.device(device).type != "cpu":
+        return Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights)
+    target = packed_file(file, weights, dtype)
+    if target.is_file():
+        try:
+            return read_packed(target)
+        except Exception as err:  # a truncated or foreign file: packed again below, never the load's end
+            if progress is not None:
+                progress(f"the packed {weights} weights in {target} are unreadable ({type(err).__name__}); "
+                         "packing again")
+    if progress is not None:
+        progress(f"packing {file.name} into {weights} once (read back from {target.parent} after) ...")
+    start = time.perf_counter()
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights)
+    try:
+        write_packed(model, target)
+    except OSError as err:  # a read-only or full cache: this load still works, the next one packs again
+        if progress is not None:
+            progress(f"could not keep the packed weights in {target.parent} ({err})")
+    else:
+        for old in target.parent.glob(f"{file.stem}-*-{weights}-*.safetensors"):
+            if old != target:
+                old.unlink(missing_ok=True)
+    if progress is not None:
+        progress(f"packed in {time.perf_counter() - start:.1f} s")
+    return model
+
+
+def write_packed(model: Transformer, target: Path) -> None:
+    """Save `model`'s state and args to `target`, atomically (a temporary file renamed into place)."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight:
+        state.pop("lm_head.weight")  # one tensor under two names: tied again at load
+    meta = {"args": json.dumps(dataclasses.asdict(model.args)), "weights": model.weights}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".packing-", suffix=".safetensors", dir=target.parent)
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata=meta)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def read_packed(source: Path) -> Transformer:
+    """The model `write_packed` saved, on the CPU."""
+    from safetensors import safe_open
+
+    with safe_open(str(source), framework="pt") as f:
+        meta = f.metadata()
+    args = ModelArgs(**json.loads(meta["args"]))
+    # each tensor on an address of its own: safetensors may hand out views at any offset of one buffer, and torch's
+    # int8 kernel crashed on a misaligned weight (a segfault at 6 rows of activations)
+    state = {k: v if v.data_ptr() % ALIGN == 0 else v.clone() for k, v in load_file(str(source)).items()}
+    return Transformer.from_packed(args, state, weights=meta["weights"])

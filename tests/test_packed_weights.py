@@ -1,0 +1,72 @@
+"""The packed cache of GGUF models (`packed_weights`): what is read back is the model that was built, bit for bit,
+and the key makes a changed file, format or packing build anew."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from test_gguf import tiny, write_gguf
+
+from runtime.models.lm import packed_weights
+from runtime.models.lm.packed_weights import load_model, packed_file
+from runtime.models.lm.transformer import Transformer
+
+
+@pytest.fixture(params=[("qwen2", "Q4_0", True), ("llama", "Q8_0", False)], ids=lambda p: f"{p[0]}-{p[1]}")
+def gguf(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    arch, qtype, tie = request.param
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(tiny(arch), path, arch, GGMLQuantizationType[qtype], tie=tie)
+    return path
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_read_back_equals_the_built_model(gguf: Path, weights: str) -> None:
+    built = Transformer.from_pretrained(gguf, weights=weights)
+    first = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights)  # builds and keeps it
+    target = packed_file(gguf, weights, torch.float32)
+    assert target.is_file()
+    again = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights)  # reads it back
+    assert type(again.lm_head) is type(built.lm_head) and again.weights == weights
+    assert again.args == built.args
+    ids = torch.tensor([5, 17, 3, 42, 8, 1])
+    want = built(ids, torch.arange(6))
+    assert torch.equal(first(ids, torch.arange(6)), want)
+    assert torch.equal(again(ids, torch.arange(6)), want)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in again.state_dict().items()} == {
+        k: (v.dtype, tuple(v.shape)) for k, v in built.state_dict().items()}
+
+
+def test_a_changed_file_or_packing_packs_again(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    load_model(gguf, device="cpu", dtype=torch.float32, weights="int4")
+    old = packed_file(gguf, "int4", torch.float32)
+    os.utime(gguf, ns=(1, 1))  # the file changed: a new key, and the old packing is removed when it is replaced
+    new = packed_file(gguf, "int4", torch.float32)
+    assert new != old
+    load_model(gguf, device="cpu", dtype=torch.float32, weights="int4")
+    assert new.is_file() and not old.exists()
+    monkeypatch.setattr(packed_weights, "VERSION", packed_weights.VERSION + 1)
+    assert packed_file(gguf, "int4", torch.float32) != new
+
+
+def test_an_unreadable_packing_is_rebuilt(gguf: Path) -> None:
+    target = packed_file(gguf, "int8", torch.float32)
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"not safetensors")
+    said: list[str] = []
+    model = load_model(gguf, device="cpu", dtype=torch.float32, weights="int8", progress=said.append)
+    assert any("unreadable" in s for s in said)
+    ids = torch.tensor([4, 9, 2])
+    assert torch.equal(model(ids, torch.arange(3)), Transformer.from_pretrained(gguf, weights="int8")(
+        ids, torch.arange(3)))
+    assert packed_weights.read_packed(target).weights == "int8"
+
+
+def test_other_formats_are_not_packed(gguf: Path) -> None:
+    load_model(gguf, device="cpu", dtype=torch.float32, weights="bf16")
+    assert not packed_file(gguf, "bf16", torch.float32).parent.exists()
