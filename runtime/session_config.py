@@ -67,6 +67,11 @@ class SessionConfig:
     turn_detection: TurnDetection | None = TurnDetection()
     tools: ToolUse = ToolUse()  # the functions answers may call, and the tool choice
 
+    def transcription_prompt(self) -> str:
+        """`audio.input.transcription.prompt`: the user's own words (names, terms), which the ASR reads before each
+        turn with the turns before it (Whisper's previous text; pipeline/audio.py)."""
+        return str(self.transcription.get("prompt") or "")
+
     def to_api(self) -> dict[str, Any]:
         transcription = {**self.transcription, "model": self.transcription_model} if self.transcription_model \
             else (self.transcription or None)
@@ -193,6 +198,9 @@ def _audio(config: SessionConfig, audio: dict[str, Any]) -> dict[str, Any]:
                 if unknown:
                     raise ConfigFieldError(f"{param}.{sorted(unknown)[0]}", f"unknown field in {param}: "
                                            f"{sorted(unknown)}", code="unknown_parameter")
+                for key in ("language", "prompt"):
+                    if setting.get(key) is not None and not isinstance(setting[key], str):
+                        raise ConfigFieldError(f"{param}.{key}", f"{param}.{key} must be a string or null")
                 changes["transcription"] = dict(setting)
                 changes["transcription_model"] = str(setting.get("model", ""))
             elif name == "turn_detection":

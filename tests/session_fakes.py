@@ -43,6 +43,11 @@ class WordStream:
     closed: bool = False
     closes: int = 0
     threads: set[str] = field(default_factory=set)
+    contexts: list[tuple[str, str]] = field(default_factory=list)  # each set_context's (previous, vocabulary)
+
+    def set_context(self, previous: str, vocabulary: str = "") -> None:
+        self.threads.add(threading.current_thread().name)
+        self.contexts.append((previous, vocabulary))
 
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
         self.threads.add(threading.current_thread().name)

@@ -154,7 +154,7 @@ class ScriptedDecoder:
         self.script = script
         self.calls: list[tuple[int, bytes]] = []
 
-    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
+    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
         hyp = self.script[len(self.calls)]
         self.calls.append((len(audio), bytes(forced)))
         assert hyp.startswith(bytes(forced))

@@ -22,6 +22,10 @@ class _Stream:
 
     def __init__(self, by_chunk: dict[int, list[TranscriptUpdate]], final: list[TranscriptUpdate]) -> None:
         self.by_chunk, self.final, self.closed = by_chunk, final, False
+        self.contexts: list[tuple[str, str]] = []
+
+    def set_context(self, previous: str, vocabulary: str = "") -> None:
+        self.contexts.append((previous, vocabulary))
 
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
         return self.by_chunk.get(chunk.start_sample // STEP, [])
@@ -35,11 +39,11 @@ class _Stream:
 
 class _Turns:
     """Turn events scripted per chunk index; `on` is whether a turn rule listens, flipped after the chunks in
-    `flip_after` (as a session.update between two chunks would)."""
+    `flip_after` (as a session.update between two chunks would); `speech`: the VAD's seconds of speech heard."""
 
     def __init__(self, by_chunk: dict[int, list[TurnEvent | IdleTimeout]], on: bool = True,
-                 flip_after: tuple[int, ...] = ()) -> None:
-        self.by_chunk, self.on, self.flip_after = by_chunk, on, flip_after
+                 flip_after: tuple[int, ...] = (), speech: float = 1.0) -> None:
+        self.by_chunk, self.on, self.flip_after, self.speech = by_chunk, on, flip_after, speech
 
     def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
         index = chunk.start_sample // STEP
@@ -52,6 +56,9 @@ class _Turns:
 
     def listening(self) -> bool:
         return self.on
+
+    def speech_s(self) -> float:
+        return self.speech
 
 
 def _you(i: int) -> list[TranscriptUpdate]:
@@ -273,3 +280,43 @@ async def test_turn_detection_switched_on_mid_buffer_does_not_restamp_words_hear
     out, conversation = await _run([0, 1, 2, 3, 4, 5, BufferEnd()], stream, turns)
     assert conversation.context() == "[00:00.0] the board"
     assert {e.start for e in out if e.type.startswith("conversation.item.input_audio")} == {0.0}
+
+
+@pytest.mark.asyncio
+async def test_a_turn_the_vad_heard_too_little_speech_in_says_nothing():
+    # a chord or a click: one loud window starts a turn, but the VAD heard less than MIN_SPEECH_S of speech
+    from runtime.pipeline.audio import MIN_SPEECH_S
+
+    for speech, shown in ((MIN_SPEECH_S - 0.032, []), (MIN_SPEECH_S, ["you"])):
+        stream = _Stream({0: _you(0)}, [TranscriptUpdate("a0", "", "", 0.0, 0.3, True, "you")])
+        turns = _Turns({1: [TurnEvent(True, STEP)], 2: [TurnEvent(False, 3 * STEP)]}, speech=speech)
+        out, conversation = await _run([0, 1, 2, 3], stream, turns)
+        assert [e.delta for e in out if e.type.endswith("transcription.delta") and e.delta] == shown, speech
+        assert _completed(out) == ["".join(shown)] and conversation.final_text() == "".join(shown)
+
+
+def test_turn_taking_counts_the_speech_the_vad_heard_since_the_buffer_began():
+    from runtime.pipeline.turn_taking import TurnModels, TurnTaking
+    from runtime.session_config import SessionConfig, TurnDetection
+    from runtime.session_state import AnswerActivity, SessionSettings
+
+    class VAD:  # scripted probabilities: one per 512-sample window
+        windows_done = 0
+
+        def accept(self, samples):
+            probs = np.array([0.9, 0.2, 0.6, 0.55], np.float32)[: len(samples) // 512]
+            self.windows_done += len(probs)
+            return probs
+
+    class Models:
+        def open_stream(self):
+            return VAD()
+
+    turns = TurnTaking(TurnModels(Models()), SessionSettings(SessionConfig(turn_detection=TurnDetection(  # type: ignore[arg-type]
+        threshold=0.58))), AnswerActivity())
+    turns.detect(AudioChunk(np.zeros(2048, np.float32), 0))
+    assert turns.speech_s() == pytest.approx(2 * 512 / SAMPLE_RATE)  # 0.9 and 0.6 reach the threshold
+    turns.reset(1024)  # a commit after window 1: the windows from 1024 on count for the next buffer
+    assert turns.speech_s() == 0.0
+    turns.detect(AudioChunk(np.zeros(2048, np.float32), 2048))
+    assert turns.speech_s() == pytest.approx(2 * 512 / SAMPLE_RATE)

@@ -30,21 +30,26 @@ class Recorder:
     ids for a search with that many beams) and spells id i as `words[i]`."""
 
     def __init__(self, ids: list[int], *, by_beams: dict[int, list[int]] | None = None,
-                 words: list[str] | None = None) -> None:
+                 words: list[str] | None = None, no_speech: float = 0.0) -> None:
         self.ids, self.by_beams, self.words, self.heard, self.searches = ids, by_beams or {}, words, [], []
         self.drafts: list[list[int]] = []
-        self.beams = 1
+        self.previous: list[list[int]] = []  # the previous text of each search
+        self.beams, self.no_speech = 1, no_speech
 
     def encode(self, audio: np.ndarray) -> Encoded:
         self.heard.append(audio.copy())
         return Encoded(torch.from_numpy(audio), 1500)  # not states: the audio itself, to check it is the item's
 
     def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
-               draft: Sequence[int] = ()) -> list[int]:
+               draft: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
         beams = self.beams if beams is None else beams
         self.searches.append(beams)
         self.drafts.append(list(draft))
+        self.previous.append(list(previous))
         return list(self.by_beams.get(beams, self.ids))
+
+    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = ()) -> tuple[float, float]:
+        return self.no_speech, -0.5
 
     def text(self, ids: Sequence[int]) -> str:
         return "".join(self.words[i] for i in ids) if self.words else " ".join(map(str, ids))

@@ -29,6 +29,9 @@ class _ScriptedStream:
         self.heard_at_call: list[float] = []
         self.closed = False
 
+    def set_context(self, previous: str, vocabulary: str = "") -> None:
+        pass
+
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
         self.heard_at_call.append(self.heard.until)
         index = chunk.start_sample // (SAMPLE_RATE // 10)

@@ -7,9 +7,16 @@ buffer's user item with the backend's final text (what it would give for that au
 With turn detection (`Turns`), a detected end of speech commits the buffer here, in order with the audio,
 and the `TurnSink` decides whether a response follows.
 
+Context across turns: a buffer's stream opens with the text of the buffers committed before it (the most recent
+`CONTEXT_CHARS`; the backend keeps what its prompt holds, Whisper the last 223 tokens) and the session's
+`audio.input.transcription.prompt` (the user's vocabulary), `ASRStream.set_context`: a reader cut at a pause goes
+on in the sentence the stream already heard, in its streamed words, its previews and its final pass alike.
+
 `speech_gate` (the Whisper profiles' `pipeline.speech_gate`): Whisper writes "you" over silence and noise, in
 its streamed and its final text alike. With the gate and turn detection on, a buffer's transcript waits until
-the VAD hears speech in it, and a buffer in which it heard none holds no words: the end of the input drops it
+the VAD hears speech in it (a turn started, and `MIN_SPEECH_S` of windows at the turn threshold in the buffer:
+Silero's own minimum speech duration, so one loud window of a chord or a click does not open it), and a buffer
+in which it heard none holds no words: the end of the input drops it
 without an event, a commit (the client's, or an idle timeout's) completes its item with an empty transcript.
 What waited is kept as one update (its text joined, constant memory however long the wait) and follows
 `speech_started` at once; words the ASR wrote over the silence just before the speech come with it (the ASR
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -55,6 +63,8 @@ from runtime.worker import DeviceWorker, Priority
 log = logging.getLogger(__name__)
 
 MIN_COMMIT_S = 0.1  # the API refuses to commit less audio than this
+MIN_SPEECH_S = 0.25  # the gate opens once the VAD heard this much speech in a buffer (Silero's min_speech_duration_ms)
+CONTEXT_CHARS = 4000  # committed text kept as the next turns' context: more than Whisper's 223-token prompt holds
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,10 @@ class Turns(Protocol):
         """Whether a turn rule is on now (it reports where speech starts); a session.update may change it."""
         ...
 
+    def speech_s(self) -> float:
+        """Seconds of VAD windows at the turn rule's threshold since the buffer's start (the last `reset`)."""
+        ...
+
 
 class TurnSink(Protocol):
     """What follows a turn (the session's `ResponseRequests`): a response, or cancelling one on barge-in."""
@@ -123,9 +137,11 @@ class AudioProcessor:
     def __init__(self, channel: BlockingChannel[AudioChunk | BufferEnd], open_asr: Callable[[], ASRStream],
                  worker: DeviceWorker, emit: Emit, conversation: Conversation, heard: HeardClock,
                  changes: ContextChanges, *, first_stream: ASRStream | None = None, turns: Turns | None = None,
-                 sink: TurnSink | None = None, speech_gate: bool = False) -> None:
+                 sink: TurnSink | None = None, speech_gate: bool = False,
+                 vocabulary: Callable[[], str] | None = None) -> None:
         """`first_stream`: the first buffer's stream, opened by the builder (so a broken model fails the session
-        before it starts); later buffers open theirs with `open_asr`. `speech_gate`: see the module doc."""
+        before it starts); later buffers open theirs with `open_asr`. `speech_gate`: see the module doc.
+        `vocabulary`: the session's transcription prompt now (read as each buffer opens)."""
         self.channel, self.open_asr, self.worker, self.emit = channel, open_asr, worker, emit
         self.conversation, self.heard, self.changes = conversation, heard, changes
         self.turns, self.sink = turns, sink
@@ -141,6 +157,10 @@ class AudioProcessor:
         self._listened_from_open = False  # turn detection listened from the open buffer's first chunk
         self._held: TranscriptUpdate | None = None  # the open buffer's words, joined, while the gate waits
         self._flowing = False  # the open buffer's words have been published: the gate stays open for it
+        self._turn_began = False  # turn detection heard a turn start in the open buffer
+        self.vocabulary = vocabulary
+        self._said: deque[str] = deque()  # the committed buffers' transcripts, the most recent CONTEXT_CHARS
+        self._said_chars = 0
 
     async def run(self) -> None:
         try:
@@ -172,6 +192,7 @@ class AudioProcessor:
             self.buffer = BufferTranscript(new_id("item"), chunk.start)
             self._listened_from_open = self.turns is not None and self.turns.listening()
             self.buffer_samples = 0
+            await self._set_context(self.stream, chunk.start)
         self.buffer_samples += len(chunk.samples)
         self.audio_end = chunk.end
         updates = await self._step(self.stream.accept, chunk, chunk.start)
@@ -183,7 +204,41 @@ class AudioProcessor:
         if self.turns is not None:
             for turn in await self._detect(chunk):
                 await self._turn(turn)
+            if self._turn_began and not self.heard_speech:
+                await self._open_gate()
         await self.heard.advance(chunk.end)
+
+    def context(self) -> str:
+        """The text of the buffers committed so far, the most recent `CONTEXT_CHARS` (whole transcripts)."""
+        return " ".join(self._said)
+
+    async def _set_context(self, stream: ASRStream, at: float) -> None:
+        """Give a new buffer's stream the turns before it and the session's vocabulary (module doc)."""
+        previous, vocabulary = self.context(), self.vocabulary() if self.vocabulary is not None else ""
+        if not previous and not vocabulary:
+            return
+        try:
+            await self.worker.run(Priority.CONTROL, stream.set_context, previous, vocabulary)
+        except Exception as err:  # the turn is heard without context rather than not at all
+            log.exception("ASR context failed")
+            await self.emit(error_event(f"speech recognition context failed: {err}", code="asr_failed",
+                                        type="server_error", media_time=at))
+
+    def _remember(self, transcript: str) -> None:
+        text = " ".join(transcript.split())
+        if not text:
+            return
+        self._said.append(text)
+        self._said_chars += len(text) + 1
+        while len(self._said) > 1 and self._said_chars - len(self._said[0]) - 1 >= CONTEXT_CHARS:
+            self._said_chars -= len(self._said.popleft()) + 1
+
+    async def _open_gate(self) -> None:
+        """A turn began in the open buffer: once the VAD has heard `MIN_SPEECH_S` of speech in it, its words flow."""
+        assert self.turns is not None
+        if self.turns.speech_s() >= MIN_SPEECH_S:
+            self.heard_speech = True
+            await self._release()
 
     async def _detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
         assert self.turns is not None
@@ -209,14 +264,14 @@ class AudioProcessor:
             return
         at_ms = round(turn.sample * 1000 / SAMPLE_RATE)
         if turn.started:
-            if not self.heard_speech and self._listened_from_open:
+            if not self._turn_began and self._listened_from_open:
                 self._speech_from(turn.sample / SAMPLE_RATE)
-            self.speaking = self.heard_speech = True
+            self.speaking = self._turn_began = True
             await self.emit(SpeechStarted(item_id=self.buffer.item_id, audio_start_ms=at_ms,
                                           media_time=turn.sample / SAMPLE_RATE))
             if self.sink is not None:
                 self.sink.speech_started()
-            await self._release()
+            await self._open_gate()
         elif self.speaking:
             self.speaking = False
             item_id = self.buffer.item_id
@@ -294,6 +349,7 @@ class AudioProcessor:
             await self._publish(final)
             done = buffer.complete(at)
         self.conversation.apply(done)
+        self._remember(done.transcript)
         await self.emit(transcript_event(done))
         await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=at))
         self.changes.mark()
@@ -329,7 +385,7 @@ class AudioProcessor:
 
     async def _close_buffer(self, at: float) -> None:
         stream, self.stream, self.buffer, self.buffer_samples, self.speaking = self.stream, None, None, 0, False
-        self.heard_speech, self._held, self._flowing = False, None, False
+        self.heard_speech, self._held, self._flowing, self._turn_began = False, None, False, False
         if stream is not None:
             with contextlib.suppress(Exception):
                 await self.worker.run(Priority.CONTROL, stream.close)

@@ -44,10 +44,12 @@ class TurnTaking:
         self._buffer_start = 0
         self._recent: deque[AudioChunk] = deque()  # the newest chunks, about RECENT_S (Smart Turn's input)
         self._recent_samples = 0
+        self._speech_windows = 0  # VAD windows at the threshold since the buffer's start (`speech_s`)
 
     def reset(self, at_sample: int) -> None:
         """The input buffer now starts at `at_sample` (a commit or a clear): speech state and audio forgotten."""
         self._buffer_start = at_sample
+        self._speech_windows = 0
         if self._detector is not None:
             self._detector.reset(at_sample)
         while self._recent and self._recent[0].end_sample <= at_sample:
@@ -56,9 +58,18 @@ class TurnTaking:
     def listening(self) -> bool:
         return self.settings.config.turn_detection is not None
 
+    def speech_s(self) -> float:
+        """Seconds of VAD windows at the turn rule's threshold since the buffer's start: the speech gate's evidence
+        (pipeline/audio.py), so one loud window does not count as speech."""
+        return self._speech_windows * WINDOW_SAMPLES / SAMPLE_RATE
+
     def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
         probs = self.vad.accept(chunk.samples)
         first = self.vad.windows_done - len(probs)
+        config = self.settings.config.turn_detection
+        threshold = config.threshold if config is not None else 0.5
+        skip = max(0, -(-self._buffer_start // WINDOW_SAMPLES) - first)  # windows that began before the buffer
+        self._speech_windows += int((probs[skip:] >= threshold).sum())
         self._remember(chunk)
         detector = self._current_detector()
         if detector is None:

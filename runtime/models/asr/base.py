@@ -4,7 +4,8 @@ A loaded model (`StreamingASR`, chosen by `registry.load_asr`) is shared by sess
 own `ASRStream`, which holds all per-session state, so the device worker can interleave many streams on one
 model. Backends report
 progress as `TranscriptUpdate`s: text that became stable (never retracted), the unstable tail, and item
-completion, all stamped with media time so latency is measurable.
+completion, all stamped with media time so latency is measurable. A stream is one input buffer (a turn); the
+pipeline opens it with the text of the turns before (`set_context`), so a speaker cut at a pause is heard in context.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ class TranscriptUpdate:
 
 class ASRStream(Protocol):
     """Per-session state; every method runs on the device worker thread."""
+
+    def set_context(self, previous: str, vocabulary: str = "") -> None:
+        """Before the first chunk: the text of the turns before this stream's (`previous`) and the user's own words
+        (`vocabulary`, the session's `audio.input.transcription.prompt`), which a backend that reads text before
+        the audio (Whisper's previous-text prompt) conditions on; a backend that cannot ignores them."""
+        ...
 
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]: ...
 

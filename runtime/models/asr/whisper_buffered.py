@@ -39,7 +39,14 @@ from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.asr.transcript_draft import greedy
 from runtime.models.asr.whisper_beam import beam_search
-from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
+from runtime.models.asr.whisper_checkpoint import (
+    load_whisper,
+    no_speech_id,
+    previous_ids,
+    prompt_prefix,
+    suppressed_ids,
+    transcript_prompt,
+)
 from runtime.models.asr.whisper_window import Encoded, WindowedEncoder
 from runtime.models.loading import load_progress
 
@@ -51,7 +58,8 @@ CACHE_ARG = "cache" if "cache" in inspect.signature(WhisperDecoder.forward).para
 class Decoder(Protocol):
     """What the stream needs from a model: a hypothesis for some audio, and text for token ids."""
 
-    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]: ...
+    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
+        ...
 
     def text(self, ids: Sequence[int]) -> str: ...
 
@@ -92,8 +100,19 @@ class WhisperBuffered:
         self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
         self.suppress = suppressed_ids(model)
         self.eos_id = tokenizer.eos_token_id
+        self.no_speech_id = no_speech_id(tokenizer)
+        self.max_positions = model.config.max_target_positions
         # Prompt + hypothesis must fit the decoder's learned positions.
         self.max_tokens = min(cfg.max_new_tokens, model.config.max_target_positions - len(self.prompt_ids))
+
+    def prefix(self, previous: Sequence[int] = ()) -> list[int]:
+        """The decoder's prompt: `previous` text (`<|startofprev|>`, whisper_checkpoint.prompt_prefix), then the
+        start-of-transcript sequence."""
+        return prompt_prefix(self.tokenizer, self.prompt_ids, list(previous))
+
+    def budget(self, prefix: Sequence[int]) -> int:
+        """Transcript tokens that fit after `prefix` (previous text takes positions from the transcript's 448)."""
+        return max(0, min(self.max_tokens, self.max_positions - len(prefix) - 1))
 
     @classmethod
     def load(
@@ -156,38 +175,63 @@ class WhisperBuffered:
         return logits
 
     @torch.inference_mode()
-    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
-        """Transcript ids (no prompt, no eos) of `audio`, continuing the `forced` prefix: greedy, or by beam search
-        with `beams` > 1."""
-        return self.decode(self.encode(audio), forced)
+    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
+        """Transcript ids (no prompt, no eos) of `audio`, continuing the `forced` prefix after the `previous` text:
+        greedy, or by beam search with `beams` > 1."""
+        return self.decode(self.encode(audio), forced, previous=previous)
 
     @torch.inference_mode()
     def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
-               draft: Sequence[int] = ()) -> list[int]:
+               draft: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
         """`hypothesis` from encoder states (`encode`), with `beams` instead of the decoder's own if given. A greedy
         search checks `draft` (a transcript of the same audio, as the causal stream's) a stretch at a time and keeps
         what it would have chosen anyway (transcript_draft.py): the same ids in fewer decoder calls."""
         beams = self.beams if beams is None else beams
-        if beams == 1 or len(forced) >= self.max_tokens:
-            return self._drafted(encoded, forced, draft)
+        prefix = self.prefix(previous)
+        budget = self.budget(prefix)
+        if beams == 1 or len(forced) >= budget:
+            return self._drafted(encoded, forced, draft, prefix)
         rows = _BeamRows(self, encoded)
-        return list(forced) + beam_search(rows, self.prompt_ids + list(forced), beams=beams, eos=self.eos_id,
-                                          max_tokens=self.max_tokens - len(forced))
+        return list(forced) + beam_search(rows, prefix + list(forced), beams=beams, eos=self.eos_id,
+                                          max_tokens=budget - len(forced))
+
+    @torch.inference_mode()
+    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = ()) -> tuple[float, float]:
+        """What Whisper says of its own transcript `ids` of `encoded` (one decoder call over prompt, ids and eos):
+        the no-speech probability (`<|nocaptions|>` after `<|startoftranscript|>`, before any suppression, as
+        openai-whisper reads it; 0.0 for a vocabulary without it) and the average log probability of the ids and
+        the eos, suppressed tokens excluded (openai-whisper's `avg_logprob`)."""
+        prefix = self.prefix(previous)
+        sot = prefix.index(self.prompt_ids[0])
+        seq = [*prefix, *ids, self.eos_id]
+        states = encoded.states
+        hidden = self.model.model.decoder(input_ids=torch.tensor([seq], device=states.device),
+                                          encoder_hidden_states=states, use_cache=True,
+                                          **{CACHE_ARG: self.cache(encoded)}).last_hidden_state[0]
+        rows = [sot, *range(len(prefix) - 1, len(seq) - 1)]
+        logits = self.model.proj_out(hidden[rows]).float()
+        no_speech = 0.0 if self.no_speech_id is None else float(logits[0].softmax(-1)[self.no_speech_id])
+        scored = logits[1:]
+        if self.suppress:
+            scored[:, self.suppress] = float("-inf")
+        logp = scored.log_softmax(-1)
+        targets = torch.tensor([*ids, self.eos_id], device=logp.device)
+        return no_speech, float(logp.gather(1, targets[:, None]).mean())
 
     @torch.inference_mode()
     def hypothesis_uncached(self, audio: np.ndarray, forced: Sequence[int] = ()) -> list[int]:
         """The greedy search re-running the whole decoder every step: the reference the cache must match."""
         return self._uncached(self.encode(audio), forced)
 
-    def _drafted(self, encoded: Encoded, forced: Sequence[int], draft: Sequence[int]) -> list[int]:
-        """Greedy decoding over the KV cache, checking `draft` (transcript_draft.greedy)."""
+    def _drafted(self, encoded: Encoded, forced: Sequence[int], draft: Sequence[int], prefix: list[int]) -> list[int]:
+        """Greedy decoding after `prefix` over the KV cache, checking `draft` (transcript_draft.greedy)."""
         states, cache = encoded.states, self.cache(encoded)
 
         def score(ids: list[int], rows: int) -> torch.Tensor:
             return self._next_logits(torch.tensor([ids], device=states.device), states, cache, last=rows)
 
-        return greedy(score, lambda n: cache.crop(-n), self.prompt_ids, forced, eos=self.eos_id,
-                      max_tokens=self.max_tokens, draft=draft)
+        return greedy(score, lambda n: cache.crop(-n), prefix, forced, eos=self.eos_id,
+                      max_tokens=self.budget(prefix), draft=draft)
 
     def _uncached(self, encoded: Encoded, forced: Sequence[int]) -> list[int]:
         """Greedy decoding that runs the whole decoder again for every token, over all 1500 states."""
@@ -248,6 +292,7 @@ class WhisperBufferedStream:
 
     def __init__(self, decoder: Decoder, *, step_s: float, segment_s: float) -> None:
         self._decoder = decoder
+        self._previous: list[int] = []  # previous-text tokens (set_context)
         self._step = max(1, round(step_s * SAMPLE_RATE))
         self._segment = max(1, round(segment_s * SAMPLE_RATE))
         self._next_sample: int | None = None  # where the next chunk must start
@@ -289,6 +334,14 @@ class WhisperBufferedStream:
                 updates.append(self._agree())
         return updates
 
+    def set_context(self, previous: str, vocabulary: str = "") -> None:
+        """The turns before and the user's vocabulary as every hypothesis's previous text (before the first chunk)."""
+        if self._next_sample is not None or self._state != "open":
+            raise RuntimeError("set_context must come before the stream's first chunk")
+        decoder = self._decoder
+        if isinstance(decoder, WhisperBuffered):
+            self._previous = previous_ids(decoder.tokenizer, previous, vocabulary)
+
     def finish(self) -> list[TranscriptUpdate]:
         if self._state != "open":
             return []
@@ -305,7 +358,7 @@ class WhisperBufferedStream:
         audio = np.concatenate(self._pieces) if len(self._pieces) > 1 else self._pieces[0]
         self._pieces = [audio]
         self._since_decode = 0
-        return self._decoder.hypothesis(audio, self._stable)
+        return self._decoder.hypothesis(audio, self._stable, self._previous)
 
     def _times(self) -> tuple[float, float]:
         return self._item_start / SAMPLE_RATE, (self._item_start + self._buffered) / SAMPLE_RATE

@@ -26,8 +26,9 @@ clamped to at most 5 s (and half the segment) before the reset point, and the bu
 re-fed, so the dropped tail and anything not yet transcribed is heard again. The last stable tokens are
 carried: those emitted after `restart` may describe re-fed audio, so they become a forced transcript prefix
 (the model continues after them instead of repeating them); older ones go into the `<|startofprev|>`
-prompt (see `decoder.context_ids`). Carried tokens are context only, never emitted again. The new item's
-`start` is the previous item's end (items tile the timeline), and `end` never goes back over re-fed audio.
+prompt (see `decoder.context_ids`), after the stream's own previous text. Carried tokens are context only, never
+emitted again. The new item's `start` is the previous item's end (items tile the timeline), and `end` never goes
+back over re-fed audio.
 
 At a commit (`finish`) the item can be decoded once more with all it heard (`asr.final_pass`, `final_pass.py`):
 the completed event then carries that second pass, which may revise the streamed deltas.
@@ -39,6 +40,13 @@ carried state, the layers on the caches) and decodes on, shows the result as the
 back (both caches truncated; nothing else is touched): the encoder is still fed at block ends only and the block
 completes as if never previewed, so the stable text and transcripts are those of the same stream without
 previews, bit for bit.
+
+Context across turns (`set_context`, before the first chunk): a stream is one turn, and the pipeline opens it with
+the text of the turns before and the user's vocabulary (`audio.input.transcription.prompt`) as Whisper's previous
+text (`<|startofprev|>`, at most `prompt_tokens` = 223 tokens: the vocabulary first, then the most recent words).
+Every item of the stream starts from it (after a reset, followed by the carried stable text, the most recent kept),
+its previews decode on from it, and the final pass decodes with it too: the causal stream, its previews and the
+final pass all read the same words before the turn.
 
 `reference.offline_run` is the exactness reference (`reference.offline_transcript` its transcript): one
 `forward_full` per segment, `RecomputeDecoder` (no caches, per-position cross-attention masks), the same rule,
@@ -78,13 +86,29 @@ from runtime.models.asr.causal_whisper.onnx_decoder import OnnxDecoder, OnnxStep
 from runtime.models.asr.causal_whisper.onnx_encoder import OnnxEncoderLayers
 from runtime.models.asr.causal_whisper.onnx_export import check_encoder_weights, check_runtime
 from runtime.models.asr.whisper_buffered import WhisperBuffered
-from runtime.models.asr.whisper_checkpoint import load_whisper, suppressed_ids, transcript_prompt
+from runtime.models.asr.whisper_checkpoint import (
+    PROMPT_TOKENS,
+    encoded,
+    fit_previous,
+    load_whisper,
+    suppressed_ids,
+    transcript_prompt,
+)
 from runtime.models.asr.whisper_head import check_decoder, check_head, quantize_decoder, quantize_head
 from runtime.models.loading import load_progress, torch_dtype
 
 RESTART_MARGIN_S = 0.5  # re-feed from this long before the last stable token's emission
 MAX_OVERLAP_S = 5.0  # ... but never more than this (nor half the segment) before the reset point
 CARRY_TOKENS = 64  # stable tokens carried across a reset as prompt / forced prefix
+
+
+@dataclass(frozen=True)
+class Context:
+    """A stream's previous text as tokens (`CausalWhisperASR.context`): the user's vocabulary, kept whole, and the
+    text of the turns before, of which the most recent tokens are kept."""
+
+    vocabulary: list[int]
+    recent: list[int]
 
 
 @dataclass(frozen=True)
@@ -153,6 +177,7 @@ class CausalWhisperASR:
         if self.max_tokens <= cfg.lookback_tokens:
             raise ConfigError(f"asr.max_new_tokens ({self.max_tokens} usable) must exceed asr.lookback_tokens")
         self.carry_tokens = min(CARRY_TOKENS, positions - self.max_tokens)
+        self.prompt_tokens = min(PROMPT_TOKENS, positions - self.max_tokens)  # previous text an item may start with
         self.block_tokens = max(2, math.ceil(cfg.chunk_ms / 100))
         self.margin = round(RESTART_MARGIN_S * 50)
         self.max_overlap = round(MAX_OVERLAP_S * 50)
@@ -202,24 +227,40 @@ class CausalWhisperASR:
     def text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def context(self, previous: str, vocabulary: str = "") -> Context:
+        """A stream's previous text as tokens: `vocabulary` (the user's words) and `previous` (the turns before)."""
+        return Context(encoded(self.tokenizer, vocabulary)[: self.prompt_tokens],
+                       encoded(self.tokenizer, previous)[-self.prompt_tokens :])
+
+    def first_carry(self, context: Context) -> Carry | None:
+        """What a stream's first item starts from: its previous text (None without any)."""
+        previous = fit_previous(context.vocabulary, context.recent, self.prompt_tokens)
+        return Carry(0, previous, []) if previous else None
+
     def item(self, scorer: Scorer, carry: Carry | None) -> ItemDecoder:
         previous, forced = (carry.previous, carry.forced) if carry else ([], [])
         context = context_ids(self.tokenizer, self.sot, previous) + forced
         return ItemDecoder(scorer, context, eos_id=self.eos_id, lookback=self.cfg.lookback_tokens,
                            max_tokens=self.max_tokens, block_tokens=self.block_tokens,
                            frame0=carry.restart_frame if carry else 0, loop_repeats=self.cfg.loop_repeats,
-                           suppress=self.suppress, refresh=self.refresh_frames)
+                           suppress=self.suppress, refresh=self.refresh_frames,
+                           previous=fit_previous([], [*previous, *forced], self.prompt_tokens))
 
     def reset_due(self, item: ItemDecoder, frames: int) -> bool:
         """After a non-final step with `frames` frames in the segment: is it time to reset?"""
         return frames >= self.reset_frame or item.full
 
-    def carry(self, history: list[Token], item: ItemDecoder, frames: int) -> Carry:
-        """Extend `history` with the item's stable tokens (kept to CARRY_TOKENS) and plan the reset."""
+    def carry(self, history: list[Token], item: ItemDecoder, frames: int, context: Context | None = None) -> Carry:
+        """Extend `history` with the item's stable tokens (kept to CARRY_TOKENS) and plan the reset; the new item's
+        previous text is the stream's `context` followed by the carried text before the restart, the vocabulary and
+        the most recent tokens kept within `prompt_tokens` (less the forced prefix)."""
         history += item.tokens[: item.stable]
         del history[: -self.carry_tokens or len(history)]
-        return plan_reset(history, item.frame0 + frames, item.frame0, margin=self.margin,
-                          max_overlap=self.max_overlap)
+        carry = plan_reset(history, item.frame0 + frames, item.frame0, margin=self.margin,
+                           max_overlap=self.max_overlap)
+        context = context or Context([], [])
+        room = max(0, self.prompt_tokens - len(carry.forced))
+        return replace(carry, previous=fit_previous(context.vocabulary, [*context.recent, *carry.previous], room))
 
     def final_ids(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
         """The committed item's final ids: its stream's, or the final pass's when it heard any words."""
@@ -273,7 +314,16 @@ class CausalWhisperStream:
         self._item_start = 0.0
         self._item_from = 0  # the open item's first sample in the segment's audio
         self._heard = 0.0
+        self._context = Context([], [])
         self._open_segment(0, None, _Samples())
+
+    def set_context(self, previous: str, vocabulary: str = "") -> None:
+        """The text of the turns before this one and the user's vocabulary, as every item's previous text (module
+        docstring); before the first chunk."""
+        if self._next_sample is not None or self._state != "open":
+            raise RuntimeError("set_context must come before the stream's first chunk")
+        self._context = self._asr.context(previous, vocabulary)
+        self._open_segment(0, self._asr.first_carry(self._context), _Samples())
 
     def _open_segment(self, start_sample: int, carry: Carry | None, audio: _Samples) -> None:
         asr = self._asr
@@ -338,7 +388,7 @@ class CausalWhisperStream:
 
     def _reset(self) -> TranscriptUpdate:
         asr, item = self._asr, self._item
-        carry = asr.carry(self._history, item, self._frames)
+        carry = asr.carry(self._history, item, self._frames, self._context)
         update = self._complete([t.id for t in item.tokens[: item.stable]], end_frame=self._frames)
         restart = (carry.restart_frame - item.frame0) * FRAME_SAMPLES
         item_from = self._frames * FRAME_SAMPLES - restart  # the next item starts where this one ended

@@ -28,24 +28,13 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase, WhisperForConditionalGeneration
 
-START_OF_PREV = "<|startofprev|>"
+from runtime.models.asr.whisper_checkpoint import prompt_prefix
 
 
 def context_ids(tokenizer: PreTrainedTokenizerBase, sot: Sequence[int], previous: Sequence[int]) -> list[int]:
-    """The decoder prefix of an item that continues earlier text (after a cache reset).
-
-    With `<|startofprev|>` in the vocabulary (every real Whisper) this is Whisper's own prompt format:
-    `<|startofprev|> previous... <|startoftranscript|>...`, which conditions on the text without asking the
-    model to repeat it. Without it (the tiny test vocabulary) the previous tokens follow the SOT sequence
-    as a forced transcript prefix, so the model continues after them; either way they are context only
-    and never re-emitted.
-    """
-    if not previous:
-        return list(sot)
-    prev_id = tokenizer.get_vocab().get(START_OF_PREV)
-    if prev_id is not None:
-        return [prev_id, *previous, *sot]
-    return [*sot, *previous]
+    """The decoder prefix of an item that continues earlier text (the turns before it, a user's vocabulary, the
+    stable text carried across a cache reset): `whisper_checkpoint.prompt_prefix`, Whisper's own prompt format."""
+    return prompt_prefix(tokenizer, list(sot), list(previous))
 
 
 class Scorer(Protocol):

@@ -76,9 +76,11 @@ class ItemDecoder:
 
     def __init__(self, scorer: Scorer, context: list[int], *, eos_id: int, lookback: int, max_tokens: int,
                  block_tokens: int, frame0: int, loop_repeats: int = 0, suppress: Sequence[int] = (),
-                 refresh: int = 0) -> None:
-        """`refresh`: frames after which a stopped block re-feeds every position (0: never)."""
+                 refresh: int = 0, previous: Sequence[int] = ()) -> None:
+        """`refresh`: frames after which a stopped block re-feeds every position (0: never). `previous`: the text
+        before the item that its `context` conditions on (what the final pass gives its own decoder as prompt)."""
         self.scorer, self.context, self.eos_id = scorer, context, eos_id
+        self.previous = list(previous)
         self.lookback, self.max_tokens, self.block_tokens = lookback, max_tokens, block_tokens
         self.frame0 = frame0  # absolute frame of the segment's start
         self.loop_repeats = loop_repeats

@@ -25,6 +25,16 @@ text, whose decoding ends loops (`asr.loop_repeats`).
 An item that the stream heard no words in stays empty (Whisper given silence says "Thank you."), and an item
 completed by a 30 s cache reset keeps its first pass (its audio was cut mid-stream; only the item a commit
 ends is decoded again).
+
+The pass decodes with the item's previous text (the turns before it and the user's vocabulary, `ItemDecoder.previous`)
+as the stream did, and it asks Whisper whether it heard speech at all: over silence, noise, tones and music tiny.en
+writes "you" while its no-speech probability (`<|nocaptions|>` after `<|startoftranscript|>`) is 0.70-0.92 on the
+generated non-speech set (`runtime/bench/non_speech.py`), against at most 0.29 on the human development clips and a
+99th percentile of 0.52 on the synthetic held-out speech. An item whose probability is above openai-whisper's
+`no_speech_threshold` (0.6) completes empty. openai-whisper keeps such a segment anyway when its average log
+probability is above -1 (the decoder was sure of its words); that exception is not taken here, because Whisper's
+"you" over non-speech is sure (-0.48 to -0.97 on the same set) and the VAD gate before the pass (pipeline/audio.py)
+is the second opinion. `runtime bench asr-quality` reports the words this loses on speech (`gate_words_lost`).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ FINAL_PASSES = ("none", "decoder", "offline")
 
 # openai-whisper's `compression_ratio_threshold`: a transcript that zlib compresses more than this is a decoding loop
 LOOP_RATIO = 2.4
+NO_SPEECH = 0.6  # openai-whisper's `no_speech_threshold`: above it Whisper says the audio holds no speech
 RETRY_BEAMS = 5  # the beams a looping transcript is decoded again with (openai-whisper's and faster-whisper's default)
 
 
@@ -57,15 +68,19 @@ class Hypothesis(Protocol):
     def encode(self, audio: np.ndarray) -> Encoded: ...
 
     def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
-               draft: Sequence[int] = ()) -> list[int]: ...
+               draft: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]: ...
+
+    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = ()) -> tuple[float, float]:
+        """(no-speech probability, average log probability) of the transcript `ids`."""
+        ...
 
     def text(self, ids: Sequence[int]) -> str: ...
 
 
 class Search(Protocol):
-    """A greedy search over encoder states (`onnx_pass.GraphSearch`): transcript ids."""
+    """A greedy search over encoder states (`onnx_pass.GraphSearch`) after some previous text: transcript ids."""
 
-    def __call__(self, encoded: Encoded) -> list[int]: ...
+    def __call__(self, encoded: Encoded, previous: Sequence[int] = ()) -> list[int]: ...
 
 
 def compression_ratio(text: str) -> float:
@@ -103,21 +118,27 @@ class OfflinePass:
         self.offline, self.search = offline, search
         self.retried = 0  # items whose transcript looped and were decoded again with RETRY_BEAMS
         self.kept_stream = 0  # items that looped with beams too and kept the stream's text
+        self.silent = 0  # items Whisper heard no speech in (completed empty)
+        self.last_no_speech = 0.0  # the no-speech probability of the last item revised
 
     def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
-        offline = self.offline
+        offline, previous = self.offline, item.previous
         encoded = offline.encode(audio)
         draft = [t.id for t in item.tokens]  # the stream's words: on human speech most are right
         greedy = self.search is not None and offline.beams == 1
-        ids = self.search(encoded) if greedy else offline.decode(encoded, draft=draft)
+        ids = self.search(encoded, previous) if greedy else offline.decode(encoded, draft=draft, previous=previous)
         looped = loops(offline.text(ids))
         if looped and offline.beams < RETRY_BEAMS:
             self.retried += 1
-            ids = offline.decode(encoded, beams=RETRY_BEAMS)
+            ids = offline.decode(encoded, beams=RETRY_BEAMS, previous=previous)
             looped = loops(offline.text(ids))
         if looped:
             self.kept_stream += 1
-            return [t.id for t in item.tokens]
+            ids = [t.id for t in item.tokens]
+        self.last_no_speech, _ = offline.judge(encoded, ids, previous)
+        if self.last_no_speech > NO_SPEECH:
+            self.silent += 1
+            return []
         return ids
 
 

@@ -16,6 +16,8 @@ audio second feeding one token at a time, 0.014-0.019 s checking guesses of 2 to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -33,8 +35,8 @@ class GraphSearch:
         self.step, self.offline = step, offline
         self._silence = None if offline.silence_kv is None else _stacked(offline.silence_kv)
 
-    def __call__(self, encoded: Encoded) -> list[int]:
-        """The greedy transcript ids (no prompt, no eos) of the encoded turn."""
+    def __call__(self, encoded: Encoded, previous: Sequence[int] = ()) -> list[int]:
+        """The greedy transcript ids (no prompt, no eos) of the encoded turn after the `previous` text."""
         offline, states, frames = self.offline, encoded.states, encoded.frames
         decoder = OnnxDecoder(self.step, frames=states.shape[1])
         if self._silence is not None and frames < states.shape[1]:
@@ -50,8 +52,9 @@ class GraphSearch:
                 logp[:, suppress] = float("-inf")
             return logp
 
-        return greedy(score, lambda n: decoder.truncate(decoder.length - n), offline.prompt_ids, (),
-                      eos=offline.eos_id, max_tokens=offline.max_tokens)
+        prefix = offline.prefix(previous)
+        return greedy(score, lambda n: decoder.truncate(decoder.length - n), prefix, (),
+                      eos=offline.eos_id, max_tokens=offline.budget(prefix))
 
 
 def _stacked(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:

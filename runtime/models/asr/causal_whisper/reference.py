@@ -42,12 +42,14 @@ class OfflineRun:
 
 
 @torch.inference_mode()
-def offline_run(asr: CausalWhisperASR, audio: np.ndarray) -> OfflineRun:
-    """Transcript and shown text of `audio` by the reference computation (see the module docstring)."""
+def offline_run(asr: CausalWhisperASR, audio: np.ndarray, previous: str = "", vocabulary: str = "") -> OfflineRun:
+    """Transcript and shown text of `audio` by the reference computation (see the module docstring), as a stream
+    given `set_context(previous, vocabulary)` shows them."""
     run = OfflineRun("")
     texts: list[str] = []
     history: list[Token] = []
-    carry: Carry | None = None
+    context = asr.context(previous, vocabulary)
+    carry: Carry | None = asr.first_carry(context)
     item_from = 0  # absolute sample where the open item starts
     while True:
         start = carry.restart_frame * FRAME_SAMPLES if carry else 0
@@ -73,13 +75,13 @@ def offline_run(asr: CausalWhisperASR, audio: np.ndarray) -> OfflineRun:
             return run
         texts.append(asr.text([t.id for t in item.tokens[: item.stable]]))
         item_from = (item.frame0 + done) * FRAME_SAMPLES
-        carry = asr.carry(history, item, done)
+        carry = asr.carry(history, item, done, context)
         _show(run, 0, "", "reset")  # the new item starts with nothing shown
 
 
-def offline_transcript(asr: CausalWhisperASR, audio: np.ndarray) -> str:
-    """The transcript the stream of `asr` must complete for `audio`."""
-    return offline_run(asr, audio).text
+def offline_transcript(asr: CausalWhisperASR, audio: np.ndarray, previous: str = "", vocabulary: str = "") -> str:
+    """The transcript the stream of `asr` (given that previous text) must complete for `audio`."""
+    return offline_run(asr, audio, previous, vocabulary).text
 
 
 def _show(run: OfflineRun, sample: int, text: str, kind: str) -> None:

@@ -178,6 +178,9 @@ class FastConformerStream:
         self._next_sample = chunk.end_sample
         return self._decode(self._encoder.accept(chunk.samples))
 
+    def set_context(self, previous: str, vocabulary: str = "") -> None:
+        """Nothing: a CTC model reads no text before the audio (its word LM is the checkpoint's own)."""
+
     def finish(self) -> list[TranscriptUpdate]:
         if self._state != "open" or self._encoder is None:
             return []
