@@ -38,8 +38,9 @@ class Priority(IntEnum):
     CONTROL = 0  # loading, releasing per-session state
     ASR = 1
     PREFILL = 2
-    DECODE = 3
-    VISION = 4
+    SPEECH = 3  # a clause of the spoken answer: what the user waits to hear; the text is ahead of the voice
+    DECODE = 4
+    VISION = 5
 
 
 class WorkerStopped(RuntimeError):
