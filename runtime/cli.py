@@ -228,15 +228,52 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             questions = [ScheduledQuestion(args.question, args.at)]
     else:  # serve
         return _serve(args, profile, console)
+    speak: Path | None = getattr(args, "speak", None)
+    if speak is not None:  # before any model loads: a missing voice package or folder fails at once
+        _check_speak_path(speak)
+        from runtime.models.tts import DEFAULT_VOICE, check_voice
+
+        check_voice(DEFAULT_VOICE)
     worker, models = _setup(profile, console, answers=args.command != "transcribe")
     console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else " unpaced"))
     try:
-        errors = asyncio.run(_run_session(profile, models, worker, source, args, console, questions, interactive))
+        if speak is None:
+            errors = asyncio.run(_run_session(profile, models, worker, source, args, console, questions, interactive))
+        else:
+            errors = asyncio.run(_ask_and_speak(profile, models, worker, source, args, console, questions, speak))
     finally:
         worker.stop()
     if errors:  # each was printed as it happened; a script must not take a failed run for a good one
         print(f"runtime: the session reported {errors} error(s)", file=sys.stderr)
     return 1 if errors else 0
+
+
+def _check_speak_path(path: Path) -> None:
+    if path.is_dir():
+        raise UserError(f"--speak {path}: is a folder; name the wav file to write")
+    if not path.parent.is_dir():
+        raise UserError(f"--speak {path}: the folder {path.parent} does not exist")
+
+
+async def _ask_and_speak(
+    profile: Profile, models: Models, worker: DeviceWorker, source: Source, args: argparse.Namespace,
+    console: Console, questions: Sequence[ScheduledQuestion], path: Path,
+) -> int:
+    """`ask --speak`: the session as usual, its answer spoken clause by clause on the worker while it decodes."""
+    from runtime.io.spoken_answer import SpokenAnswer
+    from runtime.models.tts import DEFAULT_VOICE, load_voice
+    from runtime.worker import Priority
+
+    started = time.perf_counter()
+    voice = await worker.run(Priority.CONTROL, load_voice, DEFAULT_VOICE)
+    console.status(f"voice {voice.name} ready in {time.perf_counter() - started:.1f} s")
+    speaker = SpokenAnswer(voice, worker, path)
+    errors = await _run_session(profile, models, worker, source, args, console, questions, publish=speaker.on_event)
+    seconds = await speaker.finish()
+    first = f"; first clause ready {speaker.first_clause_s:.2f} s after the answer's first words" \
+        if speaker.first_clause_s is not None else ""
+    console.status(f"spoke the answer: {seconds:.1f} s of audio in {len(speaker.clauses)} clause(s) to {path}{first}")
+    return errors
 
 
 def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:

@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path, help="an audio or video file (its frames are seen when the model can see)")
     p.add_argument("question", help="the question, asked at --at")
     p.add_argument("--at", type=_seconds, metavar="SECONDS", help="media time to ask at (default: the end)")
+    p.add_argument("--speak", type=Path, metavar="WAV", help="also speak the answer with the voice (builtin:piper-"
+                   "en-us-joe-medium; clause by clause as it decodes) and write it to WAV (16-bit mono, 22,050 Hz)")
     _speed(p, 0.0, "as fast as possible")
     _common(p)
 
