@@ -40,6 +40,9 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "server on the shipped SmolLM2, or --lm-url)"),
     "turns": ("runtime.bench.turns", "turn detection, server_vad vs semantic_vad, on human speech with pauses inserted "
               "mid-utterance: false cut-offs, end-of-turn delay, Smart Turn calls, CPU"),
+    "voice": ("runtime.bench.voice", "the voice (builtin:piper-en-us-joe-medium): synthesis real-time factor against "
+              "the piper command on the same text, first-clause synthesis time, round-trip WER through Whisper "
+              "tiny.en on 25 spoken answers, output encoding cost"),
 }
 # the flags that pick a checkpoint or data set, per benchmark that takes them
 CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human"),
