@@ -110,8 +110,9 @@ class LMConfig:
     stop_repeats: bool = False  # end an answer that says the same phrase again and again (sampling.repeats_itself)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    # engine: fp32 | bf16 | int8 | int4 (weight-only, CPU kernels) | auto (the profile's dtype); see
-    # models/lm/weight_formats.py. int4 takes a GGUF file's own 4-bit blocks as they are.
+    # engine: fp32 | bf16 | int8 | int4 | native (weight-only, CPU kernels) | auto (the profile's dtype); see
+    # models/lm/weight_formats.py. int4 takes a GGUF file's own 4-bit blocks as they are; native keeps those as int4
+    # and every finer-stored weight (Q5_0, Q6_K, Q8_0) as int8.
     weights: str = "auto"
     max_context_tokens: int = 2048  # generate: the transcript is cut from the front to fit
     system_prompt: str = (

@@ -29,7 +29,8 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model: torch.nn.Module, path: Path, arch: str, qtype: GGMLQuantizationType,
-               tie: bool = True) -> None:
+               tie: bool = True, types: dict[str, GGMLQuantizationType] | None = None) -> None:
+    """`types`: another storage by tensor kind (`attn_v`, `ffn_down`, `output`, ...), as a Q4_K_M file mixes them."""
     cfg = model.config
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -67,7 +68,9 @@ def write_gguf(model: torch.nn.Module, path: Path, arch: str, qtype: GGMLQuantiz
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
         if a.ndim == 2 and a.shape[1] % 32 == 0:
-            w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
+            kind = gname.split(".")[-2] if gname.startswith("blk.") else gname.split(".")[0]
+            own = (types or {}).get(kind, qtype)
+            w.add_tensor(gname, quantize(a, own), raw_dtype=own)
         else:
             w.add_tensor(gname, a)
     w.write_header_to_file()
@@ -140,6 +143,31 @@ def test_weight_formats_stay_close_to_fp32(written) -> None:
         rel = float((got - ref).norm() / ref.norm())
         assert rel < 0.15, (fmt, rel)
     assert isinstance(Transformer.from_pretrained(path, weights="int8").lm_head, Int8Linear)
+
+
+def test_native_keeps_each_weight_in_the_layout_nearest_its_storage(tmp_path: Path) -> None:
+    """lm.weights = native on a file that mixes storages as a Q4_K_M file does: a projection whose parts are all
+    4-bit is int4 on the file's own blocks (what the int4 format builds), any other is int8 (what the int8 format
+    builds from the same dequantised weights); a fused q/k/v with one finer part is int8 whole."""
+    path = tmp_path / "mixed.gguf"
+    q = GGMLQuantizationType
+    write_gguf(tiny("qwen2"), path, "qwen2", q.Q4_0, tie=False, types={"attn_v": q.Q8_0, "ffn_down": q.Q5_0,
+                                                                      "output": q.Q8_0})
+    native = Transformer.from_pretrained(path, weights="native")
+    int4 = Transformer.from_pretrained(path, weights="int4")
+    int8 = Transformer.from_pretrained(path, weights="int8")
+    assert native.weights == "native" and native.dtype == torch.bfloat16
+    for name, module in native.named_modules():
+        if not isinstance(module, (Int4Linear, Int8Linear)):
+            continue
+        four_bit = name.endswith(("gate_up_proj", "o_proj"))
+        assert isinstance(module, Int4Linear if four_bit else Int8Linear), name
+        same = (int4 if four_bit else int8).get_submodule(name)
+        assert all(torch.equal(a, b) for a, b in zip(module.buffers(), same.buffers(), strict=True)), name
+    ids = torch.tensor([1, 5, 9, 33, 70, 2, 14, 95, 3])
+    ref = Transformer.from_pretrained(path)(ids, torch.arange(len(ids)))
+    got = native(ids, torch.arange(len(ids)))
+    assert float((got - ref).norm() / ref.norm()) < 0.15
 
 
 def test_quantisers_round_trip() -> None:

@@ -49,10 +49,11 @@ from torch import Tensor
 from runtime.errors import ConfigError
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.transformer import Transformer, apply_rope, linear
+from runtime.models.lm.weight_formats import QUANTIZED
 
 log = logging.getLogger(__name__)
 COMPILE_MODES = ("auto", "on", "off")
-AUTO_FORMATS = ("int8", "int4")  # where `auto` compiles: the formats whose eager step is most overhead-bound
+AUTO_FORMATS = QUANTIZED  # where `auto` compiles: the formats whose eager step is most overhead-bound
 # emulate_precision_casts: round bf16 intermediates where eager does (exactness, above); cpp_wrapper and no size
 # asserts: the step's ~300 kernel calls made from C++, not Python (about 6 % of a SmolLM2 int4 step at 1 thread)
 OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True, "size_asserts": False}

@@ -48,6 +48,7 @@ from runtime.models.lm.sampling import eos_ids as eos_set
 from runtime.models.lm.source_tokens import SourceTokens
 from runtime.models.lm.tokenizer import load_tokenizer
 from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.weight_formats import QUANTIZED
 from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
 
 if TYPE_CHECKING:  # imported at run time only on CUDA, by `EngineSession._decode_graph`
@@ -83,7 +84,7 @@ class LMEngine:
         # to land in (how busy the machine was) changed the answers. Their matmuls are row-independent, so the KV
         # is then bitwise the same however it was cut, until the window first slides (docs/llm.md says why and
         # what it costs). fp32 agrees to rounding anyway, and bf16's `F.linear` is not row-independent.
-        self.by_token = exact_prefill and model.device.type == "cpu" and cfg.weights in ("int8", "int4")
+        self.by_token = exact_prefill and model.device.type == "cpu" and cfg.weights in QUANTIZED
         self._encoded: dict[str, list[int]] = {}
         self.compiled: CompiledStep | None = None  # the CPU decode step compiled at load (`lm.compile`)
         if wanted(cfg.compile, model, cfg.drafter):

@@ -29,12 +29,12 @@ from safetensors.torch import load_file, save_file
 
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.transformer import Transformer
-from runtime.models.lm.weight_formats import format_dtype
+from runtime.models.lm.weight_formats import QUANTIZED, format_dtype
 from runtime.models.lm.weights import ModelArgs
 from runtime.models.loading import cache_dir
 
 VERSION = 1
-PACKED_FORMATS = ("int8", "int4")  # the formats whose build from a GGUF file repacks every weight
+PACKED_FORMATS = QUANTIZED  # the formats whose build from a GGUF file repacks every weight
 ALIGN = 64  # bytes: a cache line, what a fresh torch allocation is aligned to
 
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm.attention import Mask, TokenKeys, attention_by_token, token_keys
 from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
-from runtime.models.lm.weight_formats import BlockSource, empty_like_state, format_dtype, quantize_linears
+from runtime.models.lm.weight_formats import QUANTIZED, BlockSource, empty_like_state, format_dtype, quantize_linears
 from runtime.models.lm.weights import ModelArgs, load_state, read_config
 
 CacheBuffers = tuple[Tensor, Tensor, Tensor, Tensor]  # K, V, rotated K [layers, 1, kv_heads, slots, d]; positions
@@ -395,7 +395,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args).to(device)
-        if weights in ("int8", "int4"):
+        if weights in QUANTIZED:
             quantize_linears(model, weights, blocks=blocks, fused=FUSED)
         model.weights = weights
         return model.eval().requires_grad_(False)

@@ -1,8 +1,8 @@
-"""Weight formats of the engine's linear layers (`lm.weights`): fp32, bf16, int8 and int4.
+"""Weight formats of the engine's linear layers (`lm.weights`): fp32, bf16, int8, int4 and native.
 
 Decoding one token reads every weight once, so on a CPU its speed is set by the bytes a weight takes and the
 kernel that reads them. fp32 and bf16 are the model's dtype (oneDNN matmuls; bf16 halves the bytes on
-AVX-512 BF16). int8 and int4 are weight-only: activations are bfloat16 (the kernels' fast path), and torch's
+AVX-512 BF16). int8, int4 and native are weight-only: activations are bfloat16 (the kernels' fast path), and torch's
 CPU kernels multiply by the quantised weights directly:
 
 - int8: `aten._weight_int8pack_mm`, one symmetric scale per output row (quantised from the float weights);
@@ -11,6 +11,11 @@ CPU kernels multiply by the quantised weights directly:
   and zero = m + 8 d) and a Q4_0 one (m = -8 d): a GGUF file's 4-bit blocks are taken as they are, and any
   other weight (the Q8_0 embeddings a tied head reads, a safetensors checkpoint) is quantised by its block's
   minimum and maximum, as Q4_1 does.
+
+- native: each projection in the layout nearest its own storage in a GGUF file: 4-bit blocks (Q4_0, Q4_1, Q4_K)
+  as int4, exactly; anything finer (Q5_0, Q6_K, Q8_0, float) as int8. Quantising a 5- or 6-bit weight to 4 bits
+  loses what the file kept: on Qwen2.5-Coder-0.5B (mostly Q5_0) int4 moved the logits from llama.cpp's by a mean
+  KL of 0.08 and int8 by 0.004 (docs/llm.md). A fused projection is int4 only when all its parts are 4-bit.
 
 Only the projections and the head change; embeddings, norms and the KV cache stay in the model's dtype.
 """
@@ -25,14 +30,15 @@ from torch import Tensor, nn
 from runtime.errors import ConfigError
 from runtime.models.lm.gguf_checkpoint import Q4Blocks
 
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "native")
+QUANTIZED = ("int8", "int4", "native")  # weight-only formats: bf16 activations around torch's int8/int4 kernels
 GROUP = 32
 BlockSource = Callable[[str], Q4Blocks | None]  # a weight's own 4-bit blocks by checkpoint name, if it has them
 
 
 def format_dtype(weights: str, dtype: torch.dtype) -> torch.dtype:
-    """The model's dtype under weight format `weights` (auto keeps the run's `dtype`). int8 and int4 compute in
-    bfloat16 around their weight-only matmuls: torch's CPU kernels take bf16 activations on their fast path
+    """The model's dtype under weight format `weights` (auto keeps the run's `dtype`). The quantised formats compute
+    in bfloat16 around their weight-only matmuls: torch's CPU kernels take bf16 activations on their fast path
     (the head of SmolLM2-135M in int4: 0.8 ms with bf16 activations, 41 ms with float32 ones)."""
     if weights not in WEIGHT_FORMATS:
         raise ConfigError(f"lm.weights {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
@@ -40,7 +46,7 @@ def format_dtype(weights: str, dtype: torch.dtype) -> torch.dtype:
         return torch.float32
     if weights == "bf16":
         return torch.bfloat16
-    return torch.bfloat16 if weights in ("int8", "int4") else dtype
+    return torch.bfloat16 if weights in QUANTIZED else dtype
 
 
 class Int8Linear(nn.Module):
@@ -150,8 +156,8 @@ def quantize_linears(model: nn.Module, fmt: str, *, blocks: BlockSource | None =
 
     `blocks` gives a weight's own 4-bit blocks by its checkpoint name (`model.layers.0.self_attn.q_proj.weight`);
     `fused` maps our fused module suffixes to the checkpoint modules they were built from."""
-    if fmt not in ("int8", "int4"):
-        raise ValueError(f"quantize_linears takes int8 or int4, not {fmt!r}")
+    if fmt not in QUANTIZED:
+        raise ValueError(f"quantize_linears takes {', '.join(QUANTIZED)}, not {fmt!r}")
     if next(model.parameters()).device.type != "cpu":
         raise ConfigError(f"lm.weights = {fmt} runs on CPU kernels; on a GPU use fp32 or bf16")
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -162,11 +168,13 @@ def quantize_linears(model: nn.Module, fmt: str, *, blocks: BlockSource | None =
         w, bias = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
         dtype = w.dtype if w.dtype != torch.float64 else torch.float32
         new: nn.Module
-        if fmt == "int8":
+        own = None if fmt == "int8" else _own_blocks(name, blocks, fused or {})
+        if own is not None:
+            new = Int4Linear.from_blocks(own, bias, dtype)
+        elif fmt == "int4":
+            new = Int4Linear.quantize(w, bias, dtype)
+        else:  # int8, or a native weight stored finer than 4 bits
             new = Int8Linear.quantize(w, bias, dtype)
-        else:
-            own = _own_blocks(name, blocks, fused or {})
-            new = Int4Linear.from_blocks(own, bias, dtype) if own is not None else Int4Linear.quantize(w, bias, dtype)
         setattr(parent, attr, new)
     return len(names)
 
