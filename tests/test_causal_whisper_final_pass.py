@@ -102,12 +102,16 @@ def test_streamed_final_pass_equals_its_offline_computation(base: CausalWhisperA
             np.testing.assert_array_equal(recorder.heard[0], audio[start:])  # offline_transcript's call
 
 
-def test_an_item_without_words_is_not_decoded_again(base: CausalWhisperASR) -> None:
-    recorder = Recorder([1, 2, 3])
-    asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="offline"),
-                           final_pass=OfflinePass(recorder))
-    item = asr.item(IncrementalDecoder(base.model), None)
-    assert asr.final_ids(item, np.zeros(1600, np.float32)) == [] and recorder.heard == []
+def test_an_item_without_words_is_judged_by_the_offline_pass_and_kept_empty_by_the_decoder_pass(
+        base: CausalWhisperASR) -> None:
+    for no_speech, expected in ((0.9, []), (0.1, [1, 2, 3])):  # silence, or a short word the stream missed
+        recorder = Recorder([1, 2, 3], no_speech=no_speech)
+        asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="offline"),
+                               final_pass=OfflinePass(recorder))
+        item = asr.item(IncrementalDecoder(base.model), None)
+        assert asr.final_ids(item, np.zeros(1600, np.float32)) == expected and len(recorder.heard) == 1
+    asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="decoder"), final_pass=DecoderPass())
+    assert asr.final_ids(asr.item(IncrementalDecoder(base.model), None), np.zeros(1600, np.float32)) == []
 
 
 def test_unknown_final_pass_is_a_config_error() -> None:

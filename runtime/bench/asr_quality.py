@@ -23,6 +23,12 @@ FastConformer on the held-out set and on human speech (`--human DIR`, default `.
 compute per audio second and word latency per (system, set), and the issue's `targets` from those rows.
 `--systems` picks a subset (without `fastconformer` the report above is skipped).
 
+`captions` (issue 53, `asr_captions.py`) runs the two-pass causal stream as a session does, Silero VAD cutting
+turns: the words captioned over the generated non-speech set (target 0) beside the ungated stream and
+faster-whisper, the words the speech gate loses on the speech sets, and long-form human reading assembled from the
+development clips with and without the turns' context, against offline Whisper and faster-whisper on the same file
+(target: streamed WER within 1.25x offline). `--systems` without `captions` skips it.
+
 Texts are compared after `runtime.train.text_norm.normalize` (numbers spelled out, punctuation dropped), the
 form the model was trained to write. Targets (issue 7): held-out WER <= 15 % and CER <= 5 % at the smallest
 look-ahead, streaming within 1 point of offline, the demo sample's WER <= 10 %.
@@ -143,7 +149,7 @@ def offline_text(asr: FastConformerASR, logprobs: np.ndarray) -> str:
 
 def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, Any]:
     from runtime.bench.asr_systems import QUICK_UTTERANCES as SYSTEMS_QUICK
-    from runtime.bench.asr_systems import EvalSet, build, human_set, selection
+    from runtime.bench.asr_systems import WHISPER, EvalSet, build, human_set, selection
     from runtime.models.loading import configure_threads
 
     ref = getattr(args, "model", None) or DEFAULT_MODEL
@@ -161,8 +167,13 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     result["data"] = str(folder)
     keep = rows[:SYSTEMS_QUICK] if args.quick else rows
     synthetic = EvalSet("synthetic", [_read(folder / row["audio"]) for row in keep], [row["text"] for row in keep])
-    result.update(build(args, [synthetic, human_set(args, _read)], kinds, chunks, fc_ref=ref, device=args.device,
-                        dtype=dtype, status=status))
+    sets = [synthetic, human_set(args, _read)]
+    result.update(build(args, sets, kinds, chunks, fc_ref=ref, device=args.device, dtype=dtype, status=status))
+    if "captions" in kinds:
+        from runtime.bench.asr_captions import captions_part
+
+        whisper = getattr(args, "whisper", None) or WHISPER
+        result["captions"] = captions_part(args, sets, whisper, args.device, dtype, status)
     return {**result, "units": "percent, after text_norm.normalize", "machine": machine(args.device, dtype, threads),
             "wall_s": round(time.perf_counter() - started, 1)}
 

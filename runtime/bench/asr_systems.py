@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from runtime.models.asr.base import StreamingASR
 
 WHISPER = "builtin:whisper-tiny.en"
-KINDS = ("offline", "causal", "two-pass", "previewed", "buffered", "faster-whisper", "fastconformer")
+KINDS = ("offline", "causal", "two-pass", "previewed", "buffered", "faster-whisper", "fastconformer", "captions")
 FINAL_PASSES = ("decoder", "offline")
 CHUNKS = (100, 200, 300)
 OFFLINE, BUFFERED = "whisper-offline", "whisper-buffered-1s"
@@ -350,8 +350,10 @@ def targets(table: dict[str, dict[str, Any]], chunks: list[int], preview: int = 
     return out
 
 
-def faster_whisper(ct2: Path | None, reason: str) -> tuple[Callable[[np.ndarray], str] | None, str]:
-    """faster-whisper's offline greedy transcriber for the CTranslate2 folder `ct2`, or (None, why not)."""
+def faster_whisper(ct2: Path | None, reason: str, *, long_form: bool = False
+                   ) -> tuple[Callable[[np.ndarray], str] | None, str]:
+    """faster-whisper's offline greedy transcriber for the CTranslate2 folder `ct2`, or (None, why not). `long_form`:
+    each 30 s window conditioned on the text before it (its default for files longer than a window)."""
     try:
         from faster_whisper import WhisperModel
     except ImportError:
@@ -361,8 +363,8 @@ def faster_whisper(ct2: Path | None, reason: str) -> tuple[Callable[[np.ndarray]
     model = WhisperModel(str(ct2), device="cpu", compute_type="int8", cpu_threads=FW_THREADS)
 
     def transcribe(audio: np.ndarray) -> str:  # one greedy pass: no temperature fallback, no timestamps, no VAD
-        segments, _ = model.transcribe(audio, beam_size=1, temperature=0.0, without_timestamps=True,
-                                       condition_on_previous_text=False)
+        segments, _ = model.transcribe(audio, beam_size=1, temperature=0.0, without_timestamps=not long_form,
+                                       condition_on_previous_text=long_form)
         return "".join(seg.text for seg in segments)
 
     return transcribe, ""

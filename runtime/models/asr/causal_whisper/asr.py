@@ -263,9 +263,12 @@ class CausalWhisperASR:
         return replace(carry, previous=fit_previous(context.vocabulary, [*context.recent, *carry.previous], room))
 
     def final_ids(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
-        """The committed item's final ids: its stream's, or the final pass's when it heard any words."""
+        """The committed item's final ids: its stream's, or the final pass's when the stream heard any words or the
+        pass judges speech itself (the `offline` pass: a stream given the turns before as context sometimes writes
+        nothing for a short turn, "two" after "one", that the pass hears; over silence Whisper's no-speech
+        probability empties it)."""
         ids = [t.id for t in item.tokens]
-        if self.final_pass is None or not self.text(ids).strip():
+        if self.final_pass is None or not (self.final_pass.judges_speech or self.text(ids).strip()):
             return ids
         return self.final_pass.revise(item, audio)
 

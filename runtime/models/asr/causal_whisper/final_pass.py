@@ -22,9 +22,11 @@ transcript is decoded again from the same encoder states with 5 beams (openai-wh
 on temperature sampling instead: this one stays deterministic); if that loops too, the item keeps the stream's own
 text, whose decoding ends loops (`asr.loop_repeats`).
 
-An item that the stream heard no words in stays empty (Whisper given silence says "Thank you."), and an item
-completed by a 30 s cache reset keeps its first pass (its audio was cut mid-stream; only the item a commit
-ends is decoded again).
+An item completed by a 30 s cache reset keeps its first pass (its audio was cut mid-stream; only the item a commit
+ends is decoded again). With the `decoder` pass an item the stream heard no words in stays empty (Whisper given
+silence says "Thank you."); the `offline` pass decodes it too and judges it by Whisper's no-speech probability
+(below): a stream given the turns before as context sometimes writes nothing for a short turn ("two" after
+"one" on the human development clips) that the full-context pass hears.
 
 The pass decodes with the item's previous text (the turns before it and the user's vocabulary, `ItemDecoder.previous`)
 as the stream did, and it asks Whisper whether it heard speech at all: over silence, noise, tones and music tiny.en
@@ -95,6 +97,7 @@ def loops(text: str) -> bool:
 
 class FinalPass(Protocol):
     name: str
+    judges_speech: bool  # it says itself whether an item holds speech (run even where the stream wrote nothing)
 
     def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
         """The item's final token ids, given its decoder state after the last block and the audio it covers."""
@@ -103,6 +106,7 @@ class FinalPass(Protocol):
 
 class DecoderPass:
     name = "decoder"
+    judges_speech = False
 
     def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
         item.redecode()
@@ -111,11 +115,13 @@ class DecoderPass:
 
 class OfflinePass:
     name = "offline"
+    judges_speech = True
 
-    def __init__(self, offline: Hypothesis, search: Search | None = None) -> None:
+    def __init__(self, offline: Hypothesis, search: Search | None = None, no_speech: float = NO_SPEECH) -> None:
         """`search`: the greedy search run elsewhere than `offline`'s own decoder (an ONNX Runtime graph of it,
-        onnx_pass.py); the encoding, the loop check and the beam retry stay `offline`'s."""
-        self.offline, self.search = offline, search
+        onnx_pass.py); the encoding, the loop check and the beam retry stay `offline`'s. `no_speech`: the
+        no-speech probability above which an item completes empty (above 1: never; the bench's ungated row)."""
+        self.offline, self.search, self.no_speech = offline, search, no_speech
         self.retried = 0  # items whose transcript looped and were decoded again with RETRY_BEAMS
         self.kept_stream = 0  # items that looped with beams too and kept the stream's text
         self.silent = 0  # items Whisper heard no speech in (completed empty)
@@ -136,7 +142,7 @@ class OfflinePass:
             self.kept_stream += 1
             ids = [t.id for t in item.tokens]
         self.last_no_speech, _ = offline.judge(encoded, ids, previous)
-        if self.last_no_speech > NO_SPEECH:
+        if self.last_no_speech > self.no_speech:
             self.silent += 1
             return []
         return ids
