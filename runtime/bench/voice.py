@@ -58,8 +58,9 @@ from runtime.errors import CheckpointNotFound
 
 Status = Callable[[str], None]
 
-# Fixed answers an assistant might speak: everyday words, a few numbers, names, questions and lists. Written for
-# this benchmark; they never change, so results compare across runs.
+# Fixed answers an assistant might speak: everyday words, a few numbers, questions. Written for this benchmark;
+# they never change, so results compare across runs. American spelling (the voice is en_US, Whisper writes it) and
+# no homophones the scoring would count against the voice ("its" / "it's").
 SENTENCES = (
     "The meeting moved to Thursday at three in the afternoon.",
     "Please bring the slides and the budget for the second quarter.",
@@ -82,8 +83,8 @@ SENTENCES = (
     "Mix the flour and the eggs, then bake it for twenty minutes.",
     "The library opens at nine and closes at six on weekdays.",
     "Remember to water the plants before you leave for the airport.",
-    "The blue car parked outside belongs to our neighbour.",
-    "Most of the questions were about the new phone and its battery.",
+    "The blue car parked outside belongs to our neighbor.",
+    "Most of the questions were about the new phone and the battery.",
     "Good morning! Here is what happened while you were away.",
     "The last slide shows the sales numbers for each city.",
 )

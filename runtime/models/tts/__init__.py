@@ -7,8 +7,9 @@ One concept a file:
   espeak-ng's phonemes through `piper-tts`;
 - `clauses.py`: cuts the answer's streamed text deltas into speakable clauses as they arrive, the first one
   short so that sound starts soon, and strips what a voice must not read aloud (markdown marks);
-- `output_audio.py`: the voice's samples encoded for the client: `audio/pcm` at 24 kHz and G.711
-  `audio/pcmu` / `audio/pcma` at 8 kHz, resampled and encoded by PyAV (FFmpeg).
+- `output_audio.py`: the voice's samples encoded for the client as a stream: `audio/pcm` at 24 kHz and G.711
+  `audio/pcmu` / `audio/pcma` at 8 kHz, resampled by PyAV (libswresample);
+- `g711.py`: mu-law and A-law encoding from the standard's segment tables, in numpy.
 
 `load_voice(ref)` is the one entry: it maps a `builtin:` name to its implementation. Loading and synthesis are
 model compute: callers run them on the device worker, never on the event loop.
