@@ -82,3 +82,14 @@ def test_long_form_reads_each_clip_once_with_reader_like_pauses() -> None:
     gaps = np.diff(voiced)[np.diff(voiced) > 1] - 1
     assert len(gaps) == 2 and all(PAUSE_S[0] * SAMPLE_RATE <= g <= PAUSE_S[1] * SAMPLE_RATE for g in gaps)
     assert sorted(set(np.round(audio[voiced], 1))) == [0.1, 0.2, 0.3]  # every clip, once each
+
+
+def test_the_gate_loses_only_reference_words_it_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.bench.asr_captions as captions
+
+    assert captions.heard("One, two, three.", "1 2 you three") == 3 and captions.heard("we must", "") == 0
+    # one clip's captions, gated then ungated: the gate took "you" (no loss) and "home" (a word lost)
+    runs = iter([captions.Captioned(["we must find a new"]), captions.Captioned(["you we must find a new home"])])
+    monkeypatch.setattr(captions, "caption", lambda *a, **k: next(runs))
+    row = captions.gate_rows(None, None, [("set", [np.zeros(1, np.float32)], ["we must find a new home"])])["set"]  # type: ignore[arg-type]
+    assert (row["words_lost"], row["words_removed"], row["clips_emptied"]) == (1, 2, 0)

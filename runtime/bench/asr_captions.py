@@ -148,6 +148,18 @@ def _words(text: str) -> int:
     return len(normalize(text).split())
 
 
+def heard(ref: str, hyp: str) -> int:
+    """Reference words the hypothesis has, in order (the longest common subsequence of the normalised words): what
+    a gate that drops words can lose, where a dropped "you" over silence is no loss."""
+    a, b = normalize(ref).split(), normalize(hyp).split()
+    row = [0] * (len(b) + 1)
+    for x in a:
+        diagonal = 0
+        for j, y in enumerate(b, 1):
+            diagonal, row[j] = row[j], diagonal + 1 if x == y else max(row[j], row[j - 1])
+    return row[-1]
+
+
 def non_speech_rows(asr: StreamingASR, turn_models: TurnModels, quick: bool,
                     faster: Callable[[np.ndarray], str] | None, faster_reason: str) -> dict[str, Any]:
     """Words shown on each non-speech clip by the gated session path, the same path without the gate, and
@@ -174,19 +186,22 @@ def non_speech_rows(asr: StreamingASR, turn_models: TurnModels, quick: bool,
     return row
 
 
-def gate_rows(asr: StreamingASR, turn_models: TurnModels, sets: list[tuple[str, list[np.ndarray], list[str]]]
-              ) -> dict[str, Any]:
-    """Per speech set: the words the gated captions lack against the ungated ones, and both WERs."""
+def gate_rows(asr: StreamingASR, turn_models: TurnModels, sets: list[tuple[str, list[np.ndarray], list[str]]],
+              gated_runs: dict[str, list[Captioned]] | None = None) -> dict[str, Any]:
+    """Per speech set, gated and ungated: `words_lost`, the reference words the ungated captions have and the gated
+    ones lack (`heard`); `words_removed`, every word the gate took (a "you" over a pause included); both WERs.
+    `gated_runs`: a set's gated captions already made (the long form's)."""
     rows: dict[str, Any] = {}
     for name, audios, refs in sets:
         if not audios:
             continue
-        gated = [caption(asr, turn_models, a) for a in audios]
+        gated = (gated_runs or {}).get(name) or [caption(asr, turn_models, a) for a in audios]
         ungated = [caption(asr, turn_models, a, gate=False) for a in audios]
-        lost = sum(max(0, _words(u.text) - _words(g.text)) for g, u in zip(gated, ungated, strict=True))
-        rows[name] = {"utterances": len(audios), "words_ungated": sum(_words(u.text) for u in ungated),
-                      "words_lost": lost, "clips_emptied": sum(bool(_words(u.text)) and not _words(g.text)
-                                                               for g, u in zip(gated, ungated, strict=True)),
+        pairs = list(zip(refs, gated, ungated, strict=True))
+        rows[name] = {"utterances": len(audios), "reference_words": sum(_words(r) for r in refs),
+                      "words_lost": sum(max(0, heard(r, u.text) - heard(r, g.text)) for r, g, u in pairs),
+                      "words_removed": sum(max(0, _words(u.text) - _words(g.text)) for _, g, u in pairs),
+                      "clips_emptied": sum(bool(_words(u.text)) and not _words(g.text) for _, g, u in pairs),
                       "wer_gated": round(100 * wer(refs, [g.text for g in gated]), 2),
                       "wer_ungated": round(100 * wer(refs, [u.text for u in ungated]), 2)}
     return rows
@@ -194,9 +209,12 @@ def gate_rows(asr: StreamingASR, turn_models: TurnModels, sets: list[tuple[str, 
 
 def long_form_row(asr: StreamingASR, turn_models: TurnModels, audio: np.ndarray, ref: str,
                   offline: Callable[[np.ndarray], str] | None, faster: Callable[[np.ndarray], str] | None,
-                  faster_reason: str) -> dict[str, Any]:
-    """Streamed WER with and without the turns' context, and the offline peers' on the same file."""
+                  faster_reason: str, runs: list[Captioned] | None = None) -> dict[str, Any]:
+    """Streamed WER with and without the turns' context, and the offline peers' on the same file; `runs` gets the
+    streamed captions with context."""
     with_context = caption(asr, turn_models, audio)
+    if runs is not None:
+        runs.append(with_context)
     without = caption(asr, turn_models, audio, context=False)
     row: dict[str, Any] = {"audio_s": round(len(audio) / SAMPLE_RATE, 2), "reference": normalize(ref)}
     for key, run in (("streamed_with_context", with_context), ("streamed_without_context", without)):
@@ -226,15 +244,17 @@ QUICK_GATE_CLIPS = 4  # --quick: the synthetic clips the gate's words lost are c
 
 
 def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,  # noqa: ANN401 - argparse
-                  status: Callable[[str], None]) -> dict[str, Any]:
+                  status: Callable[[str], None], shared: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `captions` report: non-speech, the gate's words lost and long form (module docstring), each with its
-    peers, for the Whisper systems' stream as the whisper-tiny-en profile runs it (`--whisper`, `--adapter` and
-    `--graph-runtime` as for the systems)."""
+    peers, for the two-pass causal stream at 300 ms as the whisper-tiny-en profile runs it (`--whisper`,
+    `--adapter` and `--graph-runtime` as for the systems). `shared`: models `asr_systems.build` loaded (reused)."""
     from dataclasses import replace
 
     from runtime.bench.asr_systems import OFFLINE_TOKENS, faster_whisper
     from runtime.config import ASRConfig, load_profile
     from runtime.errors import CheckpointNotFound
+    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+    from runtime.models.asr.causal_whisper.final_pass import OfflinePass
     from runtime.models.asr.registry import load_asr
     from runtime.models.asr.whisper_buffered import WhisperBuffered
     from runtime.models.asr.whisper_ct2 import is_ct2_whisper_dir
@@ -246,25 +266,38 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
         turn_models = TurnModels(SileroVAD.load())
     except CheckpointNotFound as err:
         return {"reason": f"no voice activity detector: {err}"}
+    shared = shared or {}
     profile = load_profile("whisper-tiny-en").asr
-    cfg = replace(profile, model=ref, adapter=getattr(args, "adapter", None) or profile.adapter,
+    cfg = replace(profile, model=ref, chunk_ms=300, preview_ms=0, final_pass="offline",
+                  adapter=getattr(args, "adapter", None) or profile.adapter,
                   graph_runtime=getattr(args, "graph_runtime", None) or profile.graph_runtime)
-    asr = load_asr(cfg, device=device, dtype=dtype, progress=status)
+    if "causal" in shared and "pass" in shared:  # the systems' stream and offline pass, as the two-pass rows run
+        first, (second, search) = shared["causal"], shared["pass"]
+        cfg = replace(first.cfg, chunk_ms=300, preview_ms=0, final_pass="offline")
+        asr = CausalWhisperASR(first.model, first.tokenizer, cfg, name=first.name,
+                               final_pass=OfflinePass(second, search), onnx_step=first.onnx_step,
+                               encoder_graph=first.encoder_graph)
+    else:
+        asr = load_asr(cfg, device=device, dtype=dtype, progress=status)
     path = resolve_checkpoint(ref, role="asr")
     ct2 = path if is_ct2_whisper_dir(path) else None
     why = f"{ref} is not a CTranslate2 folder: faster-whisper cannot load it"
     faster, reason = faster_whisper(ct2, why)
     faster_long, _ = faster_whisper(ct2, why, long_form=True)
-    buffered = load_asr(ASRConfig(backend="whisper-buffered", model=ref), device=device, dtype=dtype)
-    offline = WhisperBuffered(buffered.model, buffered.tokenizer, buffered.feature_extractor,
-                              replace(buffered.cfg, max_new_tokens=OFFLINE_TOKENS), name=ref)
+    offline = shared.get("offline")
+    if offline is None:
+        buffered = load_asr(ASRConfig(backend="whisper-buffered", model=ref), device=device, dtype=dtype)
+        offline = WhisperBuffered(buffered.model, buffered.tokenizer, buffered.feature_extractor,
+                                  replace(buffered.cfg, max_new_tokens=OFFLINE_TOKENS), name=ref)
     quick = bool(args.quick)
     by_name = {s.name: s for s in sets if not s.reason}
-    out: dict[str, Any] = {"stream": f"{ref}, the whisper-tiny-en profile's stream and offline final pass, adapter "
-                           f"{cfg.adapter or 'none'}; Silero VAD turns at {CHUNK_MS} ms chunks, the captioner's "
-                           "300 ms pauses"}
+    out: dict[str, Any] = {"stream": f"{ref}, 300 ms blocks and the offline final pass as the whisper-tiny-en "
+                           f"profile runs them, adapter {cfg.adapter or 'none'}; Silero VAD turns at the "
+                           f"captioner's 300 ms pauses, {CHUNK_MS} ms chunks"}
     status("captions: the non-speech set ...")
     out["non_speech"] = non_speech_rows(asr, turn_models, quick, faster, reason)
+    gate_sets: list[tuple[str, list[np.ndarray], list[str]]] = []
+    gated: dict[str, list[Captioned]] = {}
     human = by_name.get("human")
     if human is None:
         out["long_form_human"] = {"reason": "no human set (pass --human DIR)"}
@@ -272,8 +305,12 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
         status("captions: long-form human reading, with and without the turns' context ...")
         audio, text = long_form(list(zip(human.audios, human.refs, strict=True)))
         whole = (lambda a: offline.text(offline.hypothesis(a))) if len(audio) <= 30 * SAMPLE_RATE else None
-        out["long_form_human"] = long_form_row(asr, turn_models, audio, text, whole, faster_long, reason)
-    gate_sets = []
+        gated["human_long_form"] = []
+        out["long_form_human"] = long_form_row(asr, turn_models, audio, text, whole, faster_long, reason,
+                                               runs=gated["human_long_form"])
+        gate_sets.append(("human_long_form", [audio], [text]))
+        if not quick:
+            gate_sets.append(("human", human.audios, human.refs))
     synthetic = by_name.get("synthetic")
     if synthetic is not None:
         keep = QUICK_GATE_CLIPS if quick else len(synthetic.audios)
@@ -282,8 +319,6 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
             status(f"captions: long-form synthetic speech ({LONG_SYNTHETIC} held-out clips) ...")
             audio, text = long_form(list(zip(synthetic.audios, synthetic.refs, strict=True))[:LONG_SYNTHETIC])
             out["long_form_synthetic"] = long_form_row(asr, turn_models, audio, text, None, faster_long, reason)
-    if human is not None:
-        gate_sets.append(("human", human.audios, human.refs))
     status("captions: the words the gate loses on speech ...")
-    out["gate_words_lost"] = gate_rows(asr, turn_models, gate_sets)
+    out["gate_words_lost"] = gate_rows(asr, turn_models, gate_sets, gated)
     return out

@@ -168,12 +168,14 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     keep = rows[:SYSTEMS_QUICK] if args.quick else rows
     synthetic = EvalSet("synthetic", [_read(folder / row["audio"]) for row in keep], [row["text"] for row in keep])
     sets = [synthetic, human_set(args, _read)]
-    result.update(build(args, sets, kinds, chunks, fc_ref=ref, device=args.device, dtype=dtype, status=status))
+    shared: dict[str, Any] = {}  # the Whisper models the systems loaded, which the captions reuse
+    result.update(build(args, sets, kinds, chunks, fc_ref=ref, device=args.device, dtype=dtype, status=status,
+                        shared=shared))
     if "captions" in kinds:
         from runtime.bench.asr_captions import captions_part
 
         whisper = getattr(args, "whisper", None) or WHISPER
-        result["captions"] = captions_part(args, sets, whisper, args.device, dtype, status)
+        result["captions"] = captions_part(args, sets, whisper, args.device, dtype, status, shared)
     return {**result, "units": "percent, after text_norm.normalize", "machine": machine(args.device, dtype, threads),
             "wall_s": round(time.perf_counter() - started, 1)}
 

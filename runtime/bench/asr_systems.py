@@ -174,8 +174,12 @@ def streaming_row(s: EvalSet, asr: StreamingASR, ends: list[list[tuple[str, floa
 
 
 def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunks: list[int], *, fc_ref: str,
-          device: str, dtype: str, status: Callable[[str], None]) -> dict[str, Any]:
-    """{"systems": {system: {set: row}}, "system_settings", "sets", "targets"}."""
+          device: str, dtype: str, status: Callable[[str], None], shared: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
+    """{"systems": {system: {set: row}}, "system_settings", "sets", "targets"}. `shared` gets the models loaded
+    here for other reports to reuse: `offline` (the ceiling's decoder), and where built `causal` (the stream's
+    model), `pass` (the offline final pass: decoder and graph search)."""
+    shared = {} if shared is None else shared
     from runtime.bench.word_latency import Aligner, timed_stream
     from runtime.config import load_profile
     from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, offline_decoder
@@ -210,6 +214,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
     offline = WhisperBuffered(buffered.model, buffered.tokenizer, buffered.feature_extractor,
                               replace(buffered.cfg, max_new_tokens=OFFLINE_TOKENS), name=ref)
     offline.hypothesis(warm)
+    shared["offline"] = offline
     status(f"offline {ref} on {', '.join(s.name for s in present) or 'no set'} ...")
     reference = {s.name: timed_map(offline.hypothesis, s.audios, repeats) for s in present}
     settings[OFFLINE] = f"{ref}, greedy over the whole clip (padded to 30 s, cut there), <= {OFFLINE_TOKENS} tokens"
@@ -233,6 +238,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         cfg = replace(profile, model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None) or "",
                       preview_ms=0, final_pass="none", refresh_ms=profile.refresh_ms if refresh is None else refresh)
         first = load_asr(cfg, device=device, dtype=dtype, progress=status)
+        shared["causal"] = first
         passes: dict[str, FinalPass | None] = {"": None}
         search = None
         head = f", head {profile.head_weights}" if profile.head_weights else ""
@@ -255,6 +261,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
             search = (pass_graph(copy.deepcopy(offline.model), second, cfg, device, status)
                       if first.onnx_step and beams == 1 else None)
             passes.update({"decoder": DecoderPass(), "offline": OfflinePass(second, search)})
+            shared["pass"] = (second, search)
         for ms, name, every in rows:
             each_cfg = replace(cfg, chunk_ms=ms, final_pass=name or "none", preview_ms=every)
             final = OfflinePass(second, search) if name == "offline" else passes[name]  # its own count of loops
