@@ -153,15 +153,32 @@ class ScriptedDecoder:
     def __init__(self, script: list[bytes]) -> None:
         self.script = script
         self.calls: list[tuple[int, bytes]] = []
+        self.previous: list[bytes] = []  # the previous text of each hypothesis
 
     def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
         hyp = self.script[len(self.calls)]
         self.calls.append((len(audio), bytes(forced)))
+        self.previous.append(bytes(previous))
         assert hyp.startswith(bytes(forced))
         return list(hyp)
 
     def text(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")  # byte-level, like Whisper's tokenizer
+
+    def context_ids(self, previous: str, vocabulary: str = "") -> list[int]:
+        return list((vocabulary + "|" + previous).encode())
+
+
+def test_the_buffered_peer_decodes_every_hypothesis_after_the_turns_context() -> None:
+    decoder = ScriptedDecoder([b"a", b"ab", b"abc"])
+    stream = WhisperBufferedStream(decoder, step_s=0.25, segment_s=10.0)
+    stream.set_context("one two", "Boz")
+    for i in range(2):
+        stream.accept(AudioChunk(np.zeros(4000, np.float32), 4000 * i))
+    stream.finish()
+    assert decoder.previous == [b"Boz|one two"] * 2  # a hypothesis at each step; the finish reuses the last
+    with pytest.raises(RuntimeError, match="before the stream's first chunk"):
+        stream.set_context("late")
 
 
 def test_local_agreement_commits_common_prefix_of_last_two() -> None:

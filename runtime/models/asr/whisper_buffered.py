@@ -63,6 +63,10 @@ class Decoder(Protocol):
 
     def text(self, ids: Sequence[int]) -> str: ...
 
+    def context_ids(self, previous: str, vocabulary: str = "") -> list[int]:
+        """The previous-text tokens of the turns before and the user's vocabulary."""
+        ...
+
 
 class WhisperBuffered:
     """A Whisper checkpoint shared by sessions; `open_stream()` gives each session its own buffer."""
@@ -109,6 +113,9 @@ class WhisperBuffered:
         """The decoder's prompt: `previous` text (`<|startofprev|>`, whisper_checkpoint.prompt_prefix), then the
         start-of-transcript sequence."""
         return prompt_prefix(self.tokenizer, self.prompt_ids, list(previous))
+
+    def context_ids(self, previous: str, vocabulary: str = "") -> list[int]:
+        return previous_ids(self.tokenizer, previous, vocabulary)
 
     def budget(self, prefix: Sequence[int]) -> int:
         """Transcript tokens that fit after `prefix` (previous text takes positions from the transcript's 448)."""
@@ -338,9 +345,7 @@ class WhisperBufferedStream:
         """The turns before and the user's vocabulary as every hypothesis's previous text (before the first chunk)."""
         if self._next_sample is not None or self._state != "open":
             raise RuntimeError("set_context must come before the stream's first chunk")
-        decoder = self._decoder
-        if isinstance(decoder, WhisperBuffered):
-            self._previous = previous_ids(decoder.tokenizer, previous, vocabulary)
+        self._previous = self._decoder.context_ids(previous, vocabulary)
 
     def finish(self) -> list[TranscriptUpdate]:
         if self._state != "open":
