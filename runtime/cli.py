@@ -292,6 +292,7 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
     elif args.camera is not None or args.mic is not None or args.no_camera:
         source = _live_source(args, profile)
     worker, models = _setup(profile, console)
+    models = _with_voice(models, worker, console)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -322,6 +323,19 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
     finally:
         worker.stop()
     return 0
+
+
+def _with_voice(models: Models, worker: DeviceWorker, console: Console) -> Models:
+    """The server's models with the voice (loaded on the worker), so clients may ask for spoken answers; without
+    the voice's packages it serves text only, said once."""
+    from runtime.loaded_models import load_voice_model
+    from runtime.worker import Priority
+
+    started = time.perf_counter()
+    voice = worker.call(Priority.CONTROL, load_voice_model, console.status)
+    if voice is not None:
+        console.status(f"voice {voice.name} ready in {time.perf_counter() - started:.1f} s")
+    return replace(models, voice=voice)
 
 
 def _live_source(args: argparse.Namespace, profile: Profile) -> Source:

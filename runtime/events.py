@@ -277,6 +277,53 @@ class ResponseTextDone(Event):
 
 @_register
 @dataclass(kw_only=True)
+class ResponseAudioDelta(Event):
+    """A piece of the spoken answer: base64 of audio in the session's `audio.output.format`."""
+
+    type: ClassVar[str] = "response.output_audio.delta"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    delta: str
+
+
+@_register
+@dataclass(kw_only=True)
+class ResponseAudioDone(Event):
+    type: ClassVar[str] = "response.output_audio.done"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+
+
+@_register
+@dataclass(kw_only=True)
+class ResponseAudioTranscriptDelta(Event):
+    """Text of the spoken answer as it is decoded (ahead of its audio: the voice speaks it clause by clause)."""
+
+    type: ClassVar[str] = "response.output_audio_transcript.delta"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    delta: str
+
+
+@_register
+@dataclass(kw_only=True)
+class ResponseAudioTranscriptDone(Event):
+    type: ClassVar[str] = "response.output_audio_transcript.done"
+    response_id: str
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    transcript: str
+
+
+@_register
+@dataclass(kw_only=True)
 class FunctionCallArgumentsDelta(Event):
     """A piece of a function call's JSON arguments, streamed as the model writes them."""
 

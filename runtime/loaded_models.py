@@ -1,6 +1,6 @@
 """The models a process loads once and shares between its sessions, loaded on the device worker (the thread
 that will run them): the ASR, the answerer, the vision half of a vision-language model when the language
-model can see, and the turn-detection models.
+model can see, the turn-detection models, and the voice that speaks answers (`runtime serve` loads it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from runtime.models.lm.remote_answerer import RemoteAnswerer
 from runtime.models.lm.weights import is_vlm
 from runtime.models.loading import configure_threads, load_progress, resolve_checkpoint
 from runtime.models.ocr.reader import TextReader
+from runtime.models.tts.voice import Voice
 from runtime.models.turns.silero_vad import SileroVAD
 from runtime.models.turns.smart_turn import SmartTurn
 from runtime.models.vlm.base import FrameEncoder
@@ -33,6 +34,7 @@ class Models:
     turns: TurnModels | None = None  # Silero VAD and Smart Turn (turn detection); None: commits by hand only
     reader: TextReader | None = None  # PP-OCRv4, when the profile reads text on screen (screen.read)
     remote: RemoteAnswerer | None = None  # lm.backend = openai: a server answers (`answerer` is then NoAnswerer)
+    voice: Voice | None = None  # speaks answers (`output_modalities: ["audio"]`); None: answers are text only
 
 
 def load_reader(profile: Profile, progress: Callable[[str], None] | None = None) -> TextReader | None:
@@ -50,6 +52,19 @@ def load_turn_models(progress: Callable[[str], None] | None = None) -> TurnModel
     except CheckpointNotFound as err:
         if progress:
             progress(f"no turn detection: {err}")
+        return None
+
+
+def load_voice_model(progress: Callable[[str], None] | None = None) -> Voice | None:
+    """The default voice, or None (said once through `progress`) when its package or piper-tts is missing: the
+    server then answers in text only and refuses `output_modalities: ["audio"]`, naming what to install."""
+    from runtime.models.tts import DEFAULT_VOICE, load_voice
+
+    try:
+        return load_voice(DEFAULT_VOICE)
+    except CheckpointNotFound as err:
+        if progress:
+            progress(f"no voice: {err}")
         return None
 
 

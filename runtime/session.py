@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -48,7 +49,7 @@ from runtime.pipeline.prefill import ContextPrefiller
 from runtime.pipeline.prefix_warming import PrefixWarmer
 from runtime.pipeline.response_requests import ResponseRequests
 from runtime.pipeline.video import VideoProcessor
-from runtime.session_config import SessionConfig
+from runtime.session_config import OutputAudio, SessionConfig
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, SessionSettings, TransportStats
 from runtime.worker import DeviceWorker, Priority
 
@@ -246,7 +247,7 @@ class Session:
         config = self.settings.config
         question = Question(text.strip(), at, min(at, self.pushed_until), client_event_id, commits=self.commits,
                             instructions=config.instructions, max_tokens=config.max_output_tokens,
-                            record_question=True)
+                            record_question=True, speech=config.speech())
         if not await self.requests.request(question):
             return None
         if wait:
@@ -256,16 +257,19 @@ class Session:
     async def create_response(self, *, client_event_id: str | None = None, text: str | None = None,
                               instructions: str | None = None, max_tokens: int | None = None,
                               in_conversation: bool = True, metadata: dict[str, object] | None = None,
-                              tools: ToolUse | None = None, input_items: tuple[str, ...] = ()) -> str | None:
+                              tools: ToolUse | None = None, input_items: tuple[str, ...] = (),
+                              speech: OutputAudio | None | Literal["session"] = "session") -> str | None:
         """`response.create`: answer what the user said or typed since the last answer (or `text`, a request's
         own input, which may hold the text of the conversation's `input_items`), after every commit sent before it
-        has its transcript; it may call `tools` (None: the session's)."""
+        has its transcript; with none, answer from the conversation as it stands (an agent that speaks first). It
+        may call `tools` (None: the session's); `speech`: how it is spoken (None: text; default: the session's)."""
         config = self.settings.config
         question = Question(text, self.media_time, self.pushed_until, client_event_id, commits=self.commits,
                             instructions=config.instructions if instructions is None else instructions,
                             max_tokens=config.max_output_tokens if max_tokens is None else max_tokens,
                             in_conversation=in_conversation, metadata=metadata,
-                            tools=config.tools if tools is None else tools, input_items=input_items)
+                            tools=config.tools if tools is None else tools, input_items=input_items,
+                            speech=config.speech() if speech == "session" else speech, continues=text is None)
         return question.response_id if await self.requests.request(question) else None
 
     async def commit_audio(self, client_event_id: str | None = None) -> None:
@@ -326,19 +330,29 @@ class Session:
         return True
 
     async def truncate_item(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
-        """`conversation.item.truncate`: an assistant item's audio cut where the user stopped listening. Answers
-        here are text, so an assistant item holds 0 ms of audio: cutting at 0 is the one cut there is (its text
-        stays, since no audio stood for it); anything later is past its end. Raises ValueError saying why."""
-        item = self.conversation.get(item_id)
+        """`conversation.item.truncate`: an assistant item's audio cut where the user stopped listening, and its
+        transcript with it, to the words heard (`memory/spoken.py`). An item still being spoken has its response
+        cancelled first (the user stopped listening). A text answer holds 0 ms of audio: cutting at 0 is the one cut
+        there is (its text stays, since no audio stood for it). Past the audio's end is a ValueError saying why."""
+        item = self.conversation.api_item(item_id)
         if item is None:
             raise KeyError(item_id)
-        if item.role != "assistant" or content_index != 0:
-            raise ValueError(f"only an assistant item's content 0 can be truncated ({item_id} is a {item.role} item"
-                             f"{'' if content_index == 0 else f', content_index {content_index}'})")
-        if audio_end_ms > 0:
-            raise ValueError(f"audio content of 0 ms is already shorter than {audio_end_ms} ms: this server's answers "
-                             "are text, without audio")
-        await self.emit(ItemTruncated(item_id=item_id, content_index=0, audio_end_ms=0, media_time=self.media_time))
+        if item.role != "assistant" or item.is_call or content_index != 0:
+            raise ValueError(f"only an assistant message's content 0 can be truncated ({item_id} is a {item.role} "
+                             f"{item.type}{'' if content_index == 0 else f', content_index {content_index}'})")
+        current = self.answers.current
+        if item.spoken is not None and item.status == "in_progress" and current is not None:
+            self.answers.cancel(current.response_id)
+            await current.answered.wait()
+        length = item.spoken.duration_ms if item.spoken is not None else 0
+        if audio_end_ms > length:
+            raise ValueError(f"audio content of {length} ms is already shorter than {audio_end_ms} ms"
+                             + ("" if item.spoken is not None else ": this answer is text, without audio"))
+        if item.spoken is not None:
+            item.stable, item.unstable = item.spoken.cut(audio_end_ms), ""
+            self.changes.mark()
+        await self.emit(ItemTruncated(item_id=item_id, content_index=0, audio_end_ms=audio_end_ms,
+                                      media_time=self.media_time))
 
     async def retrieve_item(self, item_id: str) -> bool:
         item = self.conversation.api_item(item_id)
@@ -349,6 +363,11 @@ class Session:
     async def update_config(self, config: SessionConfig) -> None:
         self.settings.config = config
         await self.emit(SessionUpdated(session=self.describe(), media_time=self.media_time))
+
+    @property
+    def speaks(self) -> bool:
+        """Whether this session has a voice (else `output_modalities` stays ['text'])."""
+        return self.answers.speaker is not None
 
     @property
     def detects_turns(self) -> bool:

@@ -35,6 +35,7 @@ from runtime.pipeline.prefill import ContextPrefiller
 from runtime.pipeline.prefix_warming import PrefixWarmer
 from runtime.pipeline.response_requests import ResponseRequests
 from runtime.pipeline.screen import NotesWithQuestion, ScreenReader
+from runtime.pipeline.spoken_output import Speaker
 from runtime.pipeline.turn_taking import TurnTaking
 from runtime.pipeline.video import VideoProcessor
 from runtime.session import FrameSampler, Session, SessionParts
@@ -115,8 +116,9 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
     # the picture reaches the answerer through the screen reader or the video memory; without either, a question about
     # the screen is answered that this session cannot see it (pipeline/answers.py)
     sees_screen = screen is not None or video_memory is not None
+    speaker = Speaker(models.voice, worker, emit, heard) if models.voice is not None else None
     answers = QuestionProcessor(questions, answering, emit, conversation, heard, activity, changes,
-                                prefiller=prefiller, grounding=grounding, sees_screen=sees_screen)
+                                prefiller=prefiller, grounding=grounding, sees_screen=sees_screen, speaker=speaker)
     requests = ResponseRequests(questions, answers, activity, heard, settings, emit)
     turns = TurnTaking(models.turns, settings, activity) if models.turns is not None else None
     parts = SessionParts(

@@ -15,8 +15,11 @@ from typing import Any, Literal
 
 from runtime.function_tools import ToolError, ToolUse, checked, parse_choice, parse_tools
 from runtime.io.audio_formats import DEFAULT_FORMAT, AudioFormat, parse_audio_format
+from runtime.models.tts import DEFAULT_VOICE, VOICES
+from runtime.models.tts.voice import check_speed
 
 EAGERNESS = ("low", "medium", "high", "auto")
+MODALITIES = (("text",), ("audio",))  # the GA API's two: text alone, or audio with its transcript
 
 
 class ConfigFieldError(ValueError):
@@ -57,6 +60,20 @@ CAPTIONS = TurnDetection(silence_duration_ms=300, create_response=False, interru
 
 
 @dataclass(frozen=True)
+class OutputAudio:
+    """`audio.output`: how a spoken answer sounds and is encoded (`audio/pcm` at 24 kHz by default, as the API's;
+    G.711 `audio/pcmu` / `audio/pcma` at 8 kHz). `voice` is one of this server's voices (`runtime.models.tts`):
+    the API's own names (alloy, marin, ...) are not voices here and are refused, naming the ones there are."""
+
+    format: AudioFormat = DEFAULT_FORMAT
+    voice: str = DEFAULT_VOICE
+    speed: float = 1.0
+
+    def to_api(self) -> dict[str, Any]:
+        return {"format": self.format.to_dict(), "voice": self.voice, "speed": self.speed}
+
+
+@dataclass(frozen=True)
 class SessionConfig:
     instructions: str = ""  # given with every question, after it (the profile's system prompt frames the context)
     output_modalities: tuple[str, ...] = ("text",)
@@ -66,6 +83,11 @@ class SessionConfig:
     transcription: dict[str, Any] = field(default_factory=dict)
     turn_detection: TurnDetection | None = TurnDetection()
     tools: ToolUse = ToolUse()  # the functions answers may call, and the tool choice
+    output: OutputAudio = OutputAudio()  # `audio.output`: used when `output_modalities` is ["audio"]
+
+    def speech(self) -> OutputAudio | None:
+        """How answers are spoken now, or None when they are text."""
+        return self.output if self.output_modalities == ("audio",) else None
 
     def transcription_prompt(self) -> str:
         """`audio.input.transcription.prompt`: the user's own words (names, terms), which the ASR reads before each
@@ -83,7 +105,8 @@ class SessionConfig:
             "audio": {"input": {"format": self.input_format.to_dict(), "transcription": transcription,
                                 "turn_detection": None if self.turn_detection is None
                                 else self.turn_detection.to_api(),
-                                "noise_reduction": None}},
+                                "noise_reduction": None},
+                      "output": self.output.to_api()},
             "tools": [t.to_api() for t in self.tools.tools],
             "tool_choice": self.tools.choice_to_api(),
         }
@@ -166,19 +189,54 @@ def _typed(value: object, kind: type, param: str, what: str) -> Any:  # noqa: AN
 
 
 def _modalities(value: object, param: str) -> tuple[str, ...]:
-    if value == ["text"]:
-        return ("text",)
-    if isinstance(value, list) and "audio" in value:
-        raise ConfigFieldError(param, "this server answers in text only: set output_modalities to ['text'] (it "
-                                      "does not speak yet)", code="unsupported_modality")
-    raise ConfigFieldError(param, f"{param} must be ['text']")
+    return parse_modalities(value, param)
+
+
+def parse_modalities(value: object, param: str) -> tuple[str, ...]:
+    """`output_modalities` (a session's or a response's): ['text'] or ['audio'] (spoken, with its transcript)."""
+    if isinstance(value, list) and tuple(value) in MODALITIES:
+        return tuple(value)
+    if isinstance(value, list) and set(value) == {"text", "audio"}:
+        raise ConfigFieldError(param, f"{param}: choose ['text'] or ['audio'], not both (a spoken answer comes "
+                                      "with its transcript)", code="unsupported_modality")
+    raise ConfigFieldError(param, f"{param} must be ['text'] or ['audio']")
+
+
+def parse_output(value: object, param: str, current: OutputAudio) -> OutputAudio:
+    """`audio.output` (a session's, or a response's: `format` and `voice` only) applied to `current`."""
+    setting = _typed(value, dict, param, "an object")
+    fields: dict[str, Any] = {}
+    for name, v in setting.items():
+        p = f"{param}.{name}"
+        if name == "format":
+            try:
+                fields["format"] = parse_audio_format(v, p)
+            except ValueError as e:
+                raise ConfigFieldError(p, str(e)) from None
+        elif name == "voice":
+            if v not in VOICES:
+                shown = " ".join(repr(v).split())[:80]
+                raise ConfigFieldError(p, f"{p}: {shown} is not a voice of this server; its voices: "
+                                          f"{', '.join(VOICES)}")
+            fields["voice"] = v
+        elif name == "speed" and param.startswith("session."):
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ConfigFieldError(p, f"{p} must be a number from 0.25 to 1.5")
+            try:
+                fields["speed"] = check_speed(v)
+            except ValueError as e:
+                raise ConfigFieldError(p, f"{p}: {e}") from None
+        else:
+            raise ConfigFieldError(p, f"unknown field {name!r} in {param}", code="unknown_parameter")
+    return replace(current, **fields)
 
 
 def _audio(config: SessionConfig, audio: dict[str, Any]) -> dict[str, Any]:
     changes: dict[str, Any] = {}
     for key, value in audio.items():
         if key == "output":
-            continue  # the voice and format of spoken answers: nothing to apply while answers are text
+            changes["output"] = parse_output(value, "session.audio.output", config.output)
+            continue
         if key != "input":
             raise ConfigFieldError(f"session.audio.{key}", f"unknown session field 'audio.{key}'",
                                    code="unknown_parameter")

@@ -194,3 +194,56 @@ def closed_segment(i: int) -> Segment:
     z = torch.full((4, 8), float(i))
     return Segment(id=i, start=float(i), end=i + 1.0, frames=1, mean=z[0], keyframe=z, keyframe_time=float(i),
                    closed=True)
+
+
+class ScriptAnswerer(EchoAnswerer):
+    """Answers every question with the same `text`, one word (and the space before it) a step."""
+
+    name = "script"
+
+    def __init__(self, text: str, step_s: float = 0.0) -> None:
+        super().__init__(step_s)
+        self.text = text
+        self.questions: list[str] = []
+
+    def start(self, context: str, question: str, *, seed=None, stream=None, suffix=None,
+              max_tokens=None) -> "EchoAnswer":
+        self.contexts.append(context)
+        self.questions.append(question)
+        return WordAnswer(self, self.text)
+
+
+class WordAnswer(EchoAnswer):
+    def __init__(self, answerer: EchoAnswerer, text: str) -> None:
+        super().__init__(answerer, text)
+        self.words = [w if i == 0 else f" {w}" for i, w in enumerate(text.split())]
+
+    def step(self) -> AnswerStep:
+        time.sleep(self.answerer.step_s)
+        word = self.words[self.i]
+        self.i += 1
+        done = self.i == len(self.words)
+        return AnswerStep(word, done, "stop" if done else None)
+
+
+class ToneVoice:
+    """A voice in a few lines of numpy: each word is `word_s` of a tone at 22,050 Hz (what Piper's voices give), so a
+    test knows how long each clause sounds. Counts its calls and the threads they ran on."""
+
+    name = "builtin:piper-en-us-joe-medium"
+    sample_rate = 22050
+
+    def __init__(self, word_s: float = 0.1, delay_s: float = 0.0) -> None:
+        self.word_s, self.delay_s = word_s, delay_s
+        self.spoken: list[str] = []
+        self.threads: set[str] = set()
+
+    def synthesize(self, text: str, speed: float = 1.0):
+        from runtime.models.tts.voice import Speech
+
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        self.spoken.append(text)
+        n = round(len(text.split()) * self.word_s / speed * self.sample_rate)
+        t = np.arange(n) / self.sample_rate
+        return Speech((0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), self.sample_rate)

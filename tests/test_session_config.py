@@ -4,7 +4,7 @@ and a refused update leaves the config as it was."""
 import pytest
 
 from runtime.io.audio_formats import AudioFormat
-from runtime.session_config import ConfigFieldError, SessionConfig, TurnDetection, parse_update
+from runtime.session_config import ConfigFieldError, OutputAudio, SessionConfig, TurnDetection, parse_update
 
 
 def test_ga_fields_apply_and_echo_in_the_apis_shape():
@@ -15,7 +15,7 @@ def test_ga_fields_apply_and_echo_in_the_apis_shape():
                             "turn_detection": {"type": "server_vad", "threshold": 0.6, "silence_duration_ms": 700,
                                                "create_response": False, "idle_timeout_ms": None},
                             "noise_reduction": None},
-                  "output": {"voice": "alloy"}}})
+                  "output": {"voice": "builtin:piper-en-us-joe-medium"}}})
     assert config.instructions == "Answer in one sentence." and config.max_output_tokens == 40
     assert config.input_format == AudioFormat("audio/pcmu", 8000) and config.transcription_model == "whisper-1"
     assert config.turn_detection == TurnDetection(threshold=0.6, silence_duration_ms=700, create_response=False)
@@ -48,7 +48,19 @@ def test_an_update_changes_only_what_it_names():
     ({"voice": "alloy"}, "session.voice", "unknown_parameter"),
     ({"type": "transcription"}, "session.type", "invalid_value"),
     ({"instructions": 3}, "session.instructions", "invalid_value"),
-    ({"output_modalities": ["audio"]}, "session.output_modalities", "unsupported_modality"),
+    ({"output_modalities": ["text", "audio"]}, "session.output_modalities", "unsupported_modality"),
+    ({"output_modalities": ["video"]}, "session.output_modalities", "invalid_value"),
+    ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice", "invalid_value"),
+    ({"audio": {"output": {"voice": {"id": "voice_1234"}}}}, "session.audio.output.voice", "invalid_value"),
+    ({"audio": {"output": {"speed": 2.0}}}, "session.audio.output.speed", "invalid_value"),
+    ({"audio": {"output": {"speed": 0.2}}}, "session.audio.output.speed", "invalid_value"),
+    ({"audio": {"output": {"speed": "fast"}}}, "session.audio.output.speed", "invalid_value"),
+    ({"audio": {"output": {"speed": True}}}, "session.audio.output.speed", "invalid_value"),
+    ({"audio": {"output": {"format": {"type": "audio/pcm", "rate": 44100}}}}, "session.audio.output.format",
+     "invalid_value"),
+    ({"audio": {"output": {"format": "mp3"}}}, "session.audio.output.format", "invalid_value"),
+    ({"audio": {"output": {"pitch": 1}}}, "session.audio.output.pitch", "unknown_parameter"),
+    ({"audio": {"output": "loud"}}, "session.audio.output", "invalid_value"),
     ({"output_modalities": "text"}, "session.output_modalities", "invalid_value"),
     ({"max_output_tokens": 0}, "session.max_output_tokens", "invalid_value"),
     ({"max_output_tokens": True}, "session.max_output_tokens", "invalid_value"),
@@ -101,6 +113,27 @@ def test_a_beta_api_field_says_where_the_ga_api_has_it(field, ga):
     with pytest.raises(ConfigFieldError) as info:
         parse_update(SessionConfig(), {"colour": "blue"})
     assert str(info.value) == "unknown session field 'colour'"
+
+
+def test_spoken_answers_take_the_output_format_voice_and_speed():
+    """output_modalities ['audio'] with audio.output applied and echoed in the GA shape; speech() is what an answer
+    is spoken with (None while answers are text)."""
+    assert SessionConfig().speech() is None
+    assert SessionConfig().to_api()["audio"]["output"] == {
+        "format": {"type": "audio/pcm", "rate": 24000}, "voice": "builtin:piper-en-us-joe-medium", "speed": 1.0}
+    config = parse_update(SessionConfig(), {"output_modalities": ["audio"], "audio": {"output": {
+        "format": {"type": "audio/pcmu"}, "voice": "builtin:piper-en-us-joe-medium", "speed": 1.25}}})
+    assert config.output_modalities == ("audio",)
+    assert config.speech() == OutputAudio(AudioFormat("audio/pcmu", 8000), "builtin:piper-en-us-joe-medium", 1.25)
+    api = config.to_api()
+    assert api["output_modalities"] == ["audio"]
+    assert api["audio"]["output"] == {"format": {"type": "audio/pcmu"}, "voice": "builtin:piper-en-us-joe-medium",
+                                      "speed": 1.25}
+    again = parse_update(config, {"audio": {"output": {"speed": 0.5}}, "output_modalities": ["text"]})
+    assert again.output.format.type == "audio/pcmu" and again.output.speed == 0.5  # the rest kept
+    assert again.speech() is None
+    with pytest.raises(ConfigFieldError, match="its voices: builtin:piper-en-us-joe-medium"):
+        parse_update(config, {"audio": {"output": {"voice": "marin"}}})
 
 
 def test_parallel_tool_calls_is_accepted_and_changes_nothing():

@@ -110,6 +110,10 @@ def test_other_commands():
         "instructions": "in French", "max_output_tokens": 5, "conversation": "none", "metadata": {"k": "v"},
         "input": [item, {"type": "item_reference", "id": "item_1"}]})) == CreateResponse(
         "c1", "in French", 5, False, "what moved?", ("item_1",), {"k": "v"})
+    spoken_answer = {"output_modalities": ["audio"], "audio": {"output": {"format": {"type": "audio/pcma"},
+                                                                          "voice": "builtin:piper-en-us-joe-medium"}}}
+    assert parse_client_event(msg("response.create", response=spoken_answer)) == CreateResponse(
+        "c1", modalities=("audio",), audio_output=spoken_answer["audio"]["output"])
     assert parse_client_event(msg("response.cancel")) == CancelResponse("c1", None)
     assert parse_client_event(msg("input_audio_buffer.commit")) == CommitInput("c1")
     assert parse_client_event(msg("input_audio_buffer.clear")) == ClearInput("c1")
@@ -165,7 +169,13 @@ def test_escaped_surrogate_pairs_and_plain_unicode_are_text():
     (msg("session.update", session="x"), "invalid_value"),
     (msg("response.create", response={"max_output_tokens": 0}), "invalid_value"),
     (msg("response.create", response={"conversation": "other"}), "invalid_value"),
-    (msg("response.create", response={"output_modalities": ["audio"]}), "unsupported_modality"),
+    (msg("response.create", response={"output_modalities": ["text", "audio"]}), "unsupported_modality"),
+    (msg("response.create", response={"output_modalities": "audio"}), "invalid_value"),
+    (msg("response.create", response={"audio": {"output": {"voice": "alloy"}}}), "invalid_value"),
+    (msg("response.create", response={"audio": {"output": {"format": {"type": "audio/ogg"}}}}), "invalid_value"),
+    (msg("response.create", response={"audio": {"output": {"speed": 1.2}}}), "unknown_parameter"),
+    (msg("response.create", response={"audio": {"input": {}}}), "unknown_parameter"),
+    (msg("response.create", response={"audio": "loud"}), "invalid_value"),
     (msg("response.create", response={"tools": [{"type": "function"}]}), "invalid_value"),
     (msg("response.create", response={"tool_choice": "sometimes"}), "invalid_value"),
     (msg("response.create", response={"voice": "alloy"}), "unknown_parameter"),

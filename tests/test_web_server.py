@@ -141,7 +141,8 @@ async def test_bad_events_are_answered_and_the_session_carries_on(tiny):
             "b4": ({"type": "input_audio_buffer.append", "audio": "AAEC"}, "invalid_audio"),  # 3 bytes
             "b5": ({"type": "runtime.input_video_frame.append", "image": "AAAA", "timestamp": 0.5}, "invalid_image"),
             "b6": ({"type": "runtime.input_video_frame.append", "image": "AAAA"}, "missing_field"),
-            "b7": ({"type": "response.create"}, "no_pending_item"),
+            "b7": ({"type": "response.create", "response": {"output_modalities": ["audio"]}},
+                   "unsupported_modality"),  # this server loaded no voice
             "b8": ({"type": "response.cancel"}, "response_not_found"),
             "b9": ({"type": "response.create", "pad": "x" * (MAX_MESSAGE_BYTES + 10)}, "message_too_large"),
         }
@@ -169,7 +170,7 @@ DOCUMENTED_CODES = {  # docs/protocol.md, "Errors"
     "question_queue_full", "audio_from_track", "unknown_parameter", "unsupported_modality", "unsupported_content",
     "item_not_found", "duplicate_item_id", "input_audio_buffer_commit_empty", "prompt_too_long",
     "conversation_already_has_active_response", "beta_protocol",
-    "invalid_tool_schema"}
+    "invalid_tool_schema", "speech_failed"}
 
 
 def b64(raw: bytes) -> str:
@@ -284,8 +285,8 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     add({"type": "conversation.item.truncate", "item_id": "x", "content_index": 0, "audio_end_ms": 0},
         "item_not_found")
     add({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
-    # Out of order: nothing to answer, nothing to cancel; a blank question is nothing to answer.
-    add({"type": "response.create"}, "no_pending_item")
+    # Out of order: nothing to cancel; a blank question is nothing to answer; no voice to speak with.
+    add({"type": "response.create", "response": {"output_modalities": ["audio"]}}, "unsupported_modality")
     add({"type": "response.create", "response": {"modalities": ["text"]}}, "unknown_parameter")
     add({"type": "response.create", "response": {"input": [{"type": "item_reference", "id": "item_nope"}]}},
         "item_not_found")
@@ -296,7 +297,6 @@ def malformed_messages() -> list[tuple[str | bytes, str | None, str | None]]:
     for response_id in (5, []):
         add({"type": "response.cancel", "response_id": response_id}, "invalid_value")
     add({"type": item, "item": {"content": [{"type": "input_text", "text": "   "}]}}, None)
-    add({"type": "response.create"}, "no_pending_item")
     # Over MAX_MESSAGE_BYTES but under the hard cap: refused unparsed; the event_id is named when it comes early.
     pad = "x" * (MAX_MESSAGE_BYTES + 10)
     add({"type": "response.create", "pad": pad}, "message_too_large")

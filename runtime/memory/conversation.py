@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runtime.memory.spoken import SpokenTrack
 from runtime.models.asr.base import TranscriptUpdate
 
 Role = Literal["user", "assistant", "system"]
@@ -45,6 +46,7 @@ class Item:
     call_id: str = ""
     name: str = ""  # the function a call calls (an output's too: the call it answers names it)
     question: bool = False  # a question the runtime recorded (a script's, the terminal's): asks, tells nothing
+    spoken: SpokenTrack | None = None  # an answer given aloud (`output_audio`): its audio, for truncation
 
     @property
     def text(self) -> str:
@@ -72,6 +74,8 @@ class Item:
             return {**common, "output": self.stable}
         if self.audio:
             part: dict[str, Any] = {"type": "input_audio", "transcript": self.text if self.completed else None}
+        elif self.role == "assistant" and self.spoken is not None:
+            part = {"type": "output_audio", "transcript": self.text}
         elif self.role == "assistant":
             part = {"type": "output_text", "text": self.text}
         else:

@@ -10,6 +10,16 @@ Two answers are given without asking the model, since it would only guess: a que
 session that cannot see it (`sees_screen` false: no screen reader and no video memory) is told so
 (`memory/screen_questions.py`), and with `grounding` a question nothing heard or shown mentions yet, or one about
 the screen before any text on it was read, is "not known yet" (`memory/grounding.py`).
+
+A client's `response.create` with no new user message answers from the conversation as it stands (`continues`):
+the model is asked to open the conversation, when nothing was said yet (an agent that greets first), or to go on
+from it. A turn that turn detection ended with nothing heard in it is not answered that way: it is an error, as
+before, so noise never makes the agent talk.
+
+Spoken answers (`speech`, with the session's `Speaker`) and barge-in: `barge_in` (speech started while the agent
+speaks) cancels the answer in progress and, once it has ended, truncates its spoken message to what the client had
+played (`spoken_output.SpokenAudio.heard_ms`), with `conversation.item.truncated`; an answer that already ended but
+whose audio the client is still playing by that rule is truncated the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Protocol, TypeVar
 
 from runtime.channels import BlockingChannel
 from runtime.errors import RequestError
-from runtime.events import ItemAdded, ItemDone, ResponseCreated, ResponseDone, error_event, new_id
+from runtime.events import ItemAdded, ItemDone, ItemTruncated, ResponseCreated, ResponseDone, error_event, new_id
 from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item
 from runtime.memory.grounding import Grounding, not_known_answer
@@ -32,10 +42,16 @@ from runtime.models.lm.backend import DecodingStats
 from runtime.models.lm.remote_answerer import RemoteError
 from runtime.pipeline import Emit
 from runtime.pipeline.response_output import ResponseOutput
+from runtime.pipeline.spoken_output import Speaker, SpokenAudio
+from runtime.session_config import OutputAudio
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# what a response.create with no new user message asks the model (`Question.continues`)
+OPENING_QUESTION = "(The conversation is starting: the user has said nothing yet.) Greet the user in one sentence."
+CONTINUE_QUESTION = "(The user has said nothing new.) Go on from the conversation so far in one short sentence."
 
 
 class QuestionPrefill(Protocol):
@@ -69,6 +85,8 @@ class Question:
     tools: ToolUse = field(default_factory=ToolUse)  # the functions it may call (the session's or the request's)
     asks_about_stream: bool = True  # False: the runtime's own prompt (the idle nudge), never checked by `grounding`
     input_items: tuple[str, ...] = ()  # conversation items whose text `text` holds (`response.input` references)
+    speech: OutputAudio | None = None  # spoken (`output_modalities: ["audio"]`), in this format, voice and speed
+    continues: bool = False  # a client's response.create: with no new user message, answer from the conversation
     response_id: str = field(default_factory=lambda: new_id("resp"))
     asked_wall: float = field(default_factory=time.perf_counter)
     answered: asyncio.Event = field(default_factory=asyncio.Event, compare=False)  # set once its answer ended
@@ -83,7 +101,7 @@ class QuestionProcessor:
     def __init__(self, channel: BlockingChannel[Question], answering: Answering, emit: Emit,
                  conversation: Conversation, heard: HeardClock, activity: AnswerActivity, changes: ContextChanges, *,
                  prefiller: QuestionPrefill | None = None, grounding: Grounding | None = None,
-                 sees_screen: bool = True) -> None:
+                 sees_screen: bool = True, speaker: Speaker | None = None) -> None:
         self.channel, self.answering, self.emit = channel, answering, emit
         self.conversation, self.heard, self.activity, self.changes = conversation, heard, activity, changes
         self.prefiller = prefiller
@@ -91,7 +109,12 @@ class QuestionProcessor:
         # False: the session has no screen reader and no video memory, so a question about the screen is told that
         # it cannot be seen (the session builder says which; a test's processor sees by default)
         self.sees_screen = sees_screen
+        self.speaker = speaker  # the session's voice (None: answers are text whatever is asked)
         self.current: Question | None = None
+        self.output: ResponseOutput | None = None  # the current answer's output
+        self.last_spoken: tuple[Item, SpokenAudio] | None = None  # the newest spoken message that ended
+        self._barge_at: dict[str, float] = {}  # response id -> input media time at which speech cut it short
+        self._truncating: set[asyncio.Task[None]] = set()
         self._cancelled: dict[str, str] = {}  # response id -> why
         self._cancel_signal = asyncio.Event()  # set while the current answer is cancelled
         self._closing: set[asyncio.Future[object]] = set()  # answers started after their cancel, being closed
@@ -105,24 +128,54 @@ class QuestionProcessor:
         self._cancel_signal.set()
         return True
 
+    def barge_in(self) -> None:
+        """Speech started while the agent may be speaking: the answer in progress is cancelled (and truncated to what
+        was heard once it ends, in `_answer`); an ended spoken message the client is still playing is truncated."""
+        at = self.heard.until
+        if self.current is not None and self.cancel(reason="turn_detected"):
+            self._barge_at.setdefault(self.current.response_id, at)
+        if self.last_spoken is not None:
+            item, spoken = self.last_spoken
+            heard = spoken.heard_ms(at)
+            if heard < spoken.track.duration_ms:
+                self.last_spoken = None
+                task = asyncio.create_task(self._truncate(item, heard))
+                self._truncating.add(task)
+                task.add_done_callback(self._truncating.discard)
+
+    async def _truncate(self, item: Item, audio_end_ms: int) -> None:
+        """Cut a spoken assistant message to `audio_end_ms` (the server's own truncation, at a barge-in)."""
+        if item.spoken is None or self.conversation.get(item.item_id) is None:
+            return  # deleted meanwhile
+        item.stable, item.unstable = item.spoken.cut(audio_end_ms), ""
+        self.changes.mark()
+        await self.emit(ItemTruncated(item_id=item.item_id, audio_end_ms=audio_end_ms, media_time=self.heard.until))
+
     async def run(self) -> None:
         async for question in self.channel:
             self.current = question
             try:
                 await self._answer(question)
             finally:
-                self.current = None
+                if self.output is not None:
+                    self.output.abort()  # only does something when the answer itself was cancelled
+                self.current = self.output = None
                 self._cancelled.pop(question.response_id, None)
+                self._barge_at.pop(question.response_id, None)
                 self._cancel_signal.clear()
                 self.answered += 1
                 self.activity.ended(at=self.heard.until)
                 question.answered.set()
 
     async def _answer(self, q: Question) -> None:
+        speech = q.speech if self.speaker is not None else None
         response: dict[str, object] = {
             "id": q.response_id, "object": "realtime.response", "status": "in_progress", "output": [],
-            "conversation_id": "auto" if q.in_conversation else None, "output_modalities": ["text"],
+            "conversation_id": "auto" if q.in_conversation else None,
+            "output_modalities": ["audio"] if speech else ["text"],
             "max_output_tokens": "inf" if q.max_tokens is None else q.max_tokens, "metadata": q.metadata}
+        if speech is not None:
+            response["audio"] = {"output": {"format": speech.format.to_dict(), "voice": speech.voice}}
         if q.text is not None:
             response["question"] = q.text
         # A copy: `response` is completed below, and a consumer reading this event later must see it in progress.
@@ -135,7 +188,9 @@ class QuestionProcessor:
         items = self.conversation.items
         output = ResponseOutput(q.response_id, q.media_time, q.in_conversation, self.conversation, self.emit,
                                 anchor=items[-1].item_id if items else None,
-                                fallback=next((it.item_id for it in reversed(items) if it.in_api), None))
+                                fallback=next((it.item_id for it in reversed(items) if it.in_api), None),
+                                speaker=self.speaker, speech=speech)
+        self.output = output
         status, details, first_token_s, tokens, steps, prompt_tokens = "completed", None, None, 0, 0, 0
         answer: RunningAnswer | None = None
         decoding: DecodingStats | None = None
@@ -143,11 +198,14 @@ class QuestionProcessor:
         not_heard: list[str] = []  # with `grounding`: the question's words that nothing heard or shown mentions
         unseen = unread = False  # a screen question the session cannot see / has read no text for yet
         given: str | None = None  # the answer given without asking the model
+        opens = q.continues and not question.strip() and not calls  # answered from the conversation as it is
+        if opens:
+            question = CONTINUE_QUESTION if any(it.in_api for it in items) else OPENING_QUESTION
         try:
             if not question.strip():
                 raise NothingToAnswer("nothing to answer: no user message since the last answer")
             # with tools, a function may know what the stream does not; continuing calls, its output answers
-            if q.asks_about_stream and not q.tools.active and not calls:
+            if q.asks_about_stream and not q.tools.active and not calls and not opens:
                 screen_question = asks_about_screen(question)
                 unseen = screen_question and not self.sees_screen
                 if self.grounding is not None and not unseen:
@@ -221,7 +279,7 @@ class QuestionProcessor:
                                                after=self.conversation.line_before(output.items[0].item_id))
                 for kind in (ItemAdded, ItemDone):
                     await self.emit(kind(item=recorded.to_api(), previous_item_id=before, media_time=q.media_time))
-            items = await output.finish(completed=status == "completed")
+            items = await output.finish(completed=status == "completed", cut_short=status in ("cancelled", "failed"))
         if q.in_conversation:
             self.changes.mark()  # the answer (and its question) join the context
         total_s = time.perf_counter() - q.asked_wall
@@ -243,6 +301,12 @@ class QuestionProcessor:
         if self.prefiller is not None and self.prefiller.sees_video:
             response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in selected]}
         await self.emit(ResponseDone(response=response, media_time=q.media_time))
+        if output.spoken is not None and output.message is not None and q.in_conversation:
+            barged = self._barge_at.get(q.response_id)
+            if barged is not None:  # cut short by the user speaking: keep what was heard
+                await self._truncate(output.message, output.spoken.heard_ms(barged))
+            else:
+                self.last_spoken = (output.message, output.spoken)
 
     async def _start_or_cancel(self, request: AnswerRequest, response_id: str) -> RunningAnswer | None:
         """The started answer, or None once the response is cancelled: a cancel does not wait for a start in

@@ -56,17 +56,19 @@ class ResponseRequests:
         detection = config.turn_detection
         if detection is not None and detection.create_response:
             await self.request(Question(None, at, at, commits=self.heard.commits, instructions=config.instructions,
-                                        max_tokens=config.max_output_tokens, tools=config.tools))
+                                        max_tokens=config.max_output_tokens, tools=config.tools,
+                                        speech=config.speech()))
 
     async def idle_timeout(self, item_id: str, at: float, settings: SessionConfig | None = None) -> None:
         """Nobody spoke for `idle_timeout_ms` after the last answer: the model speaks up (as the API's does), as
         the session's settings were when it fired (`settings`; None: now)."""
         config = settings or self.settings.config
         await self.request(Question(IDLE_QUESTION, at, at, commits=self.heard.commits, instructions=config.instructions,
-                                    max_tokens=config.max_output_tokens, asks_about_stream=False))
+                                    max_tokens=config.max_output_tokens, asks_about_stream=False,
+                                    speech=config.speech()))
 
     def speech_started(self) -> None:
         """Barge-in: the user speaking again cuts the answer in progress short, when the session asks for that."""
         detection = self.settings.config.turn_detection
         if detection is not None and detection.interrupt_response:
-            self.answers.cancel(reason="turn_detected")
+            self.answers.barge_in()  # cancels the answer in progress; truncates a spoken one to what was heard

@@ -89,6 +89,8 @@ class CreateResponse(Command):
     metadata: dict[str, Any] | None = None
     tools: tuple[FunctionTool, ...] | None = None  # this response's tools (None: the session's)
     tool_choice: str | None = None  # this response's tool choice (None: the session's)
+    modalities: tuple[str, ...] | None = None  # this response's output_modalities (None: the session's)
+    audio_output: dict[str, Any] | None = None  # this response's audio.output (format, voice), checked in shape
 
 
 @dataclass(frozen=True)

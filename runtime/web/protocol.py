@@ -32,7 +32,14 @@ import numpy as np
 from runtime.chunks import VideoFrame
 from runtime.function_tools import ToolError, parse_choice, parse_tools
 from runtime.io.file_source import scaled_size
-from runtime.session_config import ConfigFieldError, max_tokens, unknown_field
+from runtime.session_config import (
+    ConfigFieldError,
+    OutputAudio,
+    max_tokens,
+    parse_modalities,
+    parse_output,
+    unknown_field,
+)
 from runtime.web.commands import (
     AppendAudio,
     AppendFrame,
@@ -338,9 +345,9 @@ def _response_create(data: dict[str, Any], event_id: str | None, _max_side: int)
                 raise ProtocolError(f"{param} must be 'auto' or 'none'", code="invalid_value", param=param)
             out["in_conversation"] = value == "auto"
         elif key == "output_modalities":
-            if value != ["text"]:
-                raise ProtocolError(f"{param}: this server answers in text only; send ['text']",
-                                    code="unsupported_modality", param=param)
+            out["modalities"] = _config_error(parse_modalities, value, param)
+        elif key == "audio":
+            out["audio_output"] = _response_audio(value, param)
         elif key == "metadata":
             if value is not None and not isinstance(value, dict):
                 raise ProtocolError(f"{param} must be an object", code="invalid_value", param=param)
@@ -351,9 +358,33 @@ def _response_create(data: dict[str, Any], event_id: str | None, _max_side: int)
             out["tools"] = _tool_error(parse_tools, value, param)
         elif key == "tool_choice":
             out["tool_choice"] = _tool_error(parse_choice, value, param)
-        elif key not in ("audio", "prompt"):
+        elif key != "prompt":
             raise ProtocolError(unknown_field("response", key), code="unknown_parameter", param=param)
     return CreateResponse(event_id, **out)
+
+
+def _config_error(parse: Callable[[object, str], K], value: object, param: str) -> K:
+    try:
+        return parse(value, param)
+    except ConfigFieldError as e:
+        raise ProtocolError(str(e), code=e.code, param=e.param) from None
+
+
+def _response_audio(value: object, param: str) -> dict[str, Any] | None:
+    """`response.audio`: only `output` (format, voice), checked here against the defaults and applied to the
+    session's own when the response is created."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{param} must be an object", code="invalid_value", param=param)
+    for key in value:
+        if key != "output":
+            raise ProtocolError(f"unknown field {key!r} in {param}", code="unknown_parameter", param=f"{param}.{key}")
+    output = value.get("output")
+    if output is None:
+        return None
+    _config_error(lambda v, p: parse_output(v, p, OutputAudio()), output, f"{param}.output")
+    return dict(output)
 
 
 def _tool_error(parse: Callable[[object, str], K], value: object, param: str) -> K:
