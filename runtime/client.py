@@ -7,6 +7,9 @@
         async for event in client.events():         # runtime.events objects, in order
             ...
 
+`speak()` asks for spoken answers; their audio comes as `ResponseAudioDelta` events (`event.audio()` is the bytes),
+or alone from `audio_chunks()`.
+
 On connect the client tells the server it sends 16 kHz PCM (the API's default is 24 kHz) and, unless
 `answer_turns`, that turn detection only splits the captions into utterances: a script streaming a talk asks
 its own questions rather than getting an answer at every pause. `commit()` ends a user turn (the API's
@@ -36,7 +39,7 @@ from websockets.exceptions import ConcurrencyError, ConnectionClosed, Connection
 from websockets.frames import CloseCode
 
 from runtime.chunks import AudioChunk
-from runtime.events import Event, SessionCreated, new_id, parse_event
+from runtime.events import Event, ResponseAudioDelta, SessionCreated, new_id, parse_event
 from runtime.web.protocol import binary_audio, binary_frame
 
 if TYPE_CHECKING:
@@ -245,6 +248,22 @@ class AsyncRealtimeClient:
         except ConnectionClosedError as exc:
             if exc.rcvd is None or exc.rcvd.code not in QUIET_CLOSE_CODES:
                 raise
+
+    async def speak(self, *, format: dict[str, object] | None = None, voice: str | None = None,
+                    speed: float | None = None) -> str:
+        """Ask for spoken answers from now on (`output_modalities: ["audio"]`): `format` as the API's
+        (`{"type": "audio/pcm", "rate": 24000}` by default, `audio/pcmu`, `audio/pcma`), the server's `voice`, a
+        `speed` from 0.25 to 1.5. Their audio then comes as `ResponseAudioDelta` events (`event.audio()`)."""
+        output = {k: v for k, v in (("format", format), ("voice", voice), ("speed", speed)) if v is not None}
+        return await self.update_session(output_modalities=["audio"], **({"audio": {"output": output}} if output
+                                                                         else {}))
+
+    async def audio_chunks(self) -> AsyncIterator[tuple[str, bytes]]:
+        """(item_id, audio bytes) of every spoken answer, in order, as `events()` reads them (it consumes the events:
+        use `events()` and `ResponseAudioDelta.audio()` to see the rest too)."""
+        async for event in self.events():
+            if isinstance(event, ResponseAudioDelta):
+                yield event.item_id, event.audio()
 
     async def stream_file(self, path: str | Path, speed: float = 0.0, *, fps: float = 1.0) -> float:
         """Send a media file's audio (and frames as JPEG, `fps` per second); returns the media seconds sent.

@@ -8,6 +8,7 @@ is how a user measures latency.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -286,6 +287,10 @@ class ResponseAudioDelta(Event):
     output_index: int = 0
     content_index: int = 0
     delta: str
+
+    def audio(self) -> bytes:
+        """The piece of audio itself (`delta` decoded from base64)."""
+        return base64.b64decode(self.delta)
 
 
 @_register

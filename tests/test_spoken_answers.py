@@ -396,3 +396,19 @@ async def test_a_slow_reader_holds_the_decoder_and_nothing_grows() -> None:
 async def _push_all(spoken, sentences: list[str]) -> None:
     for sentence in sentences:
         await spoken.push(sentence + " ")
+
+
+async def test_the_runtime_client_yields_the_spoken_audio() -> None:
+    from runtime.client import AsyncRealtimeClient
+
+    server, worker, _ = await serve(ScriptAnswerer(COUNTING), ToneVoice())
+    try:
+        async with AsyncRealtimeClient(f"ws://127.0.0.1:{server.port}/v1/realtime") as client:
+            await client.speak(format={"type": "audio/pcma"}, speed=1.25)
+            await client.ask("count")
+            await client.finish()
+            chunks = [chunk async for chunk in client.audio_chunks()]
+    finally:
+        await stop(server, worker)
+    assert len({item_id for item_id, _ in chunks}) == 1
+    assert abs(sum(len(audio) for _, audio in chunks) - 8_000 / 1.25) <= 2  # 1 s at 1.25x, one byte a sample
