@@ -109,7 +109,8 @@ def test_the_final_pass_decodes_with_the_turns_context(asr: CausalWhisperASR) ->
     stream.accept(AudioChunk(audio, 0))
     (done,) = [u for u in stream.finish() if u.completed]
     assert done.transcript == " the end"
-    assert recorder.previous == [previous_ids(asr.tokenizer, "it was the best of times", "Dickens")]
+    # the first search reads the context (a second one, without it, follows where the random stream disagrees)
+    assert recorder.previous[0] == previous_ids(asr.tokenizer, "it was the best of times", "Dickens")
     with pytest.raises(RuntimeError, match="before the stream's first chunk"):
         stream.set_context("too late")
 
@@ -150,3 +151,27 @@ async def test_the_prompt_and_the_turns_before_reach_each_turns_stream_on_the_wo
     await events
     assert [s.contexts for s in asr.streams[:2]] == [[("", "Pickwick")], [("w0 w1 w2", "Pickwick")]]
     assert asr.streams[1].threads == {worker.name}
+
+
+def test_the_pass_misled_by_the_turns_context_decodes_again_without_it(asr: CausalWhisperASR) -> None:
+    """The stream is the pass's witness: where the pass with previous text shares fewer than half the stream's words,
+    it decodes again without it and keeps whichever shares more; a stream that wrote nothing is no witness."""
+    from runtime.models.asr.causal_whisper.emission import Token
+
+    words = asr.tokenizer
+    said = words(" what day is the meeting", add_special_tokens=False).input_ids
+    misled = words(" whats next", add_special_tokens=False).input_ids
+
+    class Primed(Recorder):  # decodes `misled` after previous text, `said` without it
+        def decode(self, encoded, forced=(), beams=None, draft=(), previous=()):
+            super().decode(encoded, forced, beams, draft, previous)
+            return list(misled if previous else said)
+
+    for stream, previous, expected, again in ((said, [5, 6], said, 1), ([], [5, 6], misled, 0),
+                                              (misled, [5, 6], misled, 0), (said, [], said, 0)):
+        recorder = Primed([])
+        final = OfflinePass(recorder)
+        item = asr.item(asr.scorer(), None)
+        item.tokens, item.previous = [Token(i, 1.0, 0) for i in stream], previous
+        assert final.revise(item, np.zeros(SAMPLE_RATE, np.float32)) == expected, (stream, previous)
+        assert final.redecoded == again and recorder.previous == [previous] + [[]] * again

@@ -37,10 +37,19 @@ generated non-speech set (`runtime/bench/non_speech.py`), against at most 0.29 o
 probability is above -1 (the decoder was sure of its words); that exception is not taken here, because Whisper's
 "you" over non-speech is sure (-0.48 to -0.97 on the same set) and the VAD gate before the pass (pipeline/audio.py)
 is the second opinion. `runtime bench asr-quality` reports the words this loses on speech (`gate_words_lost`).
+
+Previous text primes the pass, for better and worse: after a statement misheard as "Let me then move to Thursday at
+10." (espeak's "The meeting moved to ..."), the pass with that context wrote "What's next?" for "What day is the
+meeting?", which the stream, given the same context, wrote right, and the pass without it too. So the stream is the
+pass's witness: where the pass with previous text shares fewer than half the words of the stream's own transcript
+(`agrees`), it decodes once more without previous text, and keeps whichever transcript shares more words with the
+stream's (a tie keeps the one with context). A stream that wrote nothing is no witness: given "... Fail better.
+1." before it, the stream wrote nothing for the human turn "two" that the pass with context hears.
 """
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Sequence
 from typing import Protocol
@@ -95,6 +104,29 @@ def loops(text: str) -> bool:
     return compression_ratio(text) > LOOP_RATIO
 
 
+def words(text: str) -> list[str]:
+    """Lower-case words, punctuation dropped: what two transcripts are compared by."""
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def shared_words(a: str, b: str) -> int:
+    """Words of `a` that `b` has in the same order (their longest common subsequence)."""
+    x, y = words(a), words(b)
+    row = [0] * (len(y) + 1)
+    for w in x:
+        diagonal = 0
+        for j, v in enumerate(y, 1):
+            diagonal, row[j] = row[j], diagonal + 1 if w == v else max(row[j], row[j - 1])
+    return row[-1]
+
+
+def agrees(stream: str, decoded: str) -> bool:
+    """Whether `decoded` shares at least half the words of the longer of it and the stream's transcript (or the
+    stream wrote nothing: no witness)."""
+    longest = max(len(words(stream)), len(words(decoded)))
+    return not words(stream) or 2 * shared_words(stream, decoded) >= longest
+
+
 class FinalPass(Protocol):
     name: str
     judges_speech: bool  # it says itself whether an item holds speech (run even where the stream wrote nothing)
@@ -125,6 +157,7 @@ class OfflinePass:
         self.retried = 0  # items whose transcript looped and were decoded again with RETRY_BEAMS
         self.kept_stream = 0  # items that looped with beams too and kept the stream's text
         self.silent = 0  # items Whisper heard no speech in (completed empty)
+        self.redecoded = 0  # items decoded again without previous text (the stream disagreed with the pass)
         self.last_no_speech = 0.0  # the no-speech probability of the last item revised
 
     def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
@@ -141,6 +174,13 @@ class OfflinePass:
         if looped:
             self.kept_stream += 1
             ids = [t.id for t in item.tokens]
+        stream = offline.text([t.id for t in item.tokens])
+        if previous and not agrees(stream, offline.text(ids)):  # the context may have misled it (module doc)
+            self.redecoded += 1
+            plain = self.search(encoded) if greedy else offline.decode(encoded, draft=draft)
+            if not loops(offline.text(plain)) and (shared_words(stream, offline.text(plain))
+                                                   > shared_words(stream, offline.text(ids))):
+                ids, previous = plain, []
         self.last_no_speech, _ = offline.judge(encoded, ids, previous)
         if self.last_no_speech > self.no_speech:
             self.silent += 1
