@@ -188,12 +188,17 @@ class GGUFCheckpoint:
             return self.args.num_kv_heads
         return None
 
-    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """Every weight under transformers' names, dequantised, un-permuted and cast to `dtype`."""
+    def state_dict(self, dtype: torch.dtype = torch.float32,
+                   skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Every weight under transformers' names, dequantised, un-permuted and cast to `dtype`; those named in
+        `skip` only as meta tensors of their shape (weights the int4 format takes from their blocks instead)."""
         state: dict[str, torch.Tensor] = {}
-        for name in self.tensors:
+        for name, t in self.tensors.items():
             hf = hf_name(name)
             if hf is None:
+                continue
+            if hf in skip:
+                state[hf] = torch.empty(tuple(int(n) for n in reversed(t.shape)), dtype=dtype, device="meta")
                 continue
             w = torch.from_numpy(self.tensor(name))
             if (heads := self._rows_heads(hf)) is not None:
@@ -209,7 +214,7 @@ class GGUFCheckpoint:
         - Q4_K (llama.cpp's k-quants): a 256-value super-block of float16 d and dmin, eight 6-bit (scale, min)
           pairs, then 4 x 32 bytes whose low nibbles are group 2j and high nibbles group 2j + 1: w = d * sc * q -
           dmin * m. Groups of 32 are exactly the int4 kernel's, so the file's integers are kept as they are."""
-        name = next((n for n in self.tensors if hf_name(n) == hf), None)
+        name = self._names().get(hf)
         if name is None or self.tensors[name].tensor_type.name not in ("Q4_0", "Q4_1", "Q4_K"):
             return None
         t = self.tensors[name]
@@ -229,6 +234,15 @@ class GGUFCheckpoint:
         if (heads := self._rows_heads(hf)) is not None:
             out = [unpermute(x, heads) for x in out]
         return Q4Blocks(*out)
+
+    def four_bit(self, hf: str) -> bool:
+        """Whether the weight transformers calls `hf` is stored in 4-bit blocks (`q4_blocks` hands them out)."""
+        name = self._names().get(hf)
+        return name is not None and self.tensors[name].tensor_type.name in ("Q4_0", "Q4_1", "Q4_K")
+
+    @functools.cache  # noqa: B019 (one per file, kept as long as the file is: open_gguf)
+    def _names(self) -> dict[str, str]:
+        return {hf: name for name in self.tensors if (hf := hf_name(name)) is not None}
 
     @property
     def eos_ids(self) -> list[int]:

@@ -18,6 +18,7 @@ SwiGLU MLP), so in float32 our logits equal the reference model's to ~1e-6.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -215,6 +216,21 @@ def fuse_projections(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return state
 
 
+def from_blocks(four_bit: Callable[[str], bool], args: ModelArgs) -> frozenset[str]:
+    """The checkpoint weights the int4 layers are built from their own 4-bit blocks (`four_bit(name)`), so that their
+    float values are never needed: a projection's, or a fused projection's when every part is 4-bit; the head's
+    when it is not tied to the embeddings (which stay float)."""
+    names = set()
+    for i in range(args.num_layers):
+        stem = f"model.layers.{i}."
+        groups = [[f"{stem}{p}.weight" for p in parts] for parts in FUSED.values()]
+        groups += [[f"{stem}self_attn.o_proj.weight"], [f"{stem}mlp.down_proj.weight"]]
+        names.update(n for g in groups if all(four_bit(p) for p in g) for n in g)
+    if not args.tie_word_embeddings and four_bit("lm_head.weight"):
+        names.add("lm_head.weight")
+    return frozenset(names)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -344,7 +360,9 @@ class Transformer(nn.Module):
         path = Path(path)
         if (file := gguf_file(path)) is not None:
             ckpt = open_gguf(file)
-            state = ckpt.state_dict(format_dtype(weights, dtype))  # cast tensor by tensor: no float32 copy of all
+            # cast tensor by tensor (no float32 copy of all); weights int4 takes from their blocks not dequantised
+            skip = from_blocks(ckpt.four_bit, ckpt.args) if weights in ("int4", "native") else frozenset()
+            state = ckpt.state_dict(format_dtype(weights, dtype), skip=skip)
             return cls.from_state(ckpt.args, state, where=str(file), device=device, dtype=dtype, weights=weights,
                                   blocks=ckpt.q4_blocks)
         args = read_config(path)
@@ -376,7 +394,7 @@ class Transformer(nn.Module):
         dtype = format_dtype(weights, dtype)
         with torch.device("meta"):
             model = cls(args)
-        state = {k: v.to(device=device, dtype=torch.float32 if k.endswith("norm.weight") else dtype)
+        state = {k: v if v.is_meta else v.to(device=device, dtype=torch.float32 if k.endswith("norm.weight") else dtype)
                  if v.is_floating_point() else v.to(device) for k, v in state.items()}  # norms: see RMSNorm
         if args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -397,5 +415,7 @@ class Transformer(nn.Module):
         model.inv_freq = rope_inv_freq(args).to(device)
         if weights in QUANTIZED:
             quantize_linears(model, weights, blocks=blocks, fused=FUSED)
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            raise ValueError(f"lm checkpoint {where}: weights left unread after building the {weights} format")
         model.weights = weights
         return model.eval().requires_grad_(False)
