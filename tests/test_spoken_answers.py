@@ -412,3 +412,22 @@ async def test_the_runtime_client_yields_the_spoken_audio() -> None:
         await stop(server, worker)
     assert len({item_id for item_id, _ in chunks}) == 1
     assert abs(sum(len(audio) for _, audio in chunks) - 8_000 / 1.25) <= 2  # 1 s at 1.25x, one byte a sample
+
+
+async def test_a_client_gone_mid_answer_leaves_no_speaking_task() -> None:
+    server, worker, client = await serve(ScriptAnswerer(COUNTING * 5, step_s=0.05), ToneVoice(delay_s=0.02))
+    try:
+        async with client.realtime.connect(model="gpt-realtime") as connection:
+            talk = Talk(connection)
+            await connection.session.update(session=SPEAK)
+            await talk.next("session.updated")
+            await connection.response.create()
+            await talk.next("response.output_audio.delta")
+        for _ in range(100):  # the session is stopped once the server sees the close
+            if not server.sessions:
+                break
+            await asyncio.sleep(0.05)
+        speaking = [t for t in asyncio.all_tasks() if t.get_name().endswith(":speech") and not t.done()]
+        assert not server.sessions and not speaking
+    finally:
+        await stop(server, worker)
