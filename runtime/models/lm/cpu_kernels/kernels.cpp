@@ -503,20 +503,25 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   void* optr = out.data_ptr();
   // Whole tiles per thread, and at least ~64 KB of weights each, so a small layer does not wake idle threads.
   const int64_t grain = std::max<int64_t>(1, 65536 / (G * block));
+  // With many rows of x, a thread takes its tiles a chunk (about 256 KB of weights) at a time and runs every block of
+  // rows over the chunk, so the weights come from memory once and the rows from cache, not all rows once per tile.
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / (G * block));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     float vals[kMaxMR * kTile];
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tile = base + t * G * block;
+    for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+      const int64_t c1 = std::min(t1, c0 + chunk);
       for (int64_t m0 = 0; m0 < M; m0 += kern.mr) {
         const int mr = static_cast<int>(std::min<int64_t>(kern.mr, M - m0));
         const Rows rows{q.data() + m0 * K, d.data() + m0 * G, s.data() + m0 * G, sum.data() + m0 * G, G};
-        kern.fn[mr](tile, rows, vals);
-        if (odt == at::kFloat) {
-          store_block(static_cast<float*>(optr), n, m0, mr, t * kTile, vals);
-        } else if (odt == at::kBFloat16) {
-          store_block(static_cast<c10::BFloat16*>(optr), n, m0, mr, t * kTile, vals);
-        } else {
-          store_block(static_cast<c10::Half*>(optr), n, m0, mr, t * kTile, vals);
+        for (int64_t t = c0; t < c1; ++t) {
+          kern.fn[mr](base + t * G * block, rows, vals);
+          if (odt == at::kFloat) {
+            store_block(static_cast<float*>(optr), n, m0, mr, t * kTile, vals);
+          } else if (odt == at::kBFloat16) {
+            store_block(static_cast<c10::BFloat16*>(optr), n, m0, mr, t * kTile, vals);
+          } else {
+            store_block(static_cast<c10::Half*>(optr), n, m0, mr, t * kTile, vals);
+          }
         }
       }
     }
