@@ -32,7 +32,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 class ASRConfig:
     backend: str = "whisper-buffered"  # whisper-buffered (the reference peer) | causal-whisper | fastconformer
     model: str = "tiny:whisper"  # a hub id, a local directory (or .nemo file), or tiny:<name> (random)
+    # Whisper: the language spoken ("" detects it from the audio: multilingual Whisper only) and the task: transcribe
+    # (captions in that language) | translate (captions in English); English-only Whisper takes only "en"/"" and
+    # transcribe (models/asr/whisper_language.py)
     language: str = "en"
+    task: str = "transcribe"
     max_new_tokens: int = 48  # decoder tokens per transcript item (Whisper backends)
     # whisper-buffered: re-decode the buffer every step_s; complete an item and cut the buffer at segment_s.
     step_s: float = 1.0
@@ -114,6 +118,10 @@ class LMConfig:
     # models/lm/weight_formats.py. int4 takes a GGUF file's own 4-bit blocks as they are; native keeps those as int4
     # and every finer-stored weight (Q5_0, Q6_K, Q8_0) as int8.
     weights: str = "auto"
+    # engine, int8/int4/native weights: auto | runtime | torch. runtime: the runtime's own CPU kernels
+    # (models/lm/cpu_kernels: int8 activations, integer dot products on AVX-512 VNNI or AVX2, chosen from the CPU's
+    # features; built once per machine); torch: torch's kernels; auto: runtime's where they build here.
+    kernels: str = "auto"
     max_context_tokens: int = 2048  # generate: the transcript is cut from the front to fit
     system_prompt: str = (
         "You are a live assistant. Answer the question about what was said, using the transcript."

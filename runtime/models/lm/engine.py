@@ -40,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, PromptTooLong
 from runtime.models.lm.compiled_step import CompiledStep, wanted
+from runtime.models.lm.kernel_linears import use_runtime_kernels
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.packed_weights import load_model
 from runtime.models.lm.pieces import Piece, visual_id
@@ -107,7 +108,9 @@ class LMEngine:
         with load_progress(progress, "lm", cfg.model, device, shown):
             path = resolve_checkpoint(cfg.model, role="lm", progress=progress)
             tokenizer, eos = load_tokenizer(path)
-            model = load_model(path, device=device, dtype=torch_dtype(dtype), weights=cfg.weights, progress=progress)
+            kernels = cfg.weights in QUANTIZED and use_runtime_kernels(cfg.kernels, device)
+            model = load_model(path, device=device, dtype=torch_dtype(dtype), weights=cfg.weights, kernels=kernels,
+                               progress=progress)
             if progress is not None and wanted(cfg.compile, model, cfg.drafter):
                 progress("compiling the decode step (lm.compile: about a minute the first time on this machine, "
                          "14 s from torch's cache after) ...")

@@ -85,6 +85,14 @@ class Q4Blocks:
     group: int = 32
 
 
+@dataclass(frozen=True)
+class Q8Blocks:
+    """An 8-bit tensor's groups of 32: w[n, k] = q[n, k] * scale[n, k // 32]."""
+
+    q: torch.Tensor  # int8 [n, k]
+    scale: torch.Tensor  # float32 [n, k // 32]
+
+
 def open_gguf(path: Path) -> GGUFCheckpoint:
     """The file's `GGUFCheckpoint`, parsed once per process while the file stays as it was.
 
@@ -243,6 +251,25 @@ class GGUFCheckpoint:
     @functools.cache  # noqa: B019 (one per file, kept as long as the file is: open_gguf)
     def _names(self) -> dict[str, str]:
         return {hf: name for name in self.tensors if (hf := hf_name(name)) is not None}
+
+    def q8_blocks(self, hf: str) -> Q8Blocks | None:
+        """The 8-bit groups of the weight transformers calls `hf`, when the file stores it as Q8_0 or Q5_0 (each
+        block a float16 d, then 32 values q with w = d * q: Q8_0's int8, Q5_0's 5-bit value less 16); None for any
+        other storage. The values are read back from gguf's own dequantisation (w / d is exact: a float16 times a
+        small integer is exact in float32)."""
+        name = self._names().get(hf)
+        if name is None or self.tensors[name].tensor_type.name not in ("Q8_0", "Q5_0"):
+            return None
+        raw = np.asarray(self.tensors[name].data, dtype=np.uint8)
+        rows = raw.shape[0]
+        size = 34 if self.tensors[name].tensor_type.name == "Q8_0" else 22
+        d = raw.reshape(rows, -1, size)[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        w = self.tensor(name).reshape(rows, -1, 32)
+        q = np.where(d[..., None] == 0, 0, np.round(w / np.where(d == 0, 1, d)[..., None])).astype(np.int8)
+        out = [torch.from_numpy(q.reshape(rows, -1)), torch.from_numpy(d)]
+        if (heads := self._rows_heads(hf)) is not None:
+            out = [unpermute(x, heads) for x in out]
+        return Q8Blocks(*out)
 
     @property
     def eos_ids(self) -> list[int]:

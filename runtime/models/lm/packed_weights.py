@@ -38,23 +38,24 @@ PACKED_FORMATS = QUANTIZED  # the formats whose build from a GGUF file repacks e
 ALIGN = 64  # bytes: a cache line, what a fresh torch allocation is aligned to
 
 
-def packed_file(file: Path, weights: str, dtype: torch.dtype) -> Path:
-    """Where the packed form of GGUF `file` in format `weights` is kept (see the module docstring for the key)."""
+def packed_file(file: Path, weights: str, dtype: torch.dtype, kernels: bool = False) -> Path:
+    """Where the packed form of GGUF `file` in format `weights` is kept (see the module docstring for the key);
+    `kernels`: on the runtime's own kernels (their layout does not depend on the CPU; torch's int4 may)."""
     stat = file.stat()
-    cpu = torch.backends.cpu.get_cpu_capability().lower()
+    cpu = "rk" if kernels else torch.backends.cpu.get_cpu_capability().lower()
     dt = str(format_dtype(weights, dtype)).removeprefix("torch.")
     key = f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}-{weights}-{dt}-torch{torch.__version__}-{cpu}-v{VERSION}"
     return cache_dir() / "packed-lm" / f"{key}.safetensors"
 
 
-def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, weights: str,
+def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, weights: str, kernels: bool = False,
                progress: Callable[[str], None] | None = None) -> Transformer:
     """`Transformer.from_pretrained(path, ...)`, through the packed cache when `path` is a GGUF file loaded to the
     CPU in an int8/int4 format: read back when packed before, else built and saved for the next load."""
     file = gguf_file(path)
     if file is None or weights not in PACKED_FORMATS or torch.device(device).type != "cpu":
-        return Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights)
-    target = packed_file(file, weights, dtype)
+        return Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
+    target = packed_file(file, weights, dtype, kernels)
     if target.is_file():
         try:
             return read_packed(target)
@@ -65,7 +66,7 @@ def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, we
     if progress is not None:
         progress(f"packing {file.name} into {weights} once (read back from {target.parent} after) ...")
     start = time.perf_counter()
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights)
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
     try:
         write_packed(model, target)
     except OSError as err:  # a read-only or full cache: this load still works, the next one packs again
@@ -73,7 +74,7 @@ def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, we
             progress(f"could not keep the packed weights in {target.parent} ({err})")
     else:
         for old in target.parent.glob(f"{file.stem}-*-{weights}-*.safetensors"):
-            if old != target:
+            if old != target and ("-rk-" in old.name) == kernels:
                 old.unlink(missing_ok=True)
     if progress is not None:
         progress(f"packed in {time.perf_counter() - start:.1f} s")

@@ -28,7 +28,14 @@ from torch import Tensor, nn
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm.attention import Mask, TokenKeys, attention_by_token, token_keys
 from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
-from runtime.models.lm.weight_formats import QUANTIZED, BlockSource, empty_like_state, format_dtype, quantize_linears
+from runtime.models.lm.weight_formats import (
+    QUANTIZED,
+    Block8Source,
+    BlockSource,
+    empty_like_state,
+    format_dtype,
+    quantize_linears,
+)
 from runtime.models.lm.weights import ModelArgs, load_state, read_config
 
 CacheBuffers = tuple[Tensor, Tensor, Tensor, Tensor]  # K, V, rotated K [layers, 1, kv_heads, slots, d]; positions
@@ -354,9 +361,11 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, weights: str = "auto") -> Transformer:
+                        dtype: torch.dtype = torch.float32, weights: str = "auto",
+                        kernels: bool = False) -> Transformer:
         """Build from `config.json` and the safetensors weights, or from a GGUF file (`gguf_checkpoint`), in the
-        weight format `weights` (`weight_formats`: auto keeps `dtype`)."""
+        weight format `weights` (`weight_formats`: auto keeps `dtype`); `kernels`: its int8/int4 layers on the
+        runtime's own CPU kernels (`kernel_linears`) rather than torch's."""
         path = Path(path)
         if (file := gguf_file(path)) is not None:
             ckpt = open_gguf(file)
@@ -364,10 +373,11 @@ class Transformer(nn.Module):
             skip = from_blocks(ckpt.four_bit, ckpt.args) if weights in ("int4", "native") else frozenset()
             state = ckpt.state_dict(format_dtype(weights, dtype), skip=skip)
             return cls.from_state(ckpt.args, state, where=str(file), device=device, dtype=dtype, weights=weights,
-                                  blocks=ckpt.q4_blocks)
+                                  blocks=ckpt.q4_blocks, blocks8=ckpt.q8_blocks, kernels=kernels)
         args = read_config(path)
         state = load_state(path, device=device, dtype=format_dtype(weights, dtype))
-        return cls.from_state(args, state, where=str(path), device=device, dtype=dtype, weights=weights)
+        return cls.from_state(args, state, where=str(path), device=device, dtype=dtype, weights=weights,
+                              kernels=kernels)
 
     @classmethod
     def from_packed(cls, args: ModelArgs, state: dict[str, Tensor], *, weights: str) -> Transformer:
@@ -387,7 +397,8 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_state(cls, args: ModelArgs, state: dict[str, Tensor], *, where: str, device: str | torch.device,
-                   dtype: torch.dtype, weights: str = "auto", blocks: BlockSource | None = None) -> Transformer:
+                   dtype: torch.dtype, weights: str = "auto", blocks: BlockSource | None = None,
+                   blocks8: Block8Source | None = None, kernels: bool = False) -> Transformer:
         """Build from a checkpoint's state dict (transformers' names), without random init (meta device); q/k/v
         and gate/up are fused here, once (`fuse_projections`); int8/int4 projections are made last, from the
         float weights or, for int4, from the checkpoint's own 4-bit blocks (`blocks`)."""
@@ -414,7 +425,7 @@ class Transformer(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args).to(device)
         if weights in QUANTIZED:
-            quantize_linears(model, weights, blocks=blocks, fused=FUSED)
+            quantize_linears(model, weights, blocks=blocks, blocks8=blocks8, fused=FUSED, kernels=kernels)
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             raise ValueError(f"lm checkpoint {where}: weights left unread after building the {weights} format")
         model.weights = weights

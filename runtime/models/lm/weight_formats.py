@@ -23,17 +23,21 @@ Only the projections and the head change; embeddings, norms and the KV cache sta
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from runtime.errors import ConfigError
-from runtime.models.lm.gguf_checkpoint import Q4Blocks
+from runtime.models.lm.gguf_checkpoint import Q4Blocks, Q8Blocks
+from runtime.models.lm.kernel_linears import Q4Linear, Q8Linear, kernel_layer
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "native")
 QUANTIZED = ("int8", "int4", "native")  # weight-only formats: bf16 activations around torch's int8/int4 kernels
 GROUP = 32
+T = TypeVar("T", Q4Blocks, Q8Blocks)
 BlockSource = Callable[[str], Q4Blocks | None]  # a weight's own 4-bit blocks by checkpoint name, if it has them
+Block8Source = Callable[[str], Q8Blocks | None]  # its own 8-bit groups (Q8_0, Q5_0), if it has them
 
 
 def format_dtype(weights: str, dtype: torch.dtype) -> torch.dtype:
@@ -112,13 +116,16 @@ class Int4Linear(nn.Module):
 def empty_like_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     """Give `model` (built on the meta device) int8 and int4 layers wherever `state` (a quantised model's own
     `state_dict`, as `packed_weights` saves it) holds their buffers, so that `load_state_dict(state, assign=True)`
-    puts every tensor in place: `.packed` marks an int4 layer, an int8 `.weight` an int8 one."""
+    puts every tensor in place: `.packed` marks an int4 layer, an int8 `.weight` an int8 one, `.q4` / `.q8` one on
+    the runtime's kernels (`kernel_linears`)."""
     for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         bias = state.get(f"{name}.bias")
-        new: nn.Module
-        if f"{name}.packed" in state:
+        new: nn.Module | None
+        if (new := kernel_layer(state, name, getattr(parent, attr))) is not None:
+            pass
+        elif f"{name}.packed" in state:
             packed, sz = state[f"{name}.packed"], state[f"{name}.scales_and_zeros"]
             k = packed.shape[1] * 2
             new = Int4Linear(packed, sz, bias, k, k // sz.shape[0])
@@ -150,12 +157,23 @@ def fused_blocks(parts: list[Q4Blocks | None]) -> Q4Blocks | None:
                     torch.cat([p.low for p in ok]), ok[0].group)
 
 
-def quantize_linears(model: nn.Module, fmt: str, *, blocks: BlockSource | None = None,
-                     fused: dict[str, tuple[str, ...]] | None = None) -> int:
-    """Replace every `nn.Linear` of `model` by its int8 or int4 form, in place; returns how many.
+def fused_blocks8(parts: list[Q8Blocks | None]) -> Q8Blocks | None:
+    """`fused_blocks` for 8-bit groups."""
+    if not parts or any(p is None for p in parts):
+        return None
+    ok = [p for p in parts if p is not None]
+    return Q8Blocks(torch.cat([p.q for p in ok]), torch.cat([p.scale for p in ok]))
 
-    `blocks` gives a weight's own 4-bit blocks by its checkpoint name (`model.layers.0.self_attn.q_proj.weight`);
-    `fused` maps our fused module suffixes to the checkpoint modules they were built from."""
+
+def quantize_linears(model: nn.Module, fmt: str, *, blocks: BlockSource | None = None,
+                     blocks8: Block8Source | None = None, fused: dict[str, tuple[str, ...]] | None = None,
+                     kernels: bool = False) -> int:
+    """Replace every `nn.Linear` of `model` by its int8, int4 or native form, in place; returns how many.
+
+    `blocks` / `blocks8` give a weight's own 4-bit blocks / 8-bit groups by its checkpoint name
+    (`model.layers.0.self_attn.q_proj.weight`); `fused` maps our fused module suffixes to the checkpoint modules they
+    were built from. `kernels`: on the runtime's kernels (`kernel_linears`: groups of 32, 8-bit ones too) instead
+    of torch's."""
     if fmt not in QUANTIZED:
         raise ValueError(f"quantize_linears takes {', '.join(QUANTIZED)}, not {fmt!r}")
     if next(model.parameters()).device.type != "cpu":
@@ -168,8 +186,10 @@ def quantize_linears(model: nn.Module, fmt: str, *, blocks: BlockSource | None =
         w, bias = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
         dtype = w.dtype if w.dtype != torch.float64 else torch.float32
         new: nn.Module
-        own = None if fmt == "int8" else _own_blocks(name, blocks, fused or {})
-        if own is not None:
+        own = None if fmt == "int8" else _own_blocks(name, blocks, fused or {}, fused_blocks)
+        if kernels:
+            new = _kernel_layer(fmt, own, _own_blocks(name, blocks8, fused or {}, fused_blocks8), w, bias)
+        elif own is not None:
             new = Int4Linear.from_blocks(own, bias, dtype)
         elif fmt == "int4":
             new = Int4Linear.quantize(w, bias, dtype)
@@ -179,11 +199,23 @@ def quantize_linears(model: nn.Module, fmt: str, *, blocks: BlockSource | None =
     return len(names)
 
 
-def _own_blocks(name: str, blocks: BlockSource | None, fused: dict[str, tuple[str, ...]]) -> Q4Blocks | None:
+def _kernel_layer(fmt: str, own4: Q4Blocks | None, own8: Q8Blocks | None, w: Tensor,
+                  bias: Tensor | None) -> nn.Module:
+    """A layer on the runtime's kernels: int4 4-bit (the file's blocks, else quantised), int8 8-bit (the file's
+    groups, else quantised), native 4-bit where the file is, else 8-bit. Biases keep their dtype."""
+    if own4 is not None:
+        return Q4Linear.from_blocks(own4, bias)
+    if fmt == "int4":
+        return Q4Linear.from_blocks(q4_blocks_of(w), bias)
+    return Q8Linear.from_blocks(own8, bias) if own8 is not None else Q8Linear.quantize(w, bias)
+
+
+def _own_blocks(name: str, blocks: Callable[[str], T | None] | None, fused: dict[str, tuple[str, ...]],
+                fuse: Callable[[list[T | None]], T | None]) -> T | None:
     if blocks is None:
         return None
     for suffix, parts in fused.items():
         if name.endswith(suffix):
             stem = name[: -len(suffix)]
-            return fused_blocks([blocks(f"{stem}{part}.weight") for part in parts])
+            return fuse([blocks(f"{stem}{part}.weight") for part in parts])
     return blocks(f"{name}.weight")
