@@ -163,7 +163,7 @@ def test_the_pass_misled_by_the_turns_context_decodes_again_without_it(asr: Caus
     misled = words(" whats next", add_special_tokens=False).input_ids
 
     class Primed(Recorder):  # decodes `misled` after previous text, `said` without it
-        def decode(self, encoded, forced=(), beams=None, draft=(), previous=()):
+        def decode(self, encoded, forced=(), beams=None, draft=(), previous=(), sot=None):
             super().decode(encoded, forced, beams, draft, previous)
             return list(misled if previous else said)
 

@@ -55,13 +55,16 @@ def chunk_sizes(total: int, kind: str) -> list[int]:
 
 def test_load_reports_progress_and_prompt() -> None:
     lines: list[str] = []
-    model = load_asr(ASRConfig(language="xx"), device="cpu", dtype="float32", progress=lines.append)
+    model = load_asr(ASRConfig(language=""), device="cpu", dtype="float32", progress=lines.append)
     assert lines[0] == "loading asr tiny:whisper on cpu/float32 ..."
     assert lines[-1].startswith("asr loaded in ") and lines[-1].endswith(" s")
     vocab = model.tokenizer.get_vocab()
-    # the tiny vocabulary is English-only by Whisper's rule (below 51865): no language or task token, whatever
-    # asr.language says (tests/test_whisper_ct2.py covers the multilingual prompt)
+    # the tiny vocabulary is English-only by Whisper's rule (below 51865): no language or task token; English
+    # (given, or "" to detect) is all it takes (tests/test_whisper_ct2.py covers the multilingual prompt)
     assert model.prompt_ids == [vocab[t] for t in ("<|startoftranscript|>", "<|notimestamps|>")]
+    for refused in (ASRConfig(language="de"), ASRConfig(task="translate")):
+        with pytest.raises(ConfigError, match="English-only"):
+            load_asr(refused, device="cpu", dtype="float32")
 
 
 def test_prompt_of_an_english_only_checkpoint(asr: WhisperBuffered) -> None:

@@ -41,14 +41,18 @@ class Recorder:
         return Encoded(torch.from_numpy(audio), 1500)  # not states: the audio itself, to check it is the item's
 
     def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
-               draft: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
+               draft: Sequence[int] = (), previous: Sequence[int] = (), sot: Sequence[int] | None = None) -> list[int]:
         beams = self.beams if beams is None else beams
         self.searches.append(beams)
         self.drafts.append(list(draft))
         self.previous.append(list(previous))
         return list(self.by_beams.get(beams, self.ids))
 
-    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = ()) -> tuple[float, float]:
+    def sot_for(self, encoded: Encoded, speech=None) -> tuple[list[int], str]:
+        return [], "en"
+
+    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = (),
+              sot: Sequence[int] | None = None) -> tuple[float, float]:
         return self.no_speech, -0.5
 
     def text(self, ids: Sequence[int]) -> str:

@@ -14,6 +14,25 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.chunks import AudioChunk
+from runtime.errors import ConfigError
+
+TASKS = ("transcribe", "translate")
+DETECT = ""  # the language to detect rather than give
+
+
+@dataclass(frozen=True)
+class Speech:
+    """What a stream is asked to hear and write: its language (`DETECT`: the backend says which) and task
+    (transcribe, or translate into English)."""
+
+    language: str = DETECT
+    task: str = "transcribe"
+
+
+def check_task(task: str, what: str = "asr.task") -> str:
+    if task not in TASKS:
+        raise ConfigError(f"{what}={task!r} is not one of {', '.join(repr(t) for t in TASKS)}")
+    return task
 
 
 @dataclass(frozen=True)
@@ -25,6 +44,7 @@ class TranscriptUpdate:
     end: float  # media seconds up to which audio has been heard
     completed: bool = False
     transcript: str = ""  # the item's full final text when completed
+    language: str = ""  # the language the backend heard (given or detected); "" when it does not say
 
 
 class ASRStream(Protocol):
@@ -34,6 +54,12 @@ class ASRStream(Protocol):
         """Before the first chunk: the text of the turns before this stream's (`previous`) and the user's own words
         (`vocabulary`, the session's `audio.input.transcription.prompt`), which a backend that reads text before
         the audio (Whisper's previous-text prompt) conditions on; a backend that cannot ignores them."""
+        ...
+
+    def set_speech(self, speech: Speech) -> None:
+        """Before the first chunk: the language spoken (`DETECT`: the backend identifies it) and the task (transcribe,
+        or translate into English); a ConfigError for what the model cannot do (models/asr/whisper_language.py).
+        Only called when a session asks for either."""
         ...
 
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]: ...

@@ -40,6 +40,7 @@ from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.asr.transcript_draft import greedy
 from runtime.models.asr.whisper_beam import beam_search
 from runtime.models.asr.whisper_checkpoint import (
+    is_multilingual,
     load_whisper,
     no_speech_id,
     previous_ids,
@@ -47,6 +48,7 @@ from runtime.models.asr.whisper_checkpoint import (
     suppressed_ids,
     transcript_prompt,
 )
+from runtime.models.asr.whisper_language import Speech, check_english_only, detected, language_ids, speech_prompt
 from runtime.models.asr.whisper_window import Encoded, WindowedEncoder
 from runtime.models.loading import load_progress
 
@@ -101,7 +103,16 @@ class WhisperBuffered:
         self.encoder = WindowedEncoder(model.model.encoder, feature_extractor, window_s)
         silence = self.encoder.silence
         self.silence_kv = None if silence is None else self.cross_kv(silence)
-        self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
+        # the language and task the model is asked for (Speech: "" detects the language from each audio's
+        # encoder states); `prompt_ids` is the start-of-transcript sequence when none is given: its language's, or in
+        # detection the English one, which gives the prompt its length (every language's is as long)
+        self.speech = Speech(cfg.language, cfg.task)
+        self.languages = language_ids(tokenizer) if is_multilingual(model.config) else {}
+        if self.languages:
+            self.prompt_ids = speech_prompt(tokenizer, model.config, Speech(cfg.language or "en", cfg.task), cfg.model)
+        else:
+            check_english_only(self.speech, cfg.model)
+            self.prompt_ids = transcript_prompt(tokenizer, model.config, cfg.language)
         self.suppress = suppressed_ids(model)
         self.eos_id = tokenizer.eos_token_id
         self.no_speech_id = no_speech_id(tokenizer)
@@ -109,10 +120,39 @@ class WhisperBuffered:
         # Prompt + hypothesis must fit the decoder's learned positions.
         self.max_tokens = min(cfg.max_new_tokens, model.config.max_target_positions - len(self.prompt_ids))
 
-    def prefix(self, previous: Sequence[int] = ()) -> list[int]:
+    def prefix(self, previous: Sequence[int] = (), sot: Sequence[int] | None = None) -> list[int]:
         """The decoder's prompt: `previous` text (`<|startofprev|>`, whisper_checkpoint.prompt_prefix), then the
-        start-of-transcript sequence."""
-        return prompt_prefix(self.tokenizer, self.prompt_ids, list(previous))
+        start-of-transcript sequence `sot` (default `prompt_ids`)."""
+        return prompt_prefix(self.tokenizer, list(self.prompt_ids if sot is None else sot), list(previous))
+
+    def prompt_for(self, speech: Speech) -> list[int]:
+        """The start-of-transcript sequence of `speech` with its language known (an error for a language the
+        checkpoint lacks, or, English-only, for anything but English transcripts)."""
+        if not self.languages:
+            check_english_only(speech, self.cfg.model)
+            return list(self.prompt_ids)
+        return speech_prompt(self.tokenizer, self.model.config, speech, self.cfg.model)
+
+    def sot_for(self, encoded: Encoded, speech: Speech | None = None) -> tuple[list[int], str]:
+        """(start-of-transcript sequence, language) for `encoded` audio: `speech`'s (default the model's), its
+        language detected from the audio when not given; English-only checkpoints: English."""
+        speech = speech or self.speech
+        if not self.languages:
+            return self.prompt_for(speech), "en"
+        language = speech.language or self.detect(encoded)[0]
+        return self.prompt_for(Speech(language, speech.task)), language
+
+    @torch.inference_mode()
+    def detect(self, encoded: Encoded) -> tuple[str, float]:
+        """Whisper's language identification (whisper_language.py): the most probable language token after
+        `<|startoftranscript|>` over the encoded audio, with its probability; ("en", 1.0) when English-only."""
+        if not self.languages:
+            return "en", 1.0
+        states = encoded.states
+        ids = torch.tensor([self.prompt_ids[:1]], device=states.device)
+        hidden = self.model.model.decoder(input_ids=ids, encoder_hidden_states=states, use_cache=True,
+                                          **{CACHE_ARG: self.cache(encoded)}).last_hidden_state
+        return detected(self.model.proj_out(hidden[0, -1:])[0], self.languages)
 
     def context_ids(self, previous: str, vocabulary: str = "") -> list[int]:
         return previous_ids(self.tokenizer, previous, vocabulary)
@@ -182,19 +222,23 @@ class WhisperBuffered:
         return logits
 
     @torch.inference_mode()
-    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
-        """Transcript ids (no prompt, no eos) of `audio`, continuing the `forced` prefix after the `previous` text:
-        greedy, or by beam search with `beams` > 1."""
-        return self.decode(self.encode(audio), forced, previous=previous)
+    def hypothesis(self, audio: np.ndarray, forced: Sequence[int] = (), previous: Sequence[int] = (),
+                   speech: Speech | None = None) -> list[int]:
+        """Transcript ids (no prompt, no eos) of `audio`, continuing the `forced` prefix after the `previous` text,
+        as `speech` asks (default the model's; a language not given is detected from `audio`): greedy, or by beam
+        search with `beams` > 1."""
+        encoded = self.encode(audio)
+        return self.decode(encoded, forced, previous=previous, sot=self.sot_for(encoded, speech)[0])
 
     @torch.inference_mode()
     def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
-               draft: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]:
-        """`hypothesis` from encoder states (`encode`), with `beams` instead of the decoder's own if given. A greedy
-        search checks `draft` (a transcript of the same audio, as the causal stream's) a stretch at a time and keeps
-        what it would have chosen anyway (transcript_draft.py): the same ids in fewer decoder calls."""
+               draft: Sequence[int] = (), previous: Sequence[int] = (), sot: Sequence[int] | None = None) -> list[int]:
+        """`hypothesis` from encoder states (`encode`), with `beams` instead of the decoder's own if given, after the
+        start-of-transcript sequence `sot` (default: the model's speech, `sot_for`). A greedy search checks `draft` (a
+        transcript of the same audio, as the causal stream's) a stretch at a time and keeps what it would have chosen
+        anyway (transcript_draft.py): the same ids in fewer decoder calls."""
         beams = self.beams if beams is None else beams
-        prefix = self.prefix(previous)
+        prefix = self.prefix(previous, self.sot_for(encoded)[0] if sot is None else sot)
         budget = self.budget(prefix)
         if beams == 1 or len(forced) >= budget:
             return self._drafted(encoded, forced, draft, prefix)
@@ -203,12 +247,13 @@ class WhisperBuffered:
                                           max_tokens=budget - len(forced))
 
     @torch.inference_mode()
-    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = ()) -> tuple[float, float]:
+    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = (),
+              sot: Sequence[int] | None = None) -> tuple[float, float]:
         """What Whisper says of its own transcript `ids` of `encoded` (one decoder call over prompt, ids and eos):
         the no-speech probability (`<|nocaptions|>` after `<|startoftranscript|>`, before any suppression, as
         openai-whisper reads it; 0.0 for a vocabulary without it) and the average log probability of the ids and
-        the eos, suppressed tokens excluded (openai-whisper's `avg_logprob`)."""
-        prefix = self.prefix(previous)
+        the eos, suppressed tokens excluded (openai-whisper's `avg_logprob`). `sot` as `decode`'s."""
+        prefix = self.prefix(previous, self.sot_for(encoded)[0] if sot is None else sot)
         sot = prefix.index(self.prompt_ids[0])
         seq = [*prefix, *ids, self.eos_id]
         states = encoded.states
@@ -300,6 +345,7 @@ class WhisperBufferedStream:
     def __init__(self, decoder: Decoder, *, step_s: float, segment_s: float) -> None:
         self._decoder = decoder
         self._previous: list[int] = []  # previous-text tokens (set_context)
+        self._speech: Speech | None = None  # set_speech's; None: the model's own
         self._step = max(1, round(step_s * SAMPLE_RATE))
         self._segment = max(1, round(segment_s * SAMPLE_RATE))
         self._next_sample: int | None = None  # where the next chunk must start
@@ -347,6 +393,16 @@ class WhisperBufferedStream:
             raise RuntimeError("set_context must come before the stream's first chunk")
         self._previous = self._decoder.context_ids(previous, vocabulary)
 
+    def set_speech(self, speech: Speech) -> None:
+        """The language spoken (`DETECT`: each hypothesis detects it) and the task, before the first chunk; a
+        language or task the model cannot do is a ConfigError here."""
+        if self._next_sample is not None or self._state != "open":
+            raise RuntimeError("set_speech must come before the stream's first chunk")
+        check = getattr(self._decoder, "prompt_for", None)
+        if check is not None:
+            check(Speech(speech.language or "en", speech.task))  # a language to detect: any of the model's
+        self._speech = speech
+
     def finish(self) -> list[TranscriptUpdate]:
         if self._state != "open":
             return []
@@ -363,7 +419,9 @@ class WhisperBufferedStream:
         audio = np.concatenate(self._pieces) if len(self._pieces) > 1 else self._pieces[0]
         self._pieces = [audio]
         self._since_decode = 0
-        return self._decoder.hypothesis(audio, self._stable, self._previous)
+        if self._speech is None:
+            return self._decoder.hypothesis(audio, self._stable, self._previous)
+        return self._decoder.hypothesis(audio, self._stable, self._previous, speech=self._speech)
 
     def _times(self) -> tuple[float, float]:
         return self._item_start / SAMPLE_RATE, (self._item_start + self._buffered) / SAMPLE_RATE

@@ -90,13 +90,22 @@ from runtime.models.asr.whisper_checkpoint import (
     PROMPT_TOKENS,
     encoded,
     fit_previous,
+    is_multilingual,
     load_whisper,
     suppressed_ids,
     transcript_prompt,
 )
 from runtime.models.asr.whisper_head import check_decoder, check_head, quantize_decoder, quantize_head
+from runtime.models.asr.whisper_language import (
+    DETECT,
+    Speech,
+    check_english_only,
+    language_ids,
+    speech_prompt,
+)
 from runtime.models.loading import load_progress, torch_dtype
 
+DETECT_S = 2.0  # a stream whose language is to detect holds its words until it has heard this much (or its end)
 RESTART_MARGIN_S = 0.5  # re-feed from this long before the last stable token's emission
 MAX_OVERLAP_S = 5.0  # ... but never more than this (nor half the segment) before the reset point
 CARRY_TOKENS = 64  # stable tokens carried across a reset as prompt / forced prefix
@@ -167,7 +176,21 @@ class CausalWhisperASR:
         if not 0 < cfg.reset_s <= 30 or self.reset_frame < 2 * b:
             raise ConfigError(f"asr.reset_s must be in (0, 30] and hold two chunks of {cfg.chunk_ms} ms, "
                               f"got {cfg.reset_s:g}")
-        self.sot = transcript_prompt(tokenizer, model.config, cfg.language)
+        # the language and task (whisper_language.py): `sot` is the start-of-transcript sequence of the model's own
+        # speech, or while a stream's language is still to detect the English one, which gives it its length
+        self.speech = Speech(cfg.language, cfg.task)
+        self.languages = language_ids(tokenizer) if is_multilingual(model.config) else {}
+        if self.languages:
+            self.sot = speech_prompt(tokenizer, model.config, Speech(cfg.language or "en", cfg.task), name)
+        else:
+            check_english_only(self.speech, name)
+            self.sot = transcript_prompt(tokenizer, model.config, cfg.language)
+        # a language to detect is detected by the offline pass's full-context model (the stream's block-causal states
+        # of its first second are no language identifier)
+        self.detector = final_pass.offline if isinstance(final_pass, OfflinePass) else None
+        if self.languages and not cfg.language and self.detector is None:
+            raise ConfigError("asr.language = \"\" (detect the language) needs asr.final_pass = \"offline\": its "
+                              "full-context model identifies the language; or give the language")
         self.suppress = suppressed_ids(model)
         if not self.sot:
             raise ConfigError(f"asr.model {name!r}: its tokenizer has no <|startoftranscript|>; is it Whisper?")
@@ -237,9 +260,25 @@ class CausalWhisperASR:
         previous = fit_previous(context.vocabulary, context.recent, self.prompt_tokens)
         return Carry(0, previous, []) if previous else None
 
-    def item(self, scorer: Scorer, carry: Carry | None) -> ItemDecoder:
+    def prompt_for(self, speech: Speech) -> list[int]:
+        """The start-of-transcript sequence of `speech`, its language given (a ConfigError for one the model lacks,
+        or for anything but English transcripts of an English-only model)."""
+        if not self.languages:
+            check_english_only(speech, self.name)
+            return list(self.sot)
+        return speech_prompt(self.tokenizer, self.model.config, speech, self.name)
+
+    def detect(self, audio: np.ndarray) -> str:
+        """The language spoken in `audio` (its first 30 s), by the offline pass's model (`WhisperBuffered.detect`)."""
+        if not self.languages:
+            return "en"
+        assert self.detector is not None, "checked at load"
+        return self.detector.detect(self.detector.encode(audio))[0]
+
+    def item(self, scorer: Scorer, carry: Carry | None, sot: Sequence[int] | None = None) -> ItemDecoder:
+        """A new item's decoder after `carry`'s text and the start-of-transcript sequence `sot` (default `self.sot`)."""
         previous, forced = (carry.previous, carry.forced) if carry else ([], [])
-        context = context_ids(self.tokenizer, self.sot, previous) + forced
+        context = context_ids(self.tokenizer, self.sot if sot is None else sot, previous) + forced
         return ItemDecoder(scorer, context, eos_id=self.eos_id, lookback=self.cfg.lookback_tokens,
                            max_tokens=self.max_tokens, block_tokens=self.block_tokens,
                            frame0=carry.restart_frame if carry else 0, loop_repeats=self.cfg.loop_repeats,
@@ -262,7 +301,7 @@ class CausalWhisperASR:
         room = max(0, self.prompt_tokens - len(carry.forced))
         return replace(carry, previous=fit_previous(context.vocabulary, [*context.recent, *carry.previous], room))
 
-    def final_ids(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
+    def final_ids(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
         """The committed item's final ids: its stream's, or the final pass's when the stream heard any words or the
         pass judges speech itself (the `offline` pass: a stream given the turns before as context sometimes writes
         nothing for a short turn, "two" after "one", that the pass hears; over silence Whisper's no-speech
@@ -270,7 +309,7 @@ class CausalWhisperASR:
         ids = [t.id for t in item.tokens]
         if self.final_pass is None or not (self.final_pass.judges_speech or self.text(ids).strip()):
             return ids
-        return self.final_pass.revise(item, audio)
+        return self.final_pass.revise(item, audio, speech)
 
 
 def offline_decoder(model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, path: Path,
@@ -318,7 +357,27 @@ class CausalWhisperStream:
         self._item_from = 0  # the open item's first sample in the segment's audio
         self._heard = 0.0
         self._context = Context([], [])
+        self._speech = asr.speech
+        # the language the stream decodes in ("" while it is to detect: `_sot` None, the first frames held)
+        self._language = asr.speech.language or ("" if asr.languages else "en")
+        self._sot: list[int] | None = list(asr.sot) if self._language else None
+        self._held: list[torch.Tensor] = []  # encoder blocks heard while the language is to detect
+        self._first: Carry | None = None  # the first item's carry (its previous text)
         self._open_segment(0, None, _Samples())
+
+    def set_speech(self, speech: Speech) -> None:
+        """The language spoken (`DETECT`: detected from the stream's first `DETECT_S`, then by the final pass over the
+        whole turn) and the task; before the first chunk. What the model cannot do is a ConfigError here."""
+        if self._next_sample is not None or self._state != "open":
+            raise RuntimeError("set_speech must come before the stream's first chunk")
+        asr = self._asr
+        sot = asr.prompt_for(Speech(speech.language or "en", speech.task))  # checks the language and the task
+        if speech.language == DETECT and asr.languages and asr.detector is None:
+            raise ConfigError(f"{asr.name}: detecting the language needs asr.final_pass = \"offline\"; give it")
+        self._speech = speech
+        self._language = speech.language or ("" if asr.languages else "en")
+        self._sot = sot if self._language else None
+        self._open_segment(0, self._first, _Samples())
 
     def set_context(self, previous: str, vocabulary: str = "") -> None:
         """The text of the turns before this one and the user's vocabulary, as every item's previous text (module
@@ -326,7 +385,8 @@ class CausalWhisperStream:
         if self._next_sample is not None or self._state != "open":
             raise RuntimeError("set_context must come before the stream's first chunk")
         self._context = self._asr.context(previous, vocabulary)
-        self._open_segment(0, self._asr.first_carry(self._context), _Samples())
+        self._first = self._asr.first_carry(self._context)
+        self._open_segment(0, self._first, _Samples())
 
     def _open_segment(self, start_sample: int, carry: Carry | None, audio: _Samples) -> None:
         asr = self._asr
@@ -336,7 +396,7 @@ class CausalWhisperStream:
         self._frames = 0  # encoder frames received
         self._end = block_end(0, asr.block_frames)  # next block end
         self._encoder = asr.encoder.open_audio()
-        self._item = asr.item(asr.scorer(), carry)
+        self._item = asr.item(asr.scorer(), carry, self._sot)
         self._item_id = new_id("item")
         self._emitted = ""  # stable text already sent as deltas
         self._unstable = ""
@@ -366,6 +426,11 @@ class CausalWhisperStream:
             assert self._frames + len(frames) == self._end, "encoder emitted an unexpected block"
             self._frames = self._end
             self._end += asr.block_frames
+            if self._sot is None:  # the language is to detect: hold the blocks until DETECT_S is heard
+                self._held.append(frames)
+                if self._audio.size < DETECT_S * SAMPLE_RATE:
+                    continue
+                frames = self._detected(frames)
             self._item.step(frames)
             if asr.reset_due(self._item, self._frames):
                 updates.append(self._reset())
@@ -375,11 +440,22 @@ class CausalWhisperStream:
             updates.append(update)
         return updates
 
+    def _detected(self, frames: torch.Tensor) -> torch.Tensor:
+        """Detect the language over the audio heard so far, open the first item in it, and give back every block
+        held meanwhile (`frames` among them) as one."""
+        self._language = self._asr.detect(self._audio.view(0))
+        self._sot = self._asr.prompt_for(Speech(self._language, self._speech.task))
+        self._item = self._asr.item(self._asr.scorer(), self._first, self._sot)
+        held, self._held = self._held, []
+        return torch.cat(held) if held else frames
+
     def _preview(self) -> TranscriptUpdate | None:
         """At the latest preview point the audio has reached inside the open block (if not previewed yet): what
         the block would add if it ended there, as the unstable tail; then taken back (`ItemDecoder.preview`).
         Points passed within one call are skipped: only the latest is shown."""
         step = self._asr.preview_frames
+        if self._sot is None:
+            return None
         point = (self._audio.size - FRAME_SAMPLES // 2) // FRAME_SAMPLES // step * step
         if point <= max(self._frames, self._previewed):
             return None
@@ -406,10 +482,18 @@ class CausalWhisperStream:
         if self._next_sample is None:
             return []
         frames = torch.cat([self._encoder.accept(self._audio.view(self._fed)), self._encoder.flush()])
+        if self._sot is None:
+            frames = self._detected(torch.cat([*self._held, frames]))
         if self._frames + len(frames):
             self._item.step(frames, final=True)
         self._frames += len(frames)
-        ids = self._asr.final_ids(self._item, self._audio.view(self._item_from))
+        final = self._asr.final_pass if isinstance(self._asr.final_pass, OfflinePass) else None
+        if final is not None:
+            final.last_language = ""  # set again only if the pass runs on this item (one worker thread runs both)
+        speech = Speech(self._speech.language, self._speech.task)
+        ids = self._asr.final_ids(self._item, self._audio.view(self._item_from), speech)
+        if final is not None and final.last_language:
+            self._language = final.last_language
         return [self._complete(ids, end_frame=None, revisable=self._asr.final_pass is not None)]
 
     def close(self) -> None:
@@ -442,7 +526,8 @@ class CausalWhisperStream:
         if not delta and unstable == self._unstable:
             return None
         self._unstable = unstable
-        return TranscriptUpdate(self._item_id, delta, unstable, self._item_start, self._time(frame))
+        return TranscriptUpdate(self._item_id, delta, unstable, self._item_start, self._time(frame),
+                                language=self._language)
 
     def _complete(self, ids: Sequence[int], *, end_frame: int | None, revisable: bool = False) -> TranscriptUpdate:
         """The item's completion: its text must extend the emitted deltas, unless a final pass `revisable`y
@@ -452,6 +537,6 @@ class CausalWhisperStream:
         end = self._time(end_frame)
         delta = transcript[len(self._emitted) :] if transcript.startswith(self._emitted) else ""
         update = TranscriptUpdate(self._item_id, delta, "", self._item_start, end, completed=True,
-                                  transcript=transcript)
+                                  transcript=transcript, language=self._language)
         self._item_start = end
         return update

@@ -58,6 +58,7 @@ import numpy as np
 
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.emission import ItemDecoder
+from runtime.models.asr.whisper_language import Speech
 from runtime.models.asr.whisper_window import Encoded
 
 FINAL_PASSES = ("none", "decoder", "offline")
@@ -79,9 +80,15 @@ class Hypothesis(Protocol):
     def encode(self, audio: np.ndarray) -> Encoded: ...
 
     def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
-               draft: Sequence[int] = (), previous: Sequence[int] = ()) -> list[int]: ...
+               draft: Sequence[int] = (), previous: Sequence[int] = (), sot: Sequence[int] | None = None
+               ) -> list[int]: ...
 
-    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = ()) -> tuple[float, float]:
+    def sot_for(self, encoded: Encoded, speech: Speech | None = None) -> tuple[list[int], str]:
+        """(start-of-transcript sequence, language) of `speech` over `encoded`, its language detected if not given."""
+        ...
+
+    def judge(self, encoded: Encoded, ids: Sequence[int], previous: Sequence[int] = (),
+              sot: Sequence[int] | None = None) -> tuple[float, float]:
         """(no-speech probability, average log probability) of the transcript `ids`."""
         ...
 
@@ -91,7 +98,8 @@ class Hypothesis(Protocol):
 class Search(Protocol):
     """A greedy search over encoder states (`onnx_pass.GraphSearch`) after some previous text: transcript ids."""
 
-    def __call__(self, encoded: Encoded, previous: Sequence[int] = ()) -> list[int]: ...
+    def __call__(self, encoded: Encoded, previous: Sequence[int] = (), sot: Sequence[int] | None = None
+                 ) -> list[int]: ...
 
 
 def compression_ratio(text: str) -> float:
@@ -131,8 +139,9 @@ class FinalPass(Protocol):
     name: str
     judges_speech: bool  # it says itself whether an item holds speech (run even where the stream wrote nothing)
 
-    def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
-        """The item's final token ids, given its decoder state after the last block and the audio it covers."""
+    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
+        """The item's final token ids, given its decoder state after the last block and the audio it covers, in
+        `speech`'s language and task (None: the model's)."""
         ...
 
 
@@ -140,8 +149,8 @@ class DecoderPass:
     name = "decoder"
     judges_speech = False
 
-    def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
-        item.redecode()
+    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
+        item.redecode()  # in the stream's own language and task
         return [t.id for t in item.tokens]
 
 
@@ -159,17 +168,22 @@ class OfflinePass:
         self.silent = 0  # items Whisper heard no speech in (completed empty)
         self.redecoded = 0  # items decoded again without previous text (the stream disagreed with the pass)
         self.last_no_speech = 0.0  # the no-speech probability of the last item revised
+        self.last_language = ""  # the language the last item was decoded in (detected over it when not given)
 
-    def revise(self, item: ItemDecoder, audio: np.ndarray) -> list[int]:
+    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
+        """As `FinalPass.revise`; a language `speech` does not give is detected over the item's audio (its first 30 s
+        window: Whisper's own language identification), which may differ from what the stream detected early."""
         offline, previous = self.offline, item.previous
         encoded = offline.encode(audio)
+        sot, self.last_language = offline.sot_for(encoded, speech)
         draft = [t.id for t in item.tokens]  # the stream's words: on human speech most are right
         greedy = self.search is not None and offline.beams == 1
-        ids = self.search(encoded, previous) if greedy else offline.decode(encoded, draft=draft, previous=previous)
+        ids = (self.search(encoded, previous, sot) if greedy
+               else offline.decode(encoded, draft=draft, previous=previous, sot=sot))
         looped = loops(offline.text(ids))
         if looped and offline.beams < RETRY_BEAMS:
             self.retried += 1
-            ids = offline.decode(encoded, beams=RETRY_BEAMS, previous=previous)
+            ids = offline.decode(encoded, beams=RETRY_BEAMS, previous=previous, sot=sot)
             looped = loops(offline.text(ids))
         if looped:
             self.kept_stream += 1
@@ -177,11 +191,11 @@ class OfflinePass:
         stream = offline.text([t.id for t in item.tokens])
         if previous and not agrees(stream, offline.text(ids)):  # the context may have misled it (module doc)
             self.redecoded += 1
-            plain = self.search(encoded) if greedy else offline.decode(encoded, draft=draft)
+            plain = self.search(encoded, (), sot) if greedy else offline.decode(encoded, draft=draft, sot=sot)
             if not loops(offline.text(plain)) and (shared_words(stream, offline.text(plain))
                                                    > shared_words(stream, offline.text(ids))):
                 ids, previous = plain, []
-        self.last_no_speech, _ = offline.judge(encoded, ids, previous)
+        self.last_no_speech, _ = offline.judge(encoded, ids, previous, sot)
         if self.last_no_speech > self.no_speech:
             self.silent += 1
             return []

@@ -35,8 +35,9 @@ class GraphSearch:
         self.step, self.offline = step, offline
         self._silence = None if offline.silence_kv is None else _stacked(offline.silence_kv)
 
-    def __call__(self, encoded: Encoded, previous: Sequence[int] = ()) -> list[int]:
-        """The greedy transcript ids (no prompt, no eos) of the encoded turn after the `previous` text."""
+    def __call__(self, encoded: Encoded, previous: Sequence[int] = (), sot: Sequence[int] | None = None) -> list[int]:
+        """The greedy transcript ids (no prompt, no eos) of the encoded turn after the `previous` text and the
+        start-of-transcript sequence `sot` (default: the pass model's, `WhisperBuffered.sot_for`)."""
         offline, states, frames = self.offline, encoded.states, encoded.frames
         decoder = OnnxDecoder(self.step, frames=states.shape[1])
         if self._silence is not None and frames < states.shape[1]:
@@ -52,7 +53,7 @@ class GraphSearch:
                 logp[:, suppress] = float("-inf")
             return logp
 
-        prefix = offline.prefix(previous)
+        prefix = offline.prefix(previous, offline.sot_for(encoded)[0] if sot is None else sot)
         return greedy(score, lambda n: decoder.truncate(decoder.length - n), prefix, (),
                       eos=offline.eos_id, max_tokens=offline.budget(prefix))
 

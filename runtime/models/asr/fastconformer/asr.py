@@ -26,7 +26,7 @@ from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.events import new_id
-from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.asr.base import Speech, TranscriptUpdate
 from runtime.models.asr.fastconformer.cache_aware_encoder import CacheAwareEncoderStream
 from runtime.models.asr.fastconformer.checkpoint import (
     CHECKPOINT_FILES,
@@ -180,6 +180,12 @@ class FastConformerStream:
 
     def set_context(self, previous: str, vocabulary: str = "") -> None:
         """Nothing: a CTC model reads no text before the audio (its word LM is the checkpoint's own)."""
+
+    def set_speech(self, speech: Speech) -> None:
+        """The shipped FastConformers hear English and write it: anything else is refused, never ignored."""
+        if speech.language not in ("", "en") or speech.task != "transcribe":
+            raise ConfigError("the FastConformer ASR transcribes English only (no other language, no translation; "
+                              "use --profile whisper-base)")
 
     def finish(self) -> list[TranscriptUpdate]:
         if self._state != "open" or self._encoder is None:
