@@ -205,9 +205,20 @@ def _file_source(path: Path, speed: float, profile: Profile, video: bool = True)
                       max_side=profile.video.max_side)
 
 
+def _speech_overrides(args: argparse.Namespace) -> list[str]:
+    """`transcribe --language CODE --translate` as the profile fields they set (asr.language, asr.task)."""
+    language = getattr(args, "language", None)
+    if language is not None and not (language.isascii() and language.isalpha() and language.islower()
+                                     and 2 <= len(language) <= 3):
+        raise UserError(f"--language {language!r}: give a language code like en, de, es or fr")
+    return ([f"asr.language={language}"] if language is not None else []) + (
+        ["asr.task=translate"] if getattr(args, "translate", False) else [])
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
     # Open the source first: a bad file or a missing camera fails before any model loads.
-    profile = load_profile(args.profile, overrides=args.overrides, device=args.device, dtype=args.dtype)
+    profile = load_profile(args.profile, overrides=[*args.overrides, *_speech_overrides(args)], device=args.device,
+                           dtype=args.dtype)
     questions: list[ScheduledQuestion] = []
     interactive = False
     if args.command in ("demo", "ask") and not args.question.strip():

@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stream any audio or video file PyAV reads through the streaming ASR and "
                        "print transcript events as they would appear live.")
     p.add_argument("file", type=Path, help="an audio or video file with an audio track (wav, mp3, mp4, ...)")
+    p.add_argument("--language", metavar="CODE", help="the language spoken (ISO 639-1: en, de, es, fr, ...; default: "
+                   "the profile's asr.language, which multilingual profiles leave empty: detected)")
+    p.add_argument("--translate", action="store_true", help="write the captions in English whatever the language "
+                   "spoken (Whisper's translate task; multilingual profiles: --profile whisper-base)")
     _speed(p, 0.0, "as fast as possible")
     _common(p)
 

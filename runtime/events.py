@@ -70,6 +70,7 @@ class TranscriptionDelta(Event):
     unstable: str = ""
     start: float
     end: float
+    language: str = ""  # the runtime's extension: the language the ASR heard (given or detected; "": not said)
 
 
 @_register
@@ -83,6 +84,7 @@ class TranscriptionCompleted(Event):
     transcript: str
     start: float
     end: float
+    language: str = ""  # the runtime's extension: the language the ASR heard (given or detected; "": not said)
     usage: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -10,16 +10,19 @@ session keeps its config and the client learns which field was wrong. `to_api` i
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from runtime.function_tools import ToolError, ToolUse, checked, parse_choice, parse_tools
 from runtime.io.audio_formats import DEFAULT_FORMAT, AudioFormat, parse_audio_format
+from runtime.models.asr.base import TASKS, Speech
 from runtime.models.tts import DEFAULT_VOICE, VOICES
 from runtime.models.tts.voice import check_speed
 
 EAGERNESS = ("low", "medium", "high", "auto")
 MODALITIES = (("text",), ("audio",))  # the GA API's two: text alone, or audio with its transcript
+LANGUAGE_CODE = re.compile(r"[a-z]{2,3}")  # ISO 639-1 (Whisper's codes; also "haw", "yue")
 
 
 class ConfigFieldError(ValueError):
@@ -93,6 +96,14 @@ class SessionConfig:
         """`audio.input.transcription.prompt`: the user's own words (names, terms), which the ASR reads before each
         turn with the turns before it (Whisper's previous text; pipeline/audio.py)."""
         return str(self.transcription.get("prompt") or "")
+
+    def transcription_speech(self, language: str, task: str) -> Speech | None:
+        """`audio.input.transcription.language` and `.task` over the profile's `language` and `task` (the ASR's
+        `Speech`), or None when the session sets neither."""
+        given, asked = self.transcription.get("language"), self.transcription.get("task")
+        if not given and not asked:
+            return None
+        return Speech(str(given or language), str(asked or task))
 
     def to_api(self) -> dict[str, Any]:
         transcription = {**self.transcription, "model": self.transcription_model} if self.transcription_model \
@@ -252,13 +263,20 @@ def _audio(config: SessionConfig, audio: dict[str, Any]) -> dict[str, Any]:
                     changes.update(transcription={}, transcription_model="")
                     continue
                 setting = _typed(setting, dict, param, "an object or null")
-                unknown = set(setting) - {"model", "language", "prompt"}
+                unknown = set(setting) - {"model", "language", "prompt", "task"}
                 if unknown:
                     raise ConfigFieldError(f"{param}.{sorted(unknown)[0]}", f"unknown field in {param}: "
                                            f"{sorted(unknown)}", code="unknown_parameter")
-                for key in ("language", "prompt"):
+                for key in ("language", "prompt", "task"):
                     if setting.get(key) is not None and not isinstance(setting[key], str):
                         raise ConfigFieldError(f"{param}.{key}", f"{param}.{key} must be a string or null")
+                if setting.get("language") and not LANGUAGE_CODE.fullmatch(setting["language"]):
+                    raise ConfigFieldError(f"{param}.language", f"{param}.language must be a language code like "
+                                           f"'en' or 'de' (ISO 639-1), got {setting['language']!r}")
+                if setting.get("task") and setting["task"] not in TASKS:
+                    raise ConfigFieldError(f"{param}.task", f"{param}.task must be one of {', '.join(TASKS)} "
+                                           f"(the runtime's extension: translate writes English captions), got "
+                                           f"{setting['task']!r}")
                 changes["transcription"] = dict(setting)
                 changes["transcription_model"] = str(setting.get("model", ""))
             elif name == "turn_detection":

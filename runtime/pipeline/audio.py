@@ -38,6 +38,7 @@ from typing import Protocol
 
 from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
+from runtime.errors import ConfigError
 from runtime.events import (
     AudioBufferCleared,
     AudioBufferCommitted,
@@ -53,7 +54,7 @@ from runtime.events import (
     new_id,
 )
 from runtime.memory.conversation import Conversation, Item
-from runtime.models.asr.base import ASRStream, TranscriptUpdate
+from runtime.models.asr.base import ASRStream, Speech, TranscriptUpdate
 from runtime.pipeline import Emit
 from runtime.pipeline.input_buffer import BufferTranscript
 from runtime.session_config import SessionConfig
@@ -125,9 +126,9 @@ class TurnSink(Protocol):
 def transcript_event(update: TranscriptUpdate) -> Event:
     if update.completed:
         return TranscriptionCompleted(item_id=update.item_id, transcript=update.transcript, start=update.start,
-                                      end=update.end, media_time=update.end)
+                                      end=update.end, language=update.language, media_time=update.end)
     return TranscriptionDelta(item_id=update.item_id, delta=update.delta, unstable=update.unstable,
-                              start=update.start, end=update.end, media_time=update.end)
+                              start=update.start, end=update.end, language=update.language, media_time=update.end)
 
 
 class AudioProcessor:
@@ -138,10 +139,12 @@ class AudioProcessor:
                  worker: DeviceWorker, emit: Emit, conversation: Conversation, heard: HeardClock,
                  changes: ContextChanges, *, first_stream: ASRStream | None = None, turns: Turns | None = None,
                  sink: TurnSink | None = None, speech_gate: bool = False,
-                 vocabulary: Callable[[], str] | None = None) -> None:
+                 vocabulary: Callable[[], str] | None = None, speech: Callable[[], Speech | None] | None = None
+                 ) -> None:
         """`first_stream`: the first buffer's stream, opened by the builder (so a broken model fails the session
         before it starts); later buffers open theirs with `open_asr`. `speech_gate`: see the module doc.
-        `vocabulary`: the session's transcription prompt now (read as each buffer opens)."""
+        `vocabulary`: the session's transcription prompt now (read as each buffer opens). `speech`: the language and
+        task the session asks for now (None: the profile's), given to each buffer's stream as it opens."""
         self.channel, self.open_asr, self.worker, self.emit = channel, open_asr, worker, emit
         self.conversation, self.heard, self.changes = conversation, heard, changes
         self.turns, self.sink = turns, sink
@@ -159,6 +162,7 @@ class AudioProcessor:
         self._flowing = False  # the open buffer's words have been published: the gate stays open for it
         self._turn_began = False  # turn detection heard a turn start in the open buffer
         self.vocabulary = vocabulary
+        self.speech = speech
         self._said: deque[str] = deque()  # the committed buffers' transcripts, the most recent CONTEXT_CHARS
         self._said_chars = 0
 
@@ -213,7 +217,17 @@ class AudioProcessor:
         return " ".join(self._said)
 
     async def _set_context(self, stream: ASRStream, at: float) -> None:
-        """Give a new buffer's stream the turns before it and the session's vocabulary (module doc)."""
+        """Give a new buffer's stream the session's language and task, the turns before it and the session's
+        vocabulary (module doc). A language or task the model cannot do is an error event, and the turn is
+        heard as the profile says."""
+        speech = self.speech() if self.speech is not None else None
+        if speech is not None:
+            try:
+                await self.worker.run(Priority.CONTROL, stream.set_speech, speech)
+            except ConfigError as err:
+                field = "language" if speech.language not in ("", "en") else "task"  # the first checked
+                await self.emit(error_event(str(err), code="invalid_value", type="invalid_request_error",
+                                            param=f"session.audio.input.transcription.{field}", media_time=at))
         previous, vocabulary = self.context(), self.vocabulary() if self.vocabulary is not None else ""
         if not previous and not vocabulary:
             return

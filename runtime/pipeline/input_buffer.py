@@ -20,6 +20,7 @@ class BufferTranscript:
     def __init__(self, item_id: str, start: float) -> None:
         self.item_id, self.start = item_id, start
         self.end = start
+        self.language = ""  # the language the backend last said it heard
         self._done: list[str] = []  # final text of the backend's completed items
         self._item: str | None = None  # the backend's open item
         self._item_text = ""  # stable text the open item has streamed
@@ -37,6 +38,7 @@ class BufferTranscript:
     def fold(self, update: TranscriptUpdate) -> TranscriptUpdate | None:
         """The buffer-level update for one of the backend's, or None when it changes nothing visible."""
         self.end = max(self.end, update.end)
+        self.language = update.language or self.language
         if update.item_id != self._item:
             self._item, self._item_text, self._fresh = update.item_id, "", True
         if update.completed:
@@ -55,7 +57,7 @@ class BufferTranscript:
         self._streamed += delta
         if not delta and not unstable and not update.completed:
             return None
-        return TranscriptUpdate(self.item_id, delta, unstable, self.start, self.end)
+        return TranscriptUpdate(self.item_id, delta, unstable, self.start, self.end, language=self.language)
 
     def _separated(self, text: str) -> str:
         """A space between the backend's items: an item's first words follow the previous item's last."""
@@ -67,4 +69,5 @@ class BufferTranscript:
         """The buffer's item, completed at `end` (where its audio ended): call after the backend's `finish()`
         updates were folded."""
         self.end = max(self.end, end)
-        return TranscriptUpdate(self.item_id, "", "", self.start, self.end, completed=True, transcript=self.text)
+        return TranscriptUpdate(self.item_id, "", "", self.start, self.end, completed=True, transcript=self.text,
+                                language=self.language)
