@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "answers: a question set in the format of tests/data/answer_set.json")
     parser.add_argument("--systems", default=None, help="asr-quality: which systems, comma-separated, of offline, "
                         "causal, two-pass (causal with each final pass: decoder, offline), previewed (causal and "
-                        "causal+offline with --preview-ms previews), buffered, faster-whisper, fastconformer "
+                        "causal+offline with --preview-ms previews), buffered, faster-whisper, fastconformer, "
+                        "captions, multilingual (Whisper base on espeak-ng German, Spanish, French, with its peers) "
                         "(default: all)")
     parser.add_argument("--whisper", default=None, help="asr-quality: the Whisper of the Whisper systems (default: "
                         "builtin:whisper-tiny.en)")

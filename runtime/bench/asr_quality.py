@@ -176,6 +176,10 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
 
         whisper = getattr(args, "whisper", None) or WHISPER
         result["captions"] = captions_part(args, sets, whisper, args.device, dtype, status, shared)
+    if "multilingual" in kinds:  # Whisper base on espeak-ng German, Spanish and French, with its peers
+        from runtime.bench.asr_multilingual import multilingual_part
+
+        result["multilingual"] = multilingual_part(args, args.device, dtype, status)
     return {**result, "units": "percent, after text_norm.normalize", "machine": machine(args.device, dtype, threads),
             "wall_s": round(time.perf_counter() - started, 1)}
 

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from runtime.models.asr.base import StreamingASR
 
 WHISPER = "builtin:whisper-tiny.en"
-KINDS = ("offline", "causal", "two-pass", "previewed", "buffered", "faster-whisper", "fastconformer", "captions")
+KINDS = ("offline", "causal", "two-pass", "previewed", "buffered", "faster-whisper", "fastconformer", "captions",
+         "multilingual")
 FINAL_PASSES = ("decoder", "offline")
 CHUNKS = (100, 200, 300)
 OFFLINE, BUFFERED = "whisper-offline", "whisper-buffered-1s"
