@@ -225,3 +225,13 @@ def test_inductor_calls_the_op_with_the_cpp_wrapper():
     x = activations(2, k, torch.bfloat16)
     y = torch.compile(f, fullgraph=True, options=OPTIONS)(x)
     assert torch.equal(y, f(x))
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    """Without a compiler the build says so in one line (the caller then falls back to torch's kernels)."""
+    from runtime.models.lm.cpu_kernels import build
+
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.raises(ck.KernelBuildError, match="C\\+\\+ compiler"):
+        build.load_library()

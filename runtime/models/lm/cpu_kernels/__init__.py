@@ -60,6 +60,7 @@ def load() -> None:
         try:
             load_library()
         except KernelBuildError as err:
+            log.warning("%s; torch's own kernels run instead", err)  # once: later calls re-raise it silently
             _state = err
             raise
         _register_fakes()
@@ -73,8 +74,7 @@ def available() -> bool:
     """Whether the kernels run here (loading them if need be); a build failure is logged once, not raised."""
     try:
         load()
-    except KernelBuildError as err:
-        log.warning("%s; using torch's own kernels", err)
+    except KernelBuildError:
         return False
     return True
 
@@ -82,11 +82,15 @@ def available() -> bool:
 def q4_linear(x: Tensor, packed: Tensor, n: int, out_dtype: torch.dtype | None = None) -> Tensor:
     """y[..., j] = sum_k x[..., k] w[j, k] for the `pack_q4` weights of `n` output rows, x float32 or bfloat16
     [..., K]; y in `out_dtype` (default x's dtype). x is quantised to int8 per row and group of 32 (module doc)."""
+    if _state is not True:
+        load()
     return torch.ops.runtime_kernels.q4_linear(x, packed, n, out_dtype)
 
 
 def q8_linear(x: Tensor, packed: Tensor, n: int, out_dtype: torch.dtype | None = None) -> Tensor:
     """`q4_linear` for `pack_q8` weights."""
+    if _state is not True:
+        load()
     return torch.ops.runtime_kernels.q8_linear(x, packed, n, out_dtype)
 
 
