@@ -33,3 +33,25 @@ def test_without_espeak_the_rows_say_why(monkeypatch):
     monkeypatch.setattr(ml.shutil, "which", lambda name: None)
     out = ml.multilingual_part(argparse.Namespace(quick=True), "cpu", "float32", lambda s: None)
     assert out == {"reason": "espeak-ng is not installed (apt-get install espeak-ng)"}
+
+
+def test_streamed_tells_the_completed_language_from_the_one_first_shown():
+    from runtime.models.asr.base import TranscriptUpdate
+
+    class Stream:
+        def accept(self, chunk):
+            return [TranscriptUpdate("a", "", " Hallo", 0.0, chunk.end, language="yi")] if chunk.start_sample else []
+
+        def finish(self):
+            return [TranscriptUpdate("a", "", "", 0.0, 0.2, True, " Hallo Welt", language="de")]
+
+        def close(self):
+            pass
+
+    class ASR:
+        def open_stream(self):
+            return Stream()
+
+    import numpy as np
+
+    assert ml.streamed(ASR(), np.zeros(3200, np.float32), None) == ("Hallo Welt", "de", "yi")

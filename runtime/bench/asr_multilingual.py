@@ -90,8 +90,8 @@ def clips(quick: bool) -> dict[str, list[tuple[np.ndarray, str]]]:
 
 
 def streamed(asr: StreamingASR, audio: np.ndarray, speech: Speech | None) -> tuple[str, str, str]:
-    """(completed text, language of the first words shown, language of the completed transcript) of `audio`
-    through one stream in 100 ms chunks (one turn)."""
+    """(completed text, language of the completed transcript, language of the first words shown: "" when none were)
+    of `audio` through one stream in 100 ms chunks (one turn)."""
     stream = asr.open_stream()
     if speech is not None:
         stream.set_speech(speech)
@@ -101,8 +101,8 @@ def streamed(asr: StreamingASR, audio: np.ndarray, speech: Speech | None) -> tup
     stream.close()
     shown = next((u.language for u in updates if u.delta.strip() or u.unstable.strip()), "")
     done = [u for u in updates if u.completed]
-    return " ".join(u.transcript.strip() for u in done if u.transcript.strip()), shown, (done[-1].language if done
-                                                                                          else "")
+    final = done[-1].language if done else ""
+    return " ".join(u.transcript.strip() for u in done if u.transcript.strip()), final, shown
 
 
 def _row(refs: list[str], hyps: list[str], langs: list[str] | None, lang: str, seconds: float,
