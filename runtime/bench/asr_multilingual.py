@@ -5,7 +5,8 @@ The speech is espeak-ng's (installed with the project's synthetic-speech tools, 
 sentences below, written for this bench and never tuned to what the models make of them, each said by one of
 espeak-ng's voice variants of its language at 140 words a minute (`VARIANTS`, in turn). espeak-ng is formant
 synthesis: robotic, far from human speech, so the absolute error rates say little of a person speaking; the
-rows compare systems on the same audio. `--quick` keeps the first `QUICK_SENTENCES` of each language.
+rows compare systems on the same audio. `--quick` keeps the first `QUICK_SENTENCES` of each language and leaves the
+`QUICK_SKIP` systems to the full run (a row with the reason).
 
 Systems (Whisper base, `builtin:whisper-base`, for every one):
 - `whisper-base-profile`: the `whisper-base` profile's stream as a session runs it per turn (block-causal at 300 ms
@@ -13,7 +14,8 @@ Systems (Whisper base, `builtin:whisper-base`, for every one):
   transcript's language; `lid_stream`: the language the stream's first words were shown in, detected over its first
   2 s) and, as `...-given`, the language given.
 - `whisper-base-offline`: one greedy full-context pass over the clip (padded to 30 s), the language detected over it
-  (Whisper's own language identification, as openai-whisper does it): the ceiling of the same model.
+  (Whisper's own language identification, as openai-whisper does it), at most `TOKENS_PER_S` tokens an audio second
+  (a greedy decode in the wrong language loops): the ceiling of the same model.
 - `whisper-base-buffered`: the buffered LocalAgreement-2 peer, re-decoding every 1 s, the language detected on
   every decode.
 - `faster-whisper-base`: CTranslate2 int8 on the same folder, greedy, its own language detection (`info.language`).
@@ -43,7 +45,13 @@ if TYPE_CHECKING:
 
 WHISPER_BASE = "builtin:whisper-base"
 QUICK_SENTENCES = 1
+# left out of --quick, which must stay within 3 minutes on 2 cores: measured on a loaded 2-core machine, the buffered
+# peer cost 5-8 s of compute per audio second on this speech, offline base in float32 torch 2.5, the given-language row
+# as much as the profile's; the quick rows (the profile, faster-whisper) took 66 s with offline base, about 30 s
+# without. The full run has them all.
+QUICK_SKIP = ("whisper-base-profile-given", "whisper-base-offline", "whisper-base-buffered")
 WPM = 140
+TOKENS_PER_S = 10  # the offline row's token budget: 10 an audio second (+ 10), twice a fast speaker's
 VARIANTS = ("", "+m3", "+f2", "+m1", "+f4")  # espeak-ng voice variants, one per sentence in turn
 SENTENCES = {
     "de": [
@@ -144,8 +152,9 @@ def multilingual_part(args: Any, device: str, dtype: str, status: Callable[[str]
     def each(system: str, run: Callable[[np.ndarray, str], tuple[str, str | None, str | None]]) -> None:
         """`run(audio, language) -> (text, detected language or None, stream's language or None)`, timed."""
         table[system] = {}
-        if system in skip:
-            table[system] = {lang: {"utterances": 0, "reason": "left out of this run"} for lang in sets}
+        if system in skip or (args.quick and system in QUICK_SKIP):
+            why = "left out of this run" if system in skip else "the full run only (too slow for --quick)"
+            table[system] = {lang: {"utterances": 0, "reason": why} for lang in sets}
             return
         for lang, pairs in sets.items():
             status(f"multilingual: {system} on {lang} ({len(pairs)} clips) ...")
@@ -172,21 +181,30 @@ def multilingual_part(args: Any, device: str, dtype: str, status: Callable[[str]
     settings["whisper-base-profile-given"] = "the same, the language given (audio.input.transcription.language)"
     each("whisper-base-profile-given", lambda audio, lang: (streamed(asr, audio, Speech(lang))[0], None, None))
 
-    buffered = load_asr(ASRConfig(backend="whisper-buffered", model=WHISPER_BASE, language="", step_s=1.0,
-                                  segment_s=10.0, max_new_tokens=96), device=device, dtype=dtype, progress=status)
-    assert isinstance(buffered, WhisperBuffered)
-
-    def offline(audio: np.ndarray, lang: str) -> tuple[str, str, None]:
-        encoded = buffered.encode(audio)
-        sot, detected = buffered.sot_for(encoded)
-        return buffered.text(buffered.decode(encoded, sot=sot)), detected, None
-
-    offline(warm, "de")
     settings["whisper-base-offline"] = ("Whisper base, greedy over the whole clip padded to 30 s, the language "
                                         "detected over it (float32, torch)")
-    each("whisper-base-offline", offline)
     settings["whisper-base-buffered"] = "LocalAgreement-2 re-decoding every 1 s, the language detected on each decode"
-    each("whisper-base-buffered", lambda audio, lang: (streamed(buffered, audio, None)[0], None, None))
+    if args.quick:
+        for system in ("whisper-base-offline", "whisper-base-buffered"):  # QUICK_SKIP: each() writes the reason
+            each(system, lambda audio, lang: ("", None, None))
+    else:
+        buffered = load_asr(ASRConfig(backend="whisper-buffered", model=WHISPER_BASE, language="", step_s=1.0,
+                                      segment_s=10.0, max_new_tokens=96), device=device, dtype=dtype,
+                            progress=status)
+        assert isinstance(buffered, WhisperBuffered)
+
+        def offline(audio: np.ndarray, lang: str) -> tuple[str, str, None]:
+            encoded = buffered.encode(audio)
+            sot, detected = buffered.sot_for(encoded)
+            # a greedy decode of robotic speech in the wrong language may loop: at most TOKENS_PER_S an audio second
+            budget = replace(buffered.cfg, max_new_tokens=round(TOKENS_PER_S * len(audio) / SAMPLE_RATE) + 10)
+            capped = WhisperBuffered(buffered.model, buffered.tokenizer, buffered.feature_extractor, budget,
+                                     name=WHISPER_BASE)
+            return capped.text(capped.decode(encoded, sot=sot)), detected, None
+
+        offline(warm, "de")
+        each("whisper-base-offline", offline)
+        each("whisper-base-buffered", lambda audio, lang: (streamed(buffered, audio, None)[0], None, None))
 
     fw, why = faster_whisper(folder, "")
     if fw is None:
