@@ -185,8 +185,8 @@ class CausalWhisperASR:
         else:
             check_english_only(self.speech, name)
             self.sot = transcript_prompt(tokenizer, model.config, cfg.language)
-        # a language to detect is detected by the offline pass's full-context model (the stream's block-causal states
-        # of its first second are no language identifier)
+        # a language to detect is detected by the offline pass's full-context model (the block-causal states of a stock
+        # checkpoint are no language identifier)
         self.detector = final_pass.offline if isinstance(final_pass, OfflinePass) else None
         if self.languages and not cfg.language and self.detector is None:
             raise ConfigError("asr.language = \"\" (detect the language) needs asr.final_pass = \"offline\": its "
@@ -269,7 +269,8 @@ class CausalWhisperASR:
         return speech_prompt(self.tokenizer, self.model.config, speech, self.name)
 
     def detect(self, audio: np.ndarray) -> str:
-        """The language spoken in `audio` (its first 30 s), by the offline pass's model (`WhisperBuffered.detect`)."""
+        """The language spoken in `audio` (at most its first 30 s), by the offline pass's model
+        (`WhisperBuffered.detect`)."""
         if not self.languages:
             return "en"
         assert self.detector is not None, "checked at load"
