@@ -21,6 +21,7 @@ import numpy as np
 from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.config import Profile
+from runtime.errors import ConfigError
 from runtime.events import (
     Event,
     ItemAdded,
@@ -39,7 +40,7 @@ from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item, ItemType, Role
 from runtime.memory.video import VideoMemory
 from runtime.metrics import LoopLagMonitor
-from runtime.models.asr.base import ASRStream
+from runtime.models.asr.base import ASRStream, Speech
 from runtime.pipeline import Emit
 from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.audio import MIN_COMMIT_S, AudioProcessor, BufferEnd
@@ -54,17 +55,21 @@ from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, Se
 from runtime.worker import DeviceWorker, Priority
 
 
-def transcribe_whole(open_asr: Callable[[], ASRStream], samples: np.ndarray, chunk_ms: int) -> str:
-    """One utterance through an ASR stream of its own, in the session's chunks (on the worker)."""
+def transcribe_whole(open_asr: Callable[[], ASRStream], samples: np.ndarray, chunk_ms: int,
+                     speech: Speech | None = None) -> tuple[str, str]:
+    """One utterance through an ASR stream of its own, in the session's chunks and the session's language and task
+    (`speech`; None: the profile's), on the worker: (its transcript, the language the ASR heard)."""
     stream = open_asr()
     try:
+        if speech is not None:
+            stream.set_speech(speech)
         buffer, chunk = BufferTranscript("whole", 0.0), SAMPLE_RATE * chunk_ms // 1000
         for start in range(0, len(samples), chunk):
             for update in stream.accept(AudioChunk(samples[start : start + chunk], start)):
                 buffer.fold(update)
         for update in stream.finish():
             buffer.fold(update)
-        return buffer.text
+        return buffer.text, buffer.language
     finally:
         stream.close()
 
@@ -312,13 +317,22 @@ class Session:
         item = Item(item_id or new_id("item"), self.media_time, self.media_time, status="in_progress")
         previous = self.conversation.add(item, after=after)
         await self.emit(ItemAdded(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
-        transcript = await self.worker.run(Priority.ASR, transcribe_whole, self.audio.open_asr, samples,
-                                           self.profile.pipeline.audio_chunk_ms)
+        asr, chunk_ms = self.profile.asr, self.profile.pipeline.audio_chunk_ms
+        speech = self.settings.config.transcription_speech(asr.language, asr.task)
+        try:
+            transcript, language = await self.worker.run(Priority.ASR, transcribe_whole, self.audio.open_asr,
+                                                         samples, chunk_ms, speech)
+        except ConfigError as err:  # a language or task the model cannot do: said, and heard as the profile says
+            field = "language" if speech is not None and speech.language not in ("", "en") else "task"
+            await self.emit(error_event(str(err), code="invalid_value", param=f"session.audio.input.transcription."
+                                        f"{field}", media_time=self.media_time))
+            transcript, language = await self.worker.run(Priority.ASR, transcribe_whole, self.audio.open_asr,
+                                                         samples, chunk_ms)
         item.stable, item.completed, item.status = transcript, True, "completed"
         item.end = item.start + len(samples) / SAMPLE_RATE
         self.changes.mark()
         await self.emit(TranscriptionCompleted(item_id=item.item_id, transcript=transcript, start=item.start,
-                                               end=item.end, media_time=self.media_time))
+                                               end=item.end, language=language, media_time=self.media_time))
         await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=self.media_time))
         return item.item_id
 

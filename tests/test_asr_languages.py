@@ -191,3 +191,14 @@ def test_transcribe_language_and_translate_set_the_profile_s_asr():
     assert _speech_overrides(build_parser().parse_args(["transcribe", "x.wav"])) == []
     with pytest.raises(UserError, match="language code"):
         _speech_overrides(build_parser().parse_args(["transcribe", "x.wav", "--language", "German"]))
+
+
+def test_a_spoken_item_sent_whole_is_heard_in_the_session_s_language():
+    from runtime.session import transcribe_whole
+
+    stream = _Stream(english_only=False)
+    audio = np.zeros(3200, np.float32)
+    assert transcribe_whole(lambda: stream, audio, 100, Speech("de")) == ("Hallo", "de")
+    assert stream.speech == Speech("de")
+    with pytest.raises(ConfigError, match="English-only"):  # Session.add_spoken_item says so in an error event
+        transcribe_whole(lambda: _Stream(english_only=True), audio, 100, Speech("de"))
