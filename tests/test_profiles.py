@@ -87,3 +87,10 @@ def test_the_listing_sees_video_where_loading_would(name):
 
     profile = load_profile(name)
     assert sees_video(profile) == _sees_video(profile)
+
+
+def test_demo_1_5b_is_demo_with_another_answerer():
+    demo, big = load_profile("demo"), load_profile("demo-1.5b")
+    assert big.lm.model == "builtin:qwen2.5-coder-1.5b-instruct" and big.lm.weights == "native"
+    assert not big.lm.grounded and "Not known yet" in big.lm.system_prompt
+    assert replace(big, name=demo.name, description=demo.description, cost=demo.cost, lm=demo.lm) == demo

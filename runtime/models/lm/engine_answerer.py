@@ -117,16 +117,16 @@ class EngineAnswerer:
 
     @classmethod
     def sharing(cls, engine: LMEngine, cfg: LMConfig, *, seed: int = 0) -> EngineAnswerer:
-        """An answerer under `cfg` (its drafter other than draft-model, token limits, window) on the weights
-        `engine` has loaded: no second load (the benchmarks' rows). Its decode step compiles anew if `cfg` wants
-        one for a cache geometry or thread count that `engine`'s step has not compiled. `cfg` names the same model and
-        format."""
-        if (cfg.model, cfg.weights) != (engine.cfg.model, engine.cfg.weights) or cfg.drafter == "draft-model":
+        """An answerer under `cfg` (its drafter, token limits, window) on the weights `engine` has loaded: no second
+        load of the model (the benchmarks' rows; a draft model, `cfg.draft_model`, is loaded). Its decode step
+        compiles anew if `cfg` wants one for a cache geometry or thread count that `engine`'s step has not compiled.
+        `cfg` names the same model and format."""
+        if (cfg.model, cfg.weights) != (engine.cfg.model, engine.cfg.weights):
             raise ValueError(f"an answerer sharing {engine.cfg.model} ({engine.cfg.weights}) cannot run "
                              f"{cfg.model} ({cfg.weights}, drafter {cfg.drafter})")
         target = LMEngine(engine.model, engine.tokenizer, cfg, name=engine.name, seed=seed, eos_ids=engine.eos_ids,
                           compiled=engine.compiled)
-        return cls(target, cls._draft(target, cfg, device=engine.model.device.type, dtype="", seed=seed,
+        return cls(target, cls._draft(target, cfg, device=engine.model.device.type, dtype="float32", seed=seed,
                                       progress=None))
 
     @staticmethod
