@@ -56,21 +56,24 @@ def spec_tokens(quick: bool) -> int:
 
 
 def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], None],
-               loaded: LMEngine | None = None) -> dict[str, Any]:
-    """`loaded`: an engine of `ref` in `weights` whose weights every drafter's answerer shares (no load per row)."""
+               loaded: LMEngine | None = None, draft_model: str | None = None) -> dict[str, Any]:
+    """`loaded`: an engine of `ref` in `weights` whose weights every drafter's answerer shares (no load per row);
+    `draft_model`: a smaller model of the same tokenizer, a row of its own (`draft-model`)."""
     n = spec_tokens(quick)
     table: dict[str, Any] = {}
-    status(f"speculative: {len(DRAFTER_ROWS)} drafters on {weights}" + (" (loading)" if loaded is None else ""))
+    drafters = (*DRAFTER_ROWS[:-1], "draft-model", DRAFTER_ROWS[-1]) if draft_model else DRAFTER_ROWS
+    status(f"speculative: {len(drafters)} drafters on {weights}" + (" (loading)" if loaded is None else ""))
     answerers = {}
-    for d in DRAFTER_ROWS:
-        cfg = LMConfig(backend="engine", model=ref, weights=weights, drafter=d, max_new_tokens=n)
+    for d in drafters:
+        cfg = LMConfig(backend="engine", model=ref, weights=weights, drafter=d, max_new_tokens=n,
+                       draft_model=draft_model if d == "draft-model" else "")
         answerers[d] = (EngineAnswerer.load(cfg, device="cpu", dtype="float32") if loaded is None
                         else EngineAnswerer.sharing(loaded, cfg))
     for task, all_prompts in TASKS.items():
         prompts = all_prompts[:1] if quick else all_prompts  # quick: every task and drafter, on one prompt each
         rows: dict[str, Any] = {}
         plain, base_s, _, _ = (None, 0.0, 0, 0)
-        for drafter in DRAFTER_ROWS:
+        for drafter in drafters:
             status(f"speculative: {task} with drafter {drafter}")
             outs, seconds, steps, emitted = _run(answerers[drafter], prompts)
             if drafter == "none":

@@ -1,0 +1,259 @@
+"""`runtime bench llm --model REF` for a model of a billion parameters or more (Qwen2.5-Coder-1.5B-Instruct).
+
+The rows of the small-model bench (`llm_model.py`) that hold a float copy of every weight (fp32, bf16, int8 and
+transformers' fp32 `generate`) would read 3-7 GB and load for minutes here, so this bench measures what such a
+model is served in, each side by side with llama.cpp on the same file in the same run:
+- per format (`native` and `int4` on the runtime's kernels, compiled as `lm.compile = auto` runs them; `int4` on
+  torch's kernels beside them): decode and prefill tokens/s at 1 and 2 threads, the bytes a decode step reads, and
+  the logits against llama.cpp's on the same positions (`llm_peers.logits_difference`);
+- the best format against llama.cpp in turns (`paired_vs_llama_cpp`), decode and prefill of a transcript;
+- the same pairs with the kernels forced to AVX2 (a child process: `RUNTIME_KERNEL_ISA=avx2`,
+  `ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`), against llama.cpp as built for this CPU;
+- think-while-reading: the first token after N streamed tokens against prefilling them at question time, and
+  against llama.cpp answering the same prompt cold;
+- the speculative-decoding table (`llm_spec.py`), with the 0.5B as a draft model when it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.bench.llm_model import CONTEXT, QUESTION, Status, decode_tok_s, paired_vs_llama_cpp, step_bytes
+from runtime.bench.llm_model import ttft_after_streaming as engine_ttft
+from runtime.bench.llm_peers import INSTALL, decode_once, llama_cpp_logits, logits_difference, open_llama
+from runtime.bench.llm_spec import spec_table
+from runtime.bench.timing import machine
+from runtime.config import LMConfig
+from runtime.models.lm.engine import LMEngine
+from runtime.models.lm.engine_answerer import EngineAnswerer
+from runtime.models.lm.kernel_linears import kernel_path
+
+THREADS = (1, 2)
+# name: (lm.weights, lm.kernels, lm.compile)
+ROWS = {"native": ("native", "runtime", "auto"), "int4": ("int4", "runtime", "auto"),
+        "int4-torch-kernels": ("int4", "torch", "off")}
+LOGIT_TEXT = ("The committee met on Tuesday to review the plans for the new library. After a long discussion about the "
+              "budget, they agreed to build the reading room first and to open it to the public in the spring.")
+AVX2_ENV = {"RUNTIME_KERNEL_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+DRAFT = "builtin:qwen2.5-coder-0.5b-instruct"
+
+
+def has_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transcript_ids(engine: LMEngine, tokens: int) -> list[int]:
+    """About `tokens` ids of a meeting transcript (the prefill both engines are timed on)."""
+    lines = [f"[{i // 60:02d}:{i % 60:02d}] Speaker {i % 3}: item {i} on the agenda costs {i * 7} euros." for i in
+             range(4000)]
+    text, k = "", 0
+    while len(engine.encode(text)) < tokens:
+        text += lines[k] + "\n"
+        k += 1
+    return engine.encode(text)[:tokens]
+
+
+def engine_prefill_tok_s(engine: LMEngine, ids: list[int]) -> float:
+    """Prefill of `ids` as the engine does a streamed context: chunks of `lm.prefill_chunk_tokens`."""
+    session = engine.open_session()
+    session.set_context(engine.tokenizer.decode(ids))
+    t = time.perf_counter()
+    done = 0
+    while k := session.prefill_step():
+        done += k
+    return done / (time.perf_counter() - t)
+
+
+def llama_prefill_tok_s(file: Path, ids: list[int], threads: int) -> float:
+    llm = open_llama(file, threads)
+    t = time.perf_counter()
+    llm.eval(ids)
+    rate = len(ids) / (time.perf_counter() - t)
+    del llm
+    return rate
+
+
+def format_rows(ref: str, n: int, prefill: int, file: Path | None, status: Status,
+                ) -> tuple[dict[str, Any], dict[str, EngineAnswerer]]:
+    rows: dict[str, Any] = {}
+    kept: dict[str, EngineAnswerer] = {}
+    peer_logits: torch.Tensor | None = None
+    for name, (fmt, kernels, compile_mode) in ROWS.items():
+        status(f"{name}: loading")
+        cfg = LMConfig(backend="engine", model=ref, weights=fmt, kernels=kernels, drafter="none",
+                       max_new_tokens=n + 8, compile=compile_mode, window_tokens=max(2048, prefill + 512))
+        answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
+        engine = answerer.engine
+        row: dict[str, Any] = {"weights": fmt, "kernels": kernel_path(kernels, "cpu"),
+                               "compiled_step": engine.compiled is not None,
+                               "weight_bytes_per_token": step_bytes(engine.model)}
+        ids = transcript_ids(engine, prefill)
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            status(f"{name}: decode and prefill at {threads} thread(s)")
+            row[f"decode_tok_s_{threads}t"] = round(max(decode_tok_s(answerer, n) for _ in range(2)), 2)
+            row[f"prefill_tok_s_{threads}t"] = round(engine_prefill_tok_s(engine, ids), 1)
+        torch.set_num_threads(2)
+        if file is not None and has_llama_cpp():
+            logit_ids = engine.encode(LOGIT_TEXT)
+            if peer_logits is None:
+                peer_logits = torch.from_numpy(llama_cpp_logits(file, logit_ids))
+            with torch.inference_mode():
+                ours = engine.model(torch.tensor(logit_ids), torch.arange(len(logit_ids)))
+            row["logits_vs_llama_cpp"] = logits_difference(ours, peer_logits)
+        rows[name] = row
+        kept[name] = answerer
+    torch.set_num_threads(1)
+    return rows, kept
+
+
+def llama_rows(file: Path, prompt: list[int], ids: list[int], n: int, status: Status) -> dict[str, Any]:
+    import llama_cpp
+
+    out: dict[str, Any] = {"version": llama_cpp.__version__}
+    for threads in THREADS:
+        status(f"llama.cpp: decode and prefill at {threads} thread(s)")
+        llm = open_llama(file, threads)
+        out[f"decode_tok_s_{threads}t"] = round(max(decode_once(llm, prompt, n) for _ in range(2)), 2)
+        del llm
+        out[f"prefill_tok_s_{threads}t"] = round(llama_prefill_tok_s(file, ids, threads), 1)
+    return out
+
+
+def paired_prefill(engine: LMEngine, file: Path, ids: list[int], trials: int, status: Status) -> dict[str, Any]:
+    """Prefill of the same transcript ids by the engine and llama.cpp in turns, per thread count."""
+    out: dict[str, Any] = {"tokens": len(ids), "trials": trials}
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        status(f"prefill of {len(ids)} tokens, ours and llama.cpp in turns at {threads} thread(s)")
+        pairs = [(engine_prefill_tok_s(engine, ids), llama_prefill_tok_s(file, ids, threads)) for _ in range(trials)]
+        out[f"{threads}t"] = {"ours_tok_s": [round(o, 1) for o, _ in pairs],
+                              "llama_cpp_tok_s": [round(p, 1) for _, p in pairs],
+                              "median_ratio": round(statistics.median(o / p for o, p in pairs), 3)}
+    torch.set_num_threads(1)
+    return out
+
+
+def llama_cold_ttft_ms(file: Path, ids: list[int], threads: int = 2) -> float:
+    """llama.cpp answering a prompt cold: its whole prefill and the first token."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(file), n_threads=threads, n_threads_batch=threads, n_ctx=len(ids) + 64, n_batch=512,
+                verbose=False)
+    t = time.perf_counter()
+    gen = llm.generate(ids, temp=0.0, top_k=1, reset=True)
+    next(gen)
+    seconds = time.perf_counter() - t
+    gen.close()
+    del llm
+    return seconds * 1000
+
+
+def think_while_reading(ref: str, engine: LMEngine, file: Path | None, sizes: list[int],
+                        status: Status) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    torch.set_num_threads(2)
+    for tokens in sizes:
+        row = engine_ttft(ref, engine.model.weights, tokens, status, loaded=engine)
+        if file is not None and has_llama_cpp():
+            head, tail = engine.prompt_parts("What does item 5 cost?")
+            text = engine.tokenizer.decode(transcript_ids(engine, tokens))
+            status(f"ttft: llama.cpp answering the {tokens}-token prompt cold")
+            row["llama_cpp_cold_ms"] = round(llama_cold_ttft_ms(file, engine.encode(head + text + tail)), 1)
+            row["vs_llama_cpp_cold"] = round(row["llama_cpp_cold_ms"] / row["streamed_ms"], 1)
+        row["target"], row["met"] = ">= 50", row["speedup"] >= 50
+        out[f"{tokens}_tokens"] = row
+    torch.set_num_threads(1)
+    return out
+
+
+def avx2_child(ref: str, fmt: str, n: int, prefill: int, trials: int, status: Status) -> dict[str, Any]:
+    """The paired rows again in a child process whose kernels are forced to AVX2 (what AVX2-only CPUs run)."""
+    status("AVX2 forced: the paired rows again in a child process (loads and compiles anew)")
+    cmd = [sys.executable, "-m", "runtime.bench.llm_big", ref, fmt, str(n), str(prefill), str(trials)]
+    done = subprocess.run(cmd, env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        return {"skipped": f"the AVX2 child failed: {done.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(done.stdout)
+
+
+def run(args: argparse.Namespace, status: Status, path: Path, file: Path | None) -> dict[str, Any]:
+    ref, quick = args.model, args.quick
+    n, prefill, trials = (24, 256, 3) if quick else (64, 1000, 7)
+    out: dict[str, Any] = {"bench": "llm", "model": ref, "quick": quick, "plan": "big model (llm_big.py)",
+                           "decode_tokens": n, "prefill_tokens": prefill}
+    formats, answerers = format_rows(ref, n, prefill, file, status)
+    out["formats"] = formats
+    best = max(("native", "int4"), key=lambda f: formats[f]["decode_tok_s_1t"])
+    out["best_format"] = best
+    engine = answerers[best].engine
+    prompt = list(answerers[best].start(CONTEXT, QUESTION, stream=answerers[best].open_stream()).prompt_ids)
+    ids = transcript_ids(engine, prefill)
+    if file is None or not has_llama_cpp():
+        out["llama_cpp"] = {"skipped": f"llama-cpp-python is not installed: {INSTALL}" if file else "not a GGUF"}
+    else:
+        out["llama_cpp"] = llama_rows(file, prompt, ids, n, status)
+        out["paired_decode"] = paired_vs_llama_cpp(ref, best, file, prompt, n, trials, status,
+                                                   answerer=answerers[best])
+        out["paired_prefill"] = paired_prefill(engine, file, ids, trials, status)
+        out["avx2_forced"] = avx2_child(ref, best, n, prefill, trials, status)
+    out["think_while_reading"] = think_while_reading(ref, engine, file, [1024] if quick else [2048, 4096], status)
+    draft = DRAFT if ref != DRAFT else None
+    out["speculative"] = spec_table(ref, best, quick=quick, status=status, loaded=engine, draft_model=draft)
+    out["targets"] = _targets(out)
+    out["machine"] = machine("cpu", "bfloat16 activations; weights per row", 1)
+    return out
+
+
+def _targets(out: dict[str, Any]) -> dict[str, Any]:
+    t: dict[str, Any] = {}
+    for key, label in (("paired_decode", "decode"), ("paired_prefill", "prefill")):
+        for threads in THREADS:
+            ratio = out.get(key, {}).get(f"{threads}t", {}).get("median_ratio")
+            t[f"{label}_vs_llama_cpp_{threads}t"] = {"ratio": ratio, "target": ">= 1.0",
+                                                     "met": ratio is not None and ratio >= 1.0}
+            avx2 = out.get("avx2_forced", {}).get(key, {}).get(f"{threads}t", {}).get("median_ratio")
+            t[f"{label}_vs_llama_cpp_{threads}t_avx2"] = {"ratio": avx2, "target": ">= 1.0",
+                                                          "met": avx2 is not None and avx2 >= 1.0}
+    return t
+
+
+def _child(ref: str, fmt: str, n: int, prefill: int, trials: int) -> dict[str, Any]:
+    """The AVX2 child: the paired decode and prefill rows of format `fmt`, as JSON on stdout."""
+    from runtime.models.lm import cpu_kernels
+    from runtime.models.lm.gguf_checkpoint import gguf_file
+    from runtime.models.loading import resolve_checkpoint
+
+    def quiet(_: str) -> None:
+        pass
+
+    file = gguf_file(resolve_checkpoint(ref, role="lm"))
+    assert file is not None
+    cfg = LMConfig(backend="engine", model=ref, weights=fmt, kernels="runtime", drafter="none",
+                   max_new_tokens=n + 8, compile="auto")
+    answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
+    prompt = list(answerer.start(CONTEXT, QUESTION, stream=answerer.open_stream()).prompt_ids)
+    return {"kernels": f"runtime {cpu_kernels.isa()}", "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "env": AVX2_ENV,
+            "paired_decode": paired_vs_llama_cpp(ref, fmt, file, prompt, n, trials, quiet, answerer=answerer),
+            "paired_prefill": paired_prefill(answerer.engine, file, transcript_ids(answerer.engine, prefill), trials,
+                                             quiet)}
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    print(json.dumps(_child(a[0], a[1], int(a[2]), int(a[3]), int(a[4]))))
