@@ -153,8 +153,10 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
                         f"or data set: {takers}")
     require_device(args.device)  # a missing GPU is one line here, not torch's assertion mid-benchmark
     name = BENCHES[args.name][0]
-    if args.name == "llm" and args.model is not None:
-        name = "runtime.bench.llm_model"  # a real model, not the shapes
+    if args.name == "llm" and args.model is not None:  # a real model, not the shapes
+        from runtime.bench.llm_big import is_big
+
+        name = "runtime.bench.llm_big" if is_big(args.model) else "runtime.bench.llm_model"
     if getattr(args, "sessions", None) is not None and getattr(args, "url", None) is None:
         raise UserError("--sessions: only with runtime bench serve --url URL")
     if getattr(args, "url", None) is not None:

@@ -34,9 +34,13 @@ from runtime.bench.llm_peers import INSTALL, decode_once, llama_cpp_logits, logi
 from runtime.bench.llm_spec import spec_table
 from runtime.bench.timing import machine
 from runtime.config import LMConfig
+from runtime.errors import UserError
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
+from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
 from runtime.models.lm.kernel_linears import kernel_path
+from runtime.models.lm.weights import ModelArgs
+from runtime.models.loading import resolve_checkpoint
 
 THREADS = (1, 2)
 # name: (lm.weights, lm.kernels, lm.compile)
@@ -46,6 +50,19 @@ LOGIT_TEXT = ("The committee met on Tuesday to review the plans for the new libr
               "budget, they agreed to build the reading room first and to open it to the public in the spring.")
 AVX2_ENV = {"RUNTIME_KERNEL_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 DRAFT = "builtin:qwen2.5-coder-0.5b-instruct"
+
+
+def parameters(a: ModelArgs) -> int:
+    """The model's parameter count from its shape: projections, MLP, embeddings and (untied) head."""
+    attn = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * a.hidden_size
+    return a.num_layers * (attn + 3 * a.hidden_size * a.intermediate_size) + a.vocab_size * a.hidden_size * (
+        1 if a.tie_word_embeddings else 2)
+
+
+def is_big(ref: str) -> bool:
+    """Whether `ref` is a GGUF model of a billion parameters or more: this bench's rather than `llm_model.py`'s."""
+    file = gguf_file(resolve_checkpoint(ref, role="lm"))
+    return file is not None and parameters(open_gguf(file).args) >= 1e9
 
 
 def has_llama_cpp() -> bool:
@@ -191,8 +208,12 @@ def avx2_child(ref: str, fmt: str, n: int, prefill: int, trials: int, status: St
     return json.loads(done.stdout)
 
 
-def run(args: argparse.Namespace, status: Status, path: Path, file: Path | None) -> dict[str, Any]:
+def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
+    if args.device != "cpu":
+        raise UserError(f"runtime bench llm --model measures the CPU against llama.cpp; --device {args.device} is "
+                        "not measured here")
     ref, quick = args.model, args.quick
+    file = gguf_file(resolve_checkpoint(ref, role="lm"))
     n, prefill, trials = (24, 256, 3) if quick else (64, 1000, 7)
     out: dict[str, Any] = {"bench": "llm", "model": ref, "quick": quick, "plan": "big model (llm_big.py)",
                            "decode_tokens": n, "prefill_tokens": prefill}
@@ -235,8 +256,6 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
 def _child(ref: str, fmt: str, n: int, prefill: int, trials: int) -> dict[str, Any]:
     """The AVX2 child: the paired decode and prefill rows of format `fmt`, as JSON on stdout."""
     from runtime.models.lm import cpu_kernels
-    from runtime.models.lm.gguf_checkpoint import gguf_file
-    from runtime.models.loading import resolve_checkpoint
 
     def quiet(_: str) -> None:
         pass

@@ -34,9 +34,8 @@ from runtime.errors import UserError
 from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
 from runtime.models.lm.generate_answerer import transformers_model
-from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
+from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.transformer import Transformer
-from runtime.models.lm.weights import ModelArgs
 from runtime.models.loading import resolve_checkpoint
 
 Status = Callable[[str], None]
@@ -54,13 +53,6 @@ PPL_TEXT = ("The committee met on Tuesday to review the plans for the new librar
             "architect explained that the windows would face south, so the room would be bright in the morning. "
             "Several members asked about the cost of heating, and the treasurer promised a detailed estimate by the "
             "next meeting. Finally, the chair thanked everyone and closed the session at half past eight.")
-
-
-def parameters(a: ModelArgs) -> int:
-    """The model's parameter count from its shape: projections, MLP, embeddings and (untied) head."""
-    attn = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * a.hidden_size
-    return a.num_layers * (attn + 3 * a.hidden_size * a.intermediate_size) + a.vocab_size * a.hidden_size * (
-        1 if a.tie_word_embeddings else 2)
 
 
 def copy_bandwidth_gb_s() -> float:
@@ -273,10 +265,6 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     ref = args.model
     n = 32 if args.quick else 96
     path = resolve_checkpoint(ref, role="lm")
-    if (file := gguf_file(path)) is not None and parameters(open_gguf(file).args) >= 1e9:  # the rows it is served in
-        from runtime.bench import llm_big
-
-        return llm_big.run(args, status, path, file)
     out: dict[str, Any] = {"bench": "llm", "model": ref, "quick": args.quick, "decode_tokens": n}
     status("copy bandwidth")
     bandwidth = copy_bandwidth_gb_s()
