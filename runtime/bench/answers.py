@@ -35,6 +35,7 @@ Status = Callable[[str], None]
 DEFAULT_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "answer_set.json"
 LINE_S = 4.0  # media seconds per scripted line
 VARIANTS: dict[str, dict[str, Any]] = {
+    "profile": {},  # the profile's own system prompt and answer length (demo-1.5b's says what is not known yet)
     "plain": {"system_prompt": LMConfig().system_prompt, "max_new_tokens": 48},  # the runtime's default
     "short": {"system_prompt": "You answer questions about a live transcript. Answer in one short sentence, using "
                                "only facts from the transcript.", "max_new_tokens": 32},
