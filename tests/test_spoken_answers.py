@@ -322,7 +322,7 @@ async def test_the_real_voice_says_the_transcript() -> None:
     from runtime.bench.asr_systems import faster_whisper
     from runtime.models.tts import load_voice
     from runtime.models.tts.output_audio import resample
-    from runtime.train.text_norm import normalize
+    from runtime.train.text_norm import wer
 
     transcribe, why = faster_whisper(packaged_or_skip("whisper-tiny.en"), "")
     assert transcribe is not None, why
@@ -343,7 +343,9 @@ async def test_the_real_voice_says_the_transcript() -> None:
     pcm = np.frombuffer(talk.audio(done["id"]), "<i2").astype(np.float32) / 32768
     assert 2.5 < len(pcm) / 24_000 < 7.0
     heard = transcribe(resample(pcm, 24_000, 16_000))
-    assert normalize(heard) == normalize(transcript), heard
+    # Piper's VITS samples noise, so each synthesis differs a little: one word of the ten may be heard otherwise
+    # ("Sure, the meeting" once came back as "Make sure the meeting"); words of another sentence would be many
+    assert wer([transcript], [heard]) <= 0.1, heard
 
 
 async def test_a_truncation_keeps_whole_clauses_and_the_played_share_of_the_one_it_cuts() -> None:
