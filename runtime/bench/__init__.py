@@ -42,12 +42,13 @@ BENCHES: dict[str, tuple[str, str]] = {
               "mid-utterance: false cut-offs, end-of-turn delay, Smart Turn calls, CPU"),
     "voice": ("runtime.bench.voice", "the voice (builtin:piper-en-us-joe-medium): synthesis real-time factor against "
               "the piper command on the same text, first-clause synthesis time, round-trip WER through Whisper "
-              "tiny.en on 25 spoken answers, output encoding cost"),
+              "tiny.en on 25 spoken answers, output encoding cost, voice-to-voice latency at 1, 2 and 4 "
+              "conversations through the server (--profile)"),
 }
 # the flags that pick a checkpoint or data set, per benchmark that takes them
 CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human"),
                     "llm": ("model",), "answers": ("model", "data", "prompts", "profile"), "turns": ("human",),
-                    "video-qa": ("profile",), "grammar": ("model",),
+                    "video-qa": ("profile",), "grammar": ("model",), "voice": ("profile",),
                     "remote-lm": ("lm_url", "lm_model")}
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
 
@@ -121,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=None, help="answers: prompt variants, comma-separated, of "
                         "plain, short, quote (default: all)")
     parser.add_argument("--profile", default=None, help="answers: the profile whose language model and ASR answer "
-                        "(default: demo)")
+                        "(default: demo); voice: the profile the server answers with (default: the default profile)")
     parser.add_argument("--conversations", action="store_true", help="serve: N sessions each holding a "
                         "multi-turn voice conversation with server VAD: turn latency, nothing lost, disconnects")
     parser.add_argument("--url", default=None, metavar="URL", help="serve: drive the conversations through a "

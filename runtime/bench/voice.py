@@ -29,11 +29,15 @@ dropped). Target: round-trip WER at most 5%. Sentences with any error are listed
 Output encoding (`encoding_ms_per_audio_s`): the cost of turning the voice's samples into each output format
 (`audio/pcm` 24 kHz, `audio/pcmu`, `audio/pcma`), per second of audio.
 
-Not yet here: voice-to-voice latency at 1, 2 and 4 conversations (the protocol's audio output is not built yet);
-the result says so in `voice_to_voice`.
+Voice-to-voice latency (`voice_to_voice`): spoken questions answered aloud by the real server (`runtime serve
+--profile P`, `--profile`, default: the default profile) through the official openai SDK at real-time pace with
+server VAD, 1, 2 and 4 conversations at once (quick: 1 and 2, fewer turns), split into turn detection, the final
+transcript, the language model's first clause and the first audio: `voice_latency.py` says how. Target: p50 at one
+conversation at most 1.2 s, the VAD's 500 ms of silence included. The result names the profile and its models.
 
 `--quick`: the synthesis race on the first `QUICK_RTF_SENTENCES` sentences, 2 repeats (full: all, 3 repeats);
-intelligibility always on all 25. Timings on a shared 2-core machine are noisy: compare ratios within one run.
+intelligibility always on all 25; voice-to-voice at 1 and 2 conversations of 2 questions (full: 1, 2, 4 of 4).
+Timings on a shared 2-core machine are noisy: compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -92,8 +96,6 @@ QUICK_RTF_SENTENCES = 8
 REPEATS, QUICK_REPEATS = 3, 2
 WHISPER = "whisper-tiny.en"
 WER_TARGET = 5.0
-VOICE_TO_VOICE_TODO = ("not measured yet: needs the protocol's audio output (output_modalities ['audio'], "
-                       "response.output_audio.delta) so a client can time end of speech -> first audio; issue 52")
 
 
 def _rtf_row(audio_s: float, compute_s: float, **extra: str | int | float) -> dict[str, Any]:
@@ -329,12 +331,16 @@ def _machine() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
+    from runtime.bench import voice_latency
+    from runtime.config import DEFAULT_PROFILE, load_profile
     from runtime.models.tts import DEFAULT_VOICE, check_voice
 
     quick = bool(getattr(args, "quick", False))
     check_voice(DEFAULT_VOICE)  # one line naming the install command, before anything runs
+    profile = getattr(args, "profile", None) or DEFAULT_PROFILE
+    load_profile(profile)  # an unknown profile is one line before anything runs
     race = SENTENCES[:QUICK_RTF_SENTENCES] if quick else SENTENCES
-    result: dict[str, Any] = {"voice": DEFAULT_VOICE, "quick": quick}
+    result: dict[str, Any] = {"voice": DEFAULT_VOICE, "quick": quick, "profile": profile}
     result["synthesis"] = synthesis(race, QUICK_REPEATS if quick else REPEATS, status)
     rows = result["synthesis"]["systems"]
     ours, peer = rows["runtime_1_thread"].get("rtf"), rows["piper_command"].get("rtf")
@@ -343,11 +349,11 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     result["first_clause_ms"] = first_clauses(SENTENCES)
     result["intelligibility"] = intelligibility(SENTENCES, status)
     result["encoding_ms_per_audio_s"] = encoding(SENTENCES)
-    result["voice_to_voice"] = {"todo": VOICE_TO_VOICE_TODO}
+    result["voice_to_voice"] = voice_latency.run(args, status, profile)
     result["targets"] = {
         "synthesis_rtf_over_piper_command": {**at_most(ratio, 1.0), "runtime_rtf": ours, "piper_command_rtf": peer},
         "round_trip_wer_percent": result["intelligibility"].get("target", {**at_most(None, WER_TARGET)}),
-        "voice_to_voice_p50_s": {**at_most(None, 1.2), "todo": VOICE_TO_VOICE_TODO},
+        "voice_to_voice_p50_s": result["voice_to_voice"]["target_p50_s_at_1"],
     }
     result["machine"] = _machine()
     return result
