@@ -36,7 +36,7 @@ transcript, the language model's first clause and the first audio: `voice_latenc
 conversation at most 1.2 s, the VAD's 500 ms of silence included. The result names the profile and its models.
 
 `--quick`: the synthesis race on the first `QUICK_RTF_SENTENCES` sentences, 2 repeats (full: all, 3 repeats);
-intelligibility always on all 25; voice-to-voice at 1 and 2 conversations of 2 questions (full: 1, 2, 4 of 4).
+intelligibility always on all 25; voice-to-voice at 1 and 2 conversations of 2 questions (full: 1, 2, 4 of 5).
 Timings on a shared 2-core machine are noisy: compare ratios within one run.
 """
 

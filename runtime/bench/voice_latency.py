@@ -77,18 +77,19 @@ TURN_TIMEOUT_S = 30.0
 CONNECT_LEAD_S = 0.5
 DRAIN_TIMEOUT_S = 30.0
 QUICK_NS, FULL_NS = (1, 2), (1, 2, 4)
-QUICK_TURNS, FULL_TURNS = 2, 4
+QUICK_TURNS, FULL_TURNS = 2, 5
 TARGET_P50_S = 1.2
-FACTS = ("Here are my notes for today. The team meeting moved to Thursday at three. Anna is bringing the budget "
-         "slides. The train to Boston leaves from platform four. The red car outside belongs to our neighbor Tom. "
+FACTS = ("Here are my notes for today. The team meeting moved to Thursday at three. The budget report is in the blue "
+         "folder. The train to Boston leaves from platform four. The red car outside belongs to our neighbor Tom. "
          "Lunch is at the Italian place on Main Street.")
-# (spoken question, words one of which the answer should hold)
+# (spoken question, words one of which the answer should hold): each one Whisper tiny.en heard word for word from
+# espeak-ng (several first drafts it did not: "Who is bringing the budget?" became "This bringing the market")
 QUESTIONS = (
-    ("When is the team meeting?", ("thursday",)),
-    ("Who is bringing the budget?", ("anna",)),  # not "slides": a question about slides asks for the screen
-    ("Which platform does the train to Boston leave from?", ("four", "4")),
-    ("Who owns the red car outside?", ("tom", "neighbor")),
-    ("Where is lunch today?", ("italian", "main")),
+    ("What day is the meeting?", ("thursday",)),
+    ("Where is the budget report?", ("blue", "folder")),
+    ("Where does the train to Boston leave from?", ("four", "4")),
+    ("Who does the red car belong to?", ("tom", "neighbor")),
+    ("Where are we having lunch?", ("italian", "main")),
 )
 TURN_DETECTION = {"type": "server_vad", "silence_duration_ms": 500, "create_response": True,
                   "interrupt_response": True}
