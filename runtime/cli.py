@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from runtime.io.file_source import FileSource
     from runtime.loaded_models import Models
     from runtime.session import Session
+    from runtime.session_config import SessionConfig
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")  # where `serve` needs no token: only this machine can connect
 
@@ -118,14 +119,15 @@ async def _questions_from_stdin(session: Session, console: Console, stop: asynci
 async def _run_session(
     profile: Profile, models: Models, worker: DeviceWorker, source: Source, args: argparse.Namespace,
     console: Console, questions: Sequence[ScheduledQuestion] = (), interactive: bool = False,
-    publish: Callable[[Event], None] | None = None,
+    publish: Callable[[Event], None] | None = None, config: SessionConfig | None = None,
 ) -> int:
     """Returns how many `error` events the session emitted. `publish`: also hand every event to it (serve's
-    browser watchers), after the printer."""
+    browser watchers, the speaker of `serve --speak`), after the printer. `config`: the session's (default: a
+    captioner's)."""
     from runtime.session_builder import open_session
 
     printer = _printer(args)
-    session = await (await open_session(profile, models, worker)).start()
+    session = await (await open_session(profile, models, worker, config=config)).start()
     errors = 0
 
     def write(event: Event) -> None:
@@ -301,7 +303,14 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
     if args.source is not None:
         source = _file_source(args.source, args.speed, profile)
     elif args.camera is not None or args.mic is not None or args.no_camera:
-        source = _live_source(args, profile)
+        from runtime.io.devices import live_source
+
+        source = live_source(args, profile)
+    speech = None
+    if args.speak:  # before any model loads: no voice package, no local source or no speaker fails at once
+        from runtime.io.playback import local_speech
+
+        speech = local_speech(args, source)
     worker, models = _setup(profile, console)
     models = _with_voice(models, worker, console)
 
@@ -322,7 +331,14 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
             if source is not None and local is not None:
                 console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else "")
                                + f"; watch it at http://{args.host}:{server.port}/?watch=1")
-                await _run_session(profile, models, worker, source, args, console, (), True, local.publish)
+                if speech is None:
+                    await _run_session(profile, models, worker, source, args, console, (), True, local.publish)
+                else:
+                    try:
+                        await _run_session(profile, models, worker, speech.source(source), args, console, (), True,
+                                           speech.publish(local.publish), speech.config(profile, models))
+                    finally:
+                        console.status(speech.close())
                 console.status(f"{source.description} ended: stopping the server")
             else:
                 await stop.wait()
@@ -347,21 +363,6 @@ def _with_voice(models: Models, worker: DeviceWorker, console: Console) -> Model
     if voice is not None:
         console.status(f"voice {voice.name} ready in {time.perf_counter() - started:.1f} s")
     return replace(models, voice=voice)
-
-
-def _live_source(args: argparse.Namespace, profile: Profile) -> Source:
-    from runtime.io.devices import CameraSource, LiveSource, MicrophoneSource, camera_path
-
-    if args.no_camera and args.no_mic:
-        raise UserError("--no-camera and --no-mic leave nothing to listen to or watch")
-    camera = None
-    if not args.no_camera and args.camera is not None:
-        camera = CameraSource(camera_path(args.camera), fps=max(profile.video.fps, 1.0),
-                              max_side=profile.video.max_side, fix="play a file instead with --source FILE")
-    mic = None if args.no_mic else MicrophoneSource(args.mic or "default", backend=args.mic_backend,
-                                                   chunk_ms=profile.pipeline.audio_chunk_ms,
-                                                   fix="use --no-mic, or --source FILE")
-    return LiveSource(camera, mic)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mic", action="store_true", help="video only")
     p.add_argument("--source", type=Path, metavar="FILE", help="play FILE as the live source instead of devices; "
                    "the server stops when it ends (Ctrl-D or Ctrl-C before)")
+    p.add_argument("--speak", action="store_true", help="with --camera, --mic or --source: answer each spoken turn "
+                   "(and typed question) aloud with the voice (builtin:piper-en-us-joe-medium) through the output "
+                   "device (--speaker). While it speaks, and 0.3 s after, the microphone is gated (silenced), so it "
+                   "does not answer itself: you cannot interrupt it by voice (type /cancel)")
+    p.add_argument("--speaker", default="default", metavar="NAME", help="output device for --speak (ALSA name, "
+                   "aplay -L; default: default)")
     _speed(p, 1.0, "with --source")
     _common(p)
 

@@ -4,6 +4,8 @@ import io
 
 from runtime.events import (
     Metrics,
+    ResponseAudioTranscriptDelta,
+    ResponseAudioTranscriptDone,
     ResponseCreated,
     ResponseDone,
     ResponseTextDelta,
@@ -252,3 +254,18 @@ def test_an_answer_that_cannot_see_the_screen_says_the_model_was_not_asked() -> 
     assert out.getvalue().splitlines() == [
         "Q: What is on the slide?",
         f"A: {CANNOT_SEE_SCREEN} [the model was not asked: no screen reader, no video model]"]
+
+
+def test_a_spoken_answer_prints_its_transcript() -> None:
+    """`serve --speak`: the answer is audio, and the terminal shows its words as they are decoded."""
+    out = io.StringIO()
+    printer = TextPrinter(out)
+    answer = dict(response_id="resp_1", item_id="item_a")
+    for event in (ResponseCreated(response={"id": "resp_1", "question": "What rolls?"}),
+                  ResponseAudioTranscriptDelta(delta="The red", **answer),
+                  ResponseAudioTranscriptDelta(delta=" ball.", **answer),
+                  ResponseAudioTranscriptDone(transcript="The red ball.", **answer),
+                  ResponseDone(response={"id": "resp_1", "status": "completed"})):
+        printer.write(event)
+    printer.close()
+    assert "A: The red ball.\n" in out.getvalue() and out.getvalue().count("The red ball.") == 1

@@ -8,6 +8,7 @@ received (sample-accurate, so it never drifts against itself).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -17,14 +18,18 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import av
 
 from runtime.chunks import SAMPLE_RATE, VideoFrame
-from runtime.errors import DeviceNotFound
+from runtime.errors import DeviceNotFound, UserError
 from runtime.io.file_source import error_reason, scaled_size
 from runtime.io.rechunk import AudioRechunker
 from runtime.io.source import Emit, Producer, ThreadedSource
+
+if TYPE_CHECKING:
+    from runtime.config import Profile
 
 OPEN_TIMEOUT_S = 4.0  # a device that does not open within this is reported missing
 READ_TIMEOUT_S = 10.0  # a device that delivers nothing for this long ends the source with an error
@@ -207,3 +212,18 @@ class LiveSource(ThreadedSource):
         for source in (self.camera, self.microphone):
             if source is not None:
                 source._release()
+
+
+def live_source(args: argparse.Namespace, profile: Profile) -> LiveSource:
+    """`serve --camera N [--mic NAME] [--no-mic] [--no-camera]` as a source, opened now (a missing device fails
+    before any model loads)."""
+    if args.no_camera and args.no_mic:
+        raise UserError("--no-camera and --no-mic leave nothing to listen to or watch")
+    camera = None
+    if not args.no_camera and args.camera is not None:
+        camera = CameraSource(camera_path(args.camera), fps=max(profile.video.fps, 1.0),
+                              max_side=profile.video.max_side, fix="play a file instead with --source FILE")
+    mic = None if args.no_mic else MicrophoneSource(args.mic or "default", backend=args.mic_backend,
+                                                   chunk_ms=profile.pipeline.audio_chunk_ms,
+                                                   fix="use --no-mic, or --source FILE")
+    return LiveSource(camera, mic)

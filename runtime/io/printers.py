@@ -14,6 +14,8 @@ from runtime.events import (
     Error,
     Event,
     Metrics,
+    ResponseAudioTranscriptDelta,
+    ResponseAudioTranscriptDone,
     ResponseCreated,
     ResponseDone,
     ResponseTextDelta,
@@ -95,17 +97,18 @@ class TextPrinter:
             self._out(f"{timestamp(event.start)} (video, to {timestamp(event.end)}) {event.text}\n")
         elif isinstance(event, ResponseCreated):
             self._response_created(event)
-        elif isinstance(event, ResponseTextDelta):
+        elif isinstance(event, (ResponseTextDelta, ResponseAudioTranscriptDelta)):  # a spoken answer shows its words
             if self._line == "answer:":  # the response.created carried no id: this is its text
                 self._line = f"answer:{event.response_id}"
             opened = self._open(f"answer:{event.response_id}", "A: ")
             fresh = opened or event.response_id not in self._answered
             self._out(event.delta.lstrip() if fresh else event.delta)
             self._answered.add(event.response_id)
-        elif isinstance(event, ResponseTextDone):
-            if event.response_id not in self._answered and event.text:  # no deltas came: show it whole
+        elif isinstance(event, (ResponseTextDone, ResponseAudioTranscriptDone)):
+            text = event.text if isinstance(event, ResponseTextDone) else event.transcript
+            if event.response_id not in self._answered and text:  # no deltas came: show it whole
                 self._open(f"answer:{event.response_id}", "A: ")
-                self._out(event.text)
+                self._out(text)
                 self._answered.add(event.response_id)
         elif isinstance(event, ResponseDone):
             self._response_done(event)
