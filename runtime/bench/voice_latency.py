@@ -28,7 +28,8 @@ the API's).
 
 The marks of a turn, each its first event after the end of speech (receive time, perf_counter), in ms after the end
 of speech: `vad_silence` (not a receive time: where `speech_stopped`'s `audio_end_ms` says the silence began, on the
-stream's clock, so `speech_stopped - vad_silence - 500` is the chunk step plus the server's processing lag),
+stream's clock), `stop_chunk_sent` (when the chunk that completed the rule's 500 ms of silence was sent: so
+`speech_stopped - stop_chunk_sent` is the server's lag in reading it),
 `speech_stopped`, `committed`, `transcript` (the final transcript), `response_created`,
 `first_token` (the first `response.output_audio_transcript.delta`: the model's first words), `first_clause` (the
 transcript delta with which the client's own `ClauseSplitter`, the server's rules, completes the first clause: when
@@ -50,6 +51,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import math
 import os
 import subprocess
 import sys
@@ -91,7 +93,8 @@ QUESTIONS = (
     ("Who does the red car belong to?", ("tom", "neighbor")),
     ("Where are we having lunch?", ("italian", "main")),
 )
-TURN_DETECTION = {"type": "server_vad", "silence_duration_ms": 500, "create_response": True,
+SILENCE_MS = 500  # the API's default
+TURN_DETECTION = {"type": "server_vad", "silence_duration_ms": SILENCE_MS, "create_response": True,
                   "interrupt_response": True}
 SESSION = {"type": "realtime", "output_modalities": ["audio"],
            "audio": {"input": {"turn_detection": TURN_DETECTION},
@@ -168,6 +171,7 @@ async def converse(base_url: str, script: list[Question], start: float, conv: Co
     from websockets.exceptions import ConnectionClosedOK
 
     current: list[Turn | None] = [None]
+    silence_s = SILENCE_MS / 1000
     answered = asyncio.Event()
     parts: list[str] = []
 
@@ -188,9 +192,12 @@ async def converse(base_url: str, script: list[Question], start: float, conv: Co
                             if kind == wanted:
                                 mark(turn, name, at)
                         if kind == MARKS["speech_stopped"] and "vad_silence" not in turn.marks:
-                            # where the VAD says the silence began, on the stream's clock (chunk k at start + k/10 s)
-                            turn.marks["vad_silence"] = start + getattr(event, "audio_end_ms", 0) / 1000 \
-                                - turn.speech_end
+                            # where the VAD says the silence began, on the stream's clock (media m at start + m),
+                            # and when the chunk that completed the rule's silence was sent
+                            silence = getattr(event, "audio_end_ms", 0) / 1000
+                            done = math.ceil(round((silence + silence_s) / CHUNK_S, 6)) * CHUNK_S
+                            turn.marks["vad_silence"] = start + silence - turn.speech_end
+                            turn.marks["stop_chunk_sent"] = start + done - turn.speech_end
                         if kind == MARKS["transcript"]:
                             turn.heard = str(getattr(event, "transcript", ""))
                         elif kind == MARKS["first_token"]:
@@ -249,8 +256,8 @@ def summarize(convs: list[Conversation]) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": len(turns), "turns_with_audio": len(done),
                            "voice_to_voice_ms": _stats([t.marks["first_audio"] for t in done])}
     out["marks_ms"] = {name: _stats([t.marks[name] for t in done if name in t.marks])
-                       for name in ("vad_silence", "speech_stopped", "committed", "transcript", "response_created",
-                                    "first_token", "first_clause", "first_audio")}
+                       for name in ("vad_silence", "stop_chunk_sent", "speech_stopped", "committed", "transcript",
+                                    "response_created", "first_token", "first_clause", "first_audio")}
     out["stages_ms"] = {name: _stats([t.marks[b] - (t.marks[a] if a else 0.0) for t in done
                                       if b in t.marks and (a is None or a in t.marks)])
                         for name, a, b in STAGES}
