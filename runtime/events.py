@@ -331,6 +331,33 @@ class ResponseAudioTranscriptDone(Event):
 
 @_register
 @dataclass(kw_only=True)
+class OutputAudioBufferStarted(Event):
+    """WebRTC: the first audio of response `response_id` began playing out on the voice track."""
+
+    type: ClassVar[str] = "output_audio_buffer.started"
+    response_id: str
+
+
+@_register
+@dataclass(kw_only=True)
+class OutputAudioBufferStopped(Event):
+    """WebRTC: response `response_id`'s audio has all played out and no more is coming (after its response.done)."""
+
+    type: ClassVar[str] = "output_audio_buffer.stopped"
+    response_id: str
+
+
+@_register
+@dataclass(kw_only=True)
+class OutputAudioBufferCleared(Event):
+    """WebRTC: the voice track's buffer was emptied (barge-in, or the client's `output_audio_buffer.clear`)."""
+
+    type: ClassVar[str] = "output_audio_buffer.cleared"
+    response_id: str
+
+
+@_register
+@dataclass(kw_only=True)
 class FunctionCallArgumentsDelta(Event):
     """A piece of a function call's JSON arguments, streamed as the model writes them."""
 

@@ -24,6 +24,10 @@ own clock, its input audio: the client is taken to play the audio as it arrives,
 delta. Heard = the input media time when speech was detected minus that when the first audio delta was emitted,
 at most the audio sent. Both instants are read off the same clock (`HeardClock.until`: the input audio the server
 had processed), so a steady pipeline lag cancels out.
+
+A transport that plays the voice out itself (`Playout`: WebRTC's audio track, `runtime/web/voice_track.py`) takes the
+audio instead of the deltas, in its own format, and waits while its buffer is full (so synthesis waits too); what it
+played out is what was heard, which replaces the rule above.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+from typing import Protocol
 
 import numpy as np
 
 from runtime.channels import BlockingChannel, ChannelClosed
 from runtime.events import ResponseAudioDelta, error_event
+from runtime.io.audio_formats import AudioFormat
 from runtime.memory.spoken import SpokenTrack
 from runtime.models.tts.clauses import ClauseSplitter
 from runtime.models.tts.output_audio import AudioEncoder
@@ -51,13 +57,29 @@ CLAUSE_QUEUE = 4  # clauses decoded and waiting for the voice, per response
 DELTA_MS = 200  # the most audio one response.output_audio.delta carries
 
 
+class Playout(Protocol):
+    """Where the audio goes when the transport plays it out at real time itself (WebRTC): `play` takes one piece in
+    `format` (waiting while the transport's buffer is full), `end` says no more comes for the item, and `played_ms`
+    is how much of the item's audio has played out."""
+
+    format: AudioFormat
+
+    async def play(self, response_id: str, item_id: str, audio: bytes) -> None: ...
+
+    def end(self, response_id: str, item_id: str) -> None: ...
+
+    def played_ms(self, item_id: str) -> int: ...
+
+
 class Speaker:
-    """The session's voice on the device worker; `open` starts speaking one response's message."""
+    """The session's voice on the device worker; `open` starts speaking one response's message. `playout`: set by a
+    transport that plays the voice itself (None: the audio goes out as response.output_audio.delta events)."""
 
     def __init__(self, voice: Voice, worker: DeviceWorker, emit: Emit, heard: HeardClock, *,
                  clause_queue: int = CLAUSE_QUEUE, delta_ms: int = DELTA_MS) -> None:
         self.voice, self.worker, self.emit, self.heard = voice, worker, emit, heard
         self.clause_queue, self.delta_ms = clause_queue, delta_ms
+        self.playout: Playout | None = None
 
     def open(self, response_id: str, item_id: str, output_index: int, speech: OutputAudio,
              media_time: float) -> SpokenAudio:
@@ -74,8 +96,10 @@ class SpokenAudio:
         self.response_id, self.item_id, self.output_index, self.media_time = (response_id, item_id, output_index,
                                                                               media_time)
         self.splitter = ClauseSplitter()
-        self.encoder = AudioEncoder(speech.format, speaker.voice.sample_rate)
-        self.track = SpokenTrack(speech.format.rate)
+        self.playout = speaker.playout
+        fmt = self.playout.format if self.playout is not None else speech.format
+        self.encoder = AudioEncoder(fmt, speaker.voice.sample_rate)
+        self.track = SpokenTrack(fmt.rate)
         self.first_at: float | None = None  # HeardClock.until when the first audio delta was emitted
         self.failed = False
         self._clauses: BlockingChannel[str] = BlockingChannel(speaker.clause_queue, "clauses")
@@ -105,7 +129,10 @@ class SpokenAudio:
         self._task.cancel()
 
     def heard_ms(self, at: float) -> int:
-        """Milliseconds of this audio the client had played by input media time `at` (the module's rule)."""
+        """Milliseconds of this audio the client had played by input media time `at` (the module's rule), or, with a
+        `Playout`, that it has played out now."""
+        if self.playout is not None:
+            return min(self.track.duration_ms, self.playout.played_ms(self.item_id))
         if self.first_at is None:
             return 0
         return max(0, min(self.track.duration_ms, round((at - self.first_at) * 1000)))
@@ -117,6 +144,13 @@ class SpokenAudio:
             pass
 
     async def _speak(self) -> None:
+        try:
+            await self._speak_clauses()
+        finally:  # finished, failed or stopped: no more audio comes for this item
+            if self.playout is not None:
+                self.playout.end(self.response_id, self.item_id)
+
+    async def _speak_clauses(self) -> None:
         worker = self.speaker.worker
         async for clause in self._clauses:
             if self.failed:
@@ -142,7 +176,13 @@ class SpokenAudio:
         return self.encoder.encode(np.asarray(speech.samples, dtype=np.float32))
 
     async def _send(self, audio: bytes) -> None:
-        step = self.speech.format.rate * self.speaker.delta_ms // 1000 * self.encoder.bytes_per_sample
+        if self.playout is not None:
+            if self.first_at is None:
+                self.first_at = self.speaker.heard.until
+            await self.playout.play(self.response_id, self.item_id, audio)
+            self.track.sent(len(audio) // self.encoder.bytes_per_sample)
+            return
+        step = self.encoder.format.rate * self.speaker.delta_ms // 1000 * self.encoder.bytes_per_sample
         for start in range(0, len(audio), step):
             if self.first_at is None:
                 self.first_at = self.speaker.heard.until

@@ -425,6 +425,13 @@ def _truncate(data: dict[str, Any], event_id: str | None, _max_side: int) -> Com
                         _field(data, "content_index", int, "a content index"), ms)
 
 
+def _output_buffer_clear(data: dict[str, Any], event_id: str | None, max_side: int) -> Command:
+    """The WebRTC peer answers this event itself (`webrtc.py`): it reaches here on connections without a voice."""
+    raise ProtocolError("output_audio_buffer.clear applies where the server plays the audio out (a WebRTC connection "
+                        "that receives its audio track); here the client plays what it was sent: stop it there and "
+                        "send conversation.item.truncate", code="unsupported_event", param="type")
+
+
 _PARSERS = {
     "session.update": _session_update,
     "input_audio_buffer.append": _audio_append,
@@ -436,6 +443,7 @@ _PARSERS = {
     "conversation.item.truncate": _truncate,
     "response.create": _response_create,
     "response.cancel": _response_cancel,
+    "output_audio_buffer.clear": _output_buffer_clear,
     "runtime.input_video_frame.append": _frame_append,
     "runtime.session.finish": lambda d, e, m: FinishSession(e),
 }

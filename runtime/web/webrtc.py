@@ -10,6 +10,12 @@ Signalling is one `POST /v1/webrtc/offer` (server.py): the browser's offer (its 
 - Video: a consumer keeps only the latest decoded frame; a sampler converts one per `video.fps` (downscaled to
   `video.max_side`, in a thread) and pushes it. Media time for video is wall time since the first media frame
   arrived, which matches the audio clock (samples counted since the first audio frame) for a live peer.
+- The voice (issue 52): when the offer can receive audio (its audio transceiver is sendrecv or recvonly), the answer
+  sends a `VoiceTrack` (voice_track.py) and the session's speaker plays into it instead of sending
+  `response.output_audio.delta` events; `output_audio_buffer.started/stopped/cleared` come on the data channel. The
+  track is cleared at a barge-in (the session's `input_audio_buffer.speech_started` while turn detection has
+  `interrupt_response`) and on the client's `output_audio_buffer.clear`, which this peer answers itself; either also
+  drops the rest of the response in progress's audio. A truncation at barge-in then cuts to what the track played.
 - The `events` data channel carries the websocket protocol's JSON both ways (`SessionDriver`): server events
   out, questions in. Sending waits while more than `HIGH_WATER` bytes are buffered, so a slow peer slows the
   session as a slow websocket does.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -34,12 +41,20 @@ from aiortc.mediastreams import MediaStreamError
 
 from runtime.chunks import SAMPLE_RATE, VideoFrame
 from runtime.config import Profile
-from runtime.events import Event, error_event
+from runtime.events import (
+    Event,
+    OutputAudioBufferCleared,
+    OutputAudioBufferStarted,
+    OutputAudioBufferStopped,
+    SpeechStarted,
+    error_event,
+)
 from runtime.io.file_source import scaled_size
 from runtime.session import Session
 from runtime.session_state import TransportStats
 from runtime.web.driver import SessionDriver
 from runtime.web.protocol import event_id_of
+from runtime.web.voice_track import CLEARED, STARTED, VoiceTrack
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +64,8 @@ HIGH_WATER, LOW_WATER = 1 << 20, 256 << 10  # data channel bytes buffered: wait 
 INBOX_MESSAGES = 64  # client events waiting to be parsed; past it a message is refused with an error
 MIN_AUDIO_GAP_S = 0.01  # RTP timestamps further apart than the audio between them: the peer sent nothing
 MAX_AUDIO_GAP_S = 3600.0  # a jump beyond this is taken for a broken timestamp, not an hour of silence
+BUFFER_EVENTS = 64  # output_audio_buffer.* events waiting for the session's event channel; past it one is dropped
+CLEAR_EVENT = "output_audio_buffer.clear"
 
 
 class WebRTCPeer:
@@ -58,7 +75,11 @@ class WebRTCPeer:
         `observe`: sees every event sent (the server's metrics)."""
         self.session, self.profile, self.stats = session, profile, stats
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # no STUN: host candidates only
-        self.driver = SessionDriver(session, profile, stats, observe=observe)
+        self.observe = observe
+        self.driver = SessionDriver(session, profile, stats, observe=self._observe)
+        self.voice = VoiceTrack(self._on_buffer_event)
+        self.speaks = False  # the answer sends the voice track (the offer could receive audio)
+        self.buffer_events: asyncio.Queue[Event] = asyncio.Queue(BUFFER_EVENTS)
         self.channel: RTCDataChannel | None = None
         self.channel_open = asyncio.Event()
         self.closed = asyncio.Event()
@@ -78,12 +99,20 @@ class WebRTCPeer:
     async def answer(self, sdp: str) -> dict[str, str]:
         """Take the browser's offer; returns our answer with every ICE candidate in it."""
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+        audio = [t for t in self.pc.getTransceivers() if t.kind == "audio"]
+        if audio and self.session.answers.speaker is not None:
+            self.pc.addTrack(self.voice)  # on the offer's audio transceiver: sent where the offer can receive it
         await self.pc.setLocalDescription(await self.pc.createAnswer())
+        self.speaks = any(t.sender.track is self.voice and t.currentDirection in ("sendrecv", "sendonly")
+                          for t in audio)
+        if self.speaks:
+            self.session.answers.speaker.playout = self.voice  # type: ignore[union-attr]
         return {"sdp": self.pc.localDescription.sdp, "type": self.pc.localDescription.type}
 
     async def run(self) -> None:
         """Until the peer goes (see the module docstring); the session is stopped when this returns."""
         driver = asyncio.create_task(self.driver.run(self._messages(), self._send), name=f"{self.session.id}:rtc")
+        self._spawn(self._emit_buffer_events(), "rtc-voice-events")
         try:
             try:
                 await asyncio.wait_for(self.channel_open.wait(), CONNECT_TIMEOUT_S)
@@ -100,6 +129,7 @@ class WebRTCPeer:
 
     async def close(self) -> None:
         self._closing()
+        self.voice.stop()  # a `play` waiting for room returns
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -160,7 +190,55 @@ class WebRTCPeer:
 
     async def _messages(self) -> AsyncIterator[str | bytes]:
         while (message := await self.inbox.get()) is not None:
+            if isinstance(message, str) and CLEAR_EVENT in message and self._clear_asked(message):
+                continue  # answered here: the driver knows nothing of the track
             yield message
+
+    # The voice.
+
+    def _clear_asked(self, message: str) -> bool:
+        """The client's `output_audio_buffer.clear`: silence now, and no more of the response in progress's audio;
+        `cleared` names the response cut (or the last one that spoke, when nothing was playing)."""
+        if not self.speaks or len(message) > 1024:
+            return False
+        try:
+            data = json.loads(message)
+        except ValueError:
+            return False
+        if not (isinstance(data, dict) and data.get("type") == CLEAR_EVENT):
+            return False
+        self._cut_voice(always=True)
+        return True
+
+    def _cut_voice(self, *, always: bool = False) -> None:
+        self.voice.clear(always=always)  # first: it names the response whose sound it cuts
+        current = self.session.answers.current
+        if current is not None:
+            self.voice.mute(current.response_id)  # its later audio too, even if none was buffered yet
+
+    def _observe(self, event: Event) -> None:
+        """Every event on its way out (the driver's writer): barge-in clears the track the moment the session
+        reports the speech that cuts the answer short."""
+        if self.observe is not None:
+            self.observe(event)
+        if isinstance(event, SpeechStarted) and self.speaks:
+            detection = self.session.settings.config.turn_detection
+            if detection is not None and detection.interrupt_response:
+                self._cut_voice()
+
+    def _on_buffer_event(self, kind: str, response_id: str) -> None:
+        """From the track, on the loop (it must not wait): queued for the session's event channel."""
+        cls = OutputAudioBufferStarted if kind == STARTED else (
+            OutputAudioBufferCleared if kind == CLEARED else OutputAudioBufferStopped)
+        try:
+            self.buffer_events.put_nowait(cls(response_id=response_id, media_time=self.session.media_time))
+        except asyncio.QueueFull:  # the session's events have been stuck for dozens of responses: the peer is gone
+            log.warning("session %s: dropped %s (%s): the event channel is not moving", self.session.id, kind,
+                        response_id)
+
+    async def _emit_buffer_events(self) -> None:
+        while True:
+            await self.session.emit(await self.buffer_events.get())
 
     async def _send(self, text: str) -> None:
         await self.channel_open.wait()

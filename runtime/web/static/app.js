@@ -1,5 +1,6 @@
 // The demo page: camera + microphone go to `runtime serve` as WebRTC tracks, and the server's events come
-// back on the `events` data channel, in exactly the websocket protocol of docs/protocol.md.
+// back on the `events` data channel, in exactly the websocket protocol of docs/protocol.md. A server with a voice
+// sends it back as an audio track, which the page plays (answers spoken while "speak answers" is on).
 // Plain JS, no build step, no external URLs, so the page works offline from the server alone.
 "use strict";
 
@@ -10,7 +11,8 @@ const ui = {
   screen: $("screen"),
   question: $("question"), ask: $("ask"), cancel: $("cancel"), answer: $("answer"),
   answerStatus: $("answer-status"), latFirst: $("lat-first"), latAsr: $("lat-asr"), latLoop: $("lat-loop"),
-  conversation: $("conversation"), answerTurns: $("answer-turns"),
+  conversation: $("conversation"), answerTurns: $("answer-turns"), speak: $("speak"), voice: $("voice"),
+  speaking: $("speaking"),
 };
 
 const ICE_GATHER_TIMEOUT_MS = 5000; // host candidates only (no STUN), so gathering is quick; never wait forever
@@ -36,10 +38,13 @@ const items = new Map();
 // The conversation as the server keeps it: item_id -> its <li>, in the server's order (previous_item_id).
 const turns = new Map();
 let turnDetection = null; // the session's turn detection (session.created/updated), null when it has none
+let hasVoice = false; // the server sends a voice track: answers can be spoken
+let sessionLive = false; // session.created came: session.update may be sent
 
 // The answer being shown, and the client-side clock for "ask to first token".
 let responseId = null;
 let askedAt = null;
+let answerItem = null; // the item the answer box shows
 // One response at a time joins the conversation (the server refuses another response.create meanwhile): a
 // question typed while one is asked for or answered is added at once and asked for when that answer is done.
 let requested = null; // the event_id of a response.create whose response.created (or error) has not come yet
@@ -89,6 +94,8 @@ async function start() {
     pc.onconnectionstatechange = onConnectionState;
     // Tracks and the data channel must exist before createOffer, so the one offer carries them all.
     for (const track of stream.getTracks()) pc.addTrack(track, stream);
+    // The microphone's transceiver is sendrecv (addTrack's default), so the offer also receives the server's voice.
+    pc.ontrack = onTrack;
     dc = pc.createDataChannel("events");
     dc.onopen = () => setStatus("connected: waiting for the session…", "connecting");
     dc.onmessage = (e) => onMessage(e.data);
@@ -167,6 +174,21 @@ async function postOffer(offer) {
   return body;
 }
 
+// The server's voice: played by the <audio> element; "speak answers" turns spoken answers on once the session is up.
+function onTrack(e) {
+  if (e.track.kind !== "audio") return;
+  ui.voice.srcObject = e.streams && e.streams[0] ? e.streams[0] : new MediaStream([e.track]);
+  ui.voice.play().catch(() => { /* autoplay refused: the next click (Ask) starts it */ });
+  hasVoice = true;
+  ui.speak.disabled = false;
+  if (sessionLive) setSpeak();
+}
+
+function setSpeak() {
+  if (!hasVoice) return;
+  send({ type: "session.update", session: { output_modalities: [ui.speak.checked ? "audio" : "text"] } });
+}
+
 function onConnectionState() {
   if (!pc) return;
   const state = pc.connectionState;
@@ -191,6 +213,10 @@ function teardown() {
   if (peer) peer.close();
   if (stream) { for (const track of stream.getTracks()) track.stop(); stream = null; }
   ui.preview.srcObject = null;
+  ui.voice.srcObject = null;
+  hasVoice = sessionLive = false;
+  ui.speak.disabled = true;
+  ui.speaking.textContent = "";
   responseId = null;
   askedAt = null;
   requested = null;
@@ -245,8 +271,10 @@ function requestAnswer(text) {
   ui.latFirst.textContent = "…";
 }
 
+// Cancel stops the answer being written and, when it is spoken, the sound at once (the API's order: cancel, clear).
 function cancel() {
   send(responseId ? { type: "response.cancel", response_id: responseId } : { type: "response.cancel" });
+  if (hasVoice) send({ type: "output_audio_buffer.clear" });
 }
 
 // ---------------------------------------------------------------- server events
@@ -260,6 +288,8 @@ function onMessage(data) {
 
 const handlers = {
   "session.created": (e) => {
+    sessionLive = true;
+    if (!watching && hasVoice && ui.speak.checked) setSpeak();
     setStatus((watching ? "live: watching the server's local session " : "live: session ")
       + (e.session && e.session.id || ""), "live");
     showTurnDetection(e.session);
@@ -319,19 +349,31 @@ const handlers = {
     ui.answerStatus.textContent = about("answering");
   },
 
-  "response.output_text.delta": (e) => {
-    if (e.response_id !== responseId) return; // a stale answer (already replaced by a newer one)
-    if (askedAt !== null) {
-      ui.latFirst.textContent = ms((performance.now() - askedAt) / 1000);
-      askedAt = null;
-    }
-    ui.answer.textContent += e.delta || "";
-    const li = turns.get(e.item_id);
-    if (li) li.querySelector(".text").textContent += e.delta || "";
-  },
+  "response.output_text.delta": (e) => showDelta(e),
+  "response.output_audio_transcript.delta": (e) => showDelta(e), // a spoken answer's words, ahead of its sound
 
   "response.output_text.done": (e) => {
     if (e.response_id === responseId && typeof e.text === "string") ui.answer.textContent = e.text;
+  },
+
+  "response.output_audio_transcript.done": (e) => {
+    if (e.response_id === responseId && typeof e.transcript === "string") ui.answer.textContent = e.transcript;
+  },
+
+  // The voice track (WebRTC): when an answer's sound starts and ends, and when barge-in or Cancel cut it off.
+  "output_audio_buffer.started": () => { ui.speaking.textContent = "speaking"; },
+  "output_audio_buffer.stopped": () => { ui.speaking.textContent = ""; },
+  "output_audio_buffer.cleared": () => { ui.speaking.textContent = "interrupted"; },
+
+  // Cut to what was heard (barge-in or Cancel): the answer box keeps only the words played.
+  "conversation.item.truncated": (e) => { send({ type: "conversation.item.retrieve", item_id: e.item_id }); },
+  "conversation.item.retrieved": (e) => {
+    const part = (e.item && e.item.content || [])[0] || {};
+    const li = e.item && turns.get(e.item.id);
+    if (li && typeof part.transcript === "string") li.querySelector(".text").textContent = part.transcript + " …";
+    if (e.item && e.item.id === answerItem && typeof part.transcript === "string") {
+      ui.answer.textContent = part.transcript + " …";
+    }
   },
 
   "response.done": (e) => {
@@ -365,6 +407,18 @@ const handlers = {
     setStatus("error: " + (err.message || "unknown error") + (err.code ? " [" + err.code + "]" : ""), "error");
   },
 };
+
+function showDelta(e) {
+  if (e.response_id !== responseId) return; // a stale answer (already replaced by a newer one)
+  if (askedAt !== null) {
+    ui.latFirst.textContent = ms((performance.now() - askedAt) / 1000);
+    askedAt = null;
+  }
+  answerItem = e.item_id;
+  ui.answer.textContent += e.delta || "";
+  const li = turns.get(e.item_id);
+  if (li) li.querySelector(".text").textContent += e.delta || "";
+}
 
 // "completed: what moved?": the answer's state, and which question it answers.
 function about(state) {
@@ -459,4 +513,5 @@ ui.stop.addEventListener("click", stop);
 $("ask-form").addEventListener("submit", (e) => { e.preventDefault(); ask(); }); // the button and Enter
 ui.cancel.addEventListener("click", cancel);
 ui.answerTurns.addEventListener("change", setAnswerTurns);
+ui.speak.addEventListener("change", setSpeak);
 window.addEventListener("pagehide", teardown); // free the camera and the server's session at once
