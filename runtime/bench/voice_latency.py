@@ -37,6 +37,8 @@ the voice could start), `first_audio` (the first `response.output_audio.delta`: 
 differences named at the top (turn detection: end -> committed; final transcript: committed -> transcript;
 first clause: transcript -> first clause; first audio: first clause -> first audio), p50/p95 each; a stage whose
 later mark came before its earlier one (an answer that started before the transcript was final) is negative.
+`stall_ms`: the silences inside an answer for a client that plays each audio delta at real time from the first one
+(its buffer ran dry waiting for the next clause's audio), per turn: what cutting the first clause early may cost.
 
 Reported per N (1, 2, 4; quick: 1, 2): `voice_to_voice_ms` (p50, p95, n), `marks_ms`, `stages_ms`, the turns
 answered with sound, the answers (what was asked, what the server heard, what it said, whether the expected words are
@@ -150,6 +152,17 @@ class Turn:
     heard: str = ""
     answer: str = ""
     status: str | None = None
+    audio: list[tuple[float, float]] = field(default_factory=list)  # (receive time, seconds) of each audio delta
+
+    def stall_s(self) -> float:
+        """Silence inside the answer for a client that plays each delta at real time from the first: the time its
+        buffer ran dry waiting for the next one (a clause whose synthesis came after the last one had played)."""
+        stall, playing_until = 0.0, None
+        for at, seconds in self.audio:
+            if playing_until is not None and at > playing_until:
+                stall += at - playing_until
+            playing_until = max(playing_until or at, at) + seconds
+        return stall
 
 
 @dataclass
@@ -204,6 +217,8 @@ async def converse(base_url: str, script: list[Question], start: float, conv: Co
                             parts.append(str(getattr(event, "delta", "")))
                             if "first_clause" not in turn.marks and first_clause_done(parts):
                                 mark(turn, "first_clause", at)
+                        elif kind == MARKS["first_audio"]:
+                            turn.audio.append((at, len(base64.b64decode(getattr(event, "delta", ""))) / 2 / RATE))
                         elif kind == "response.done":
                             turn.status = str(getattr(getattr(event, "response", None), "status", ""))
                             turn.answer = "".join(parts)
@@ -261,6 +276,8 @@ def summarize(convs: list[Conversation]) -> dict[str, Any]:
     out["stages_ms"] = {name: _stats([t.marks[b] - (t.marks[a] if a else 0.0) for t in done
                                       if b in t.marks and (a is None or a in t.marks)])
                         for name, a, b in STAGES}
+    out["stall_ms"] = {**_stats([t.stall_s() for t in done]),
+                       "turns_with_stall": sum(t.stall_s() > 0 for t in done)}
     out["answers"] = [{"asked": t.question.text, "heard": t.heard, "answer": t.answer, "status": t.status,
                        "right": any(w in t.answer.lower() for w in t.question.expect)} for t in turns]
     out["answers_right"] = sum(a["right"] for a in out["answers"])
