@@ -1,7 +1,8 @@
 """The demo page in a real browser: headless Chromium with a fake camera and microphone (the demo speech and
 the demo scene, from files made here) opens the page of an in-process server, connects over WebRTC, shows
 live captions, asks a question and shows the streamed answer. The tiny profile has random weights, so the
-captions and the answer are noise: the test checks that they arrive, not what they say."""
+captions and the answer are noise: the test checks that they arrive, not what they say. One test hears the page
+speak: a scripted answer in the real voice (Piper's joe), measured in the page by WebAudio on the track it plays."""
 
 import asyncio
 import contextlib
@@ -14,13 +15,15 @@ import av
 import numpy as np
 import pytest
 import soundfile
+from session_fakes import ScriptAnswerer, WordASR, profile_for
+from weights_common import packaged_or_skip
 
 from runtime.config import load_profile
 from runtime.io.sample import demo_speech, render_frame
-from runtime.loaded_models import load_models
+from runtime.loaded_models import Models, load_models
 from runtime.session_builder import open_session
 from runtime.web.server import RealtimeServer
-from runtime.worker import DeviceWorker
+from runtime.worker import DeviceWorker, Priority
 
 # paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
 pytestmark = pytest.mark.xdist_group("realtime")
@@ -251,3 +254,103 @@ async def wait_for_watchers(server: RealtimeServer, deadline: Deadline) -> None:
     while server.local.watchers and deadline.ms() > 1:
         await asyncio.sleep(0.05)
     assert not server.local.watchers
+
+
+# The RMS of what the page's <audio id="voice"> plays, every 50 ms, through a WebAudio analyser on its stream, and when
+# the page's "speaking" indicator changed (output_audio_buffer.started / stopped / cleared), on one clock.
+METER = """async () => {
+    const voice = document.getElementById('voice'), speaking = document.getElementById('speaking');
+    const context = new AudioContext();
+    await context.resume();
+    const analyser = context.createAnalyser();
+    analyser.fftSize = 2048;
+    context.createMediaStreamSource(voice.srcObject).connect(analyser);
+    const samples = new Float32Array(analyser.fftSize);
+    window.levels = [];
+    window.speakingLog = [];
+    setInterval(() => {
+        analyser.getFloatTimeDomainData(samples);
+        let sum = 0;
+        for (const v of samples) sum += v * v;
+        window.levels.push([performance.now(), Math.sqrt(sum / samples.length)]);
+    }, 50);
+    new MutationObserver(() => window.speakingLog.push([performance.now(), speaking.textContent]))
+        .observe(speaking, {childList: true, characterData: true, subtree: true});
+    return context.state;
+}"""
+ANSWER = "Sure, the meeting moved to Thursday. Please bring the slides."
+LONG = ("The meeting moved to Thursday at ten, in the large room on the second floor. Please bring the slides, the "
+        "budget and the notes from last week, and tell the others.")
+QUIET, LOUD = 0.005, 0.03  # RMS (full scale 1): silence on the track is exactly 0; the voice peaks near 0.2
+
+
+def when(log: list, text: str) -> float:
+    return next(t for t, shown in log if shown == text)
+
+
+def levels_between(levels: list, start: float, end: float) -> list[float]:
+    return [rms for t, rms in levels if start <= t < end]
+
+
+@pytest.mark.asyncio
+async def test_page_plays_the_spoken_answer_and_cancel_silences_it(tmp_path):
+    """The server's voice track, as the page plays it: silent before the answer, loud while it plays (between
+    output_audio_buffer.started and .stopped), silent after; the answer's transcript shows in the answer box; Cancel
+    during a second answer that is still playing sends output_audio_buffer.clear and the sound stops at once."""
+    packaged_or_skip("piper-en-us-joe-medium")
+    from runtime.models.tts import load_voice
+
+    deadline, problems = Deadline(TOTAL_TIMEOUT_S), []
+    answerer = ScriptAnswerer(ANSWER)
+    with DeviceWorker() as worker:
+        models = Models(WordASR(per_item=1000), answerer, voice=worker.call(Priority.CONTROL, load_voice))
+        async with RealtimeServer(profile_for(), models, worker, port=0) as server, \
+                browser_page(tmp_path, problems) as page:
+            await page.goto(f"http://127.0.0.1:{server.port}/", timeout=deadline.ms())
+            await page.click("#start")
+            await wait_for(page, "!document.getElementById('speak').disabled", deadline, "no voice track", problems)
+            while not (server.sessions and next(iter(server.sessions.values())).settings.config.output_modalities
+                       == ("audio",)):  # the page turned spoken answers on (session.update)
+                assert deadline.ms() > 1, "the page did not ask for spoken answers"
+                await asyncio.sleep(0.05)
+            assert await page.evaluate(METER) == "running"
+            await asyncio.sleep(1.0)  # the track before any answer: silence frames
+
+            await page.fill("#question", "when is the meeting?")
+            await page.press("#question", "Enter")
+            await wait_for(page, "window.speakingLog.some(([, s]) => s === 'speaking')", deadline, "no sound started",
+                           problems)
+            await wait_for(page, "window.speakingLog.some(([, s]) => s === '')", deadline, "the sound did not stop",
+                           problems)
+            await asyncio.sleep(0.5)
+            answer = await text_of(page, "#answer")
+            first_log, levels = await page.evaluate("[window.speakingLog, window.levels]")
+
+            answerer.text = LONG
+            await page.fill("#question", "and what else?")
+            await page.press("#question", "Enter")
+            await wait_for(page, "window.speakingLog.filter(([, s]) => s === 'speaking').length === 2", deadline,
+                           "the second answer's sound did not start", problems)
+            await asyncio.sleep(1.5)
+            await page.click("#cancel")
+            await wait_for(page, "window.speakingLog.some(([, s]) => s === 'interrupted')", deadline,
+                           "Cancel did not clear the sound", problems)
+            await asyncio.sleep(0.8)
+            second_log, second_levels = await page.evaluate("[window.speakingLog, window.levels]")
+            assert not (await text_of(page, "#status")).startswith("error"), await text_of(page, "#status")
+            await page.click("#stop")
+            await sessions_gone(server, deadline)
+
+    assert answer == ANSWER  # the transcript, shown as the answer is spoken
+    started, stopped = when(first_log, "speaking"), when(first_log, "")
+    assert 2.0 <= (stopped - started) / 1000 <= 8.0, first_log  # the answer plays at real time (about 3.5 s)
+    before = levels_between(levels, levels[0][0], started)
+    during = levels_between(levels, started, stopped + 300)  # the sound lags the event by the jitter buffer
+    after = levels_between(levels, stopped + 400, float("inf"))
+    assert len(before) >= 15 and max(before) < QUIET, before  # a second of silence before the answer
+    assert max(during) > 2 * LOUD and sum(rms > LOUD for rms in during) >= len(during) // 2, during  # speech
+    assert after and max(after) < QUIET, after
+    cleared = when(second_log, "interrupted")
+    assert max(levels_between(second_levels, cleared - 1000, cleared)) > LOUD  # it was speaking when cancelled
+    assert max(levels_between(second_levels, cleared + 200, float("inf"))) < QUIET  # and stopped within 200 ms
+    assert not problems, problems

@@ -40,6 +40,7 @@ const turns = new Map();
 let turnDetection = null; // the session's turn detection (session.created/updated), null when it has none
 let hasVoice = false; // the server sends a voice track: answers can be spoken
 let sessionLive = false; // session.created came: session.update may be sent
+let playing = false; // an answer's sound is playing (output_audio_buffer.started, not yet stopped or cleared)
 
 // The answer being shown, and the client-side clock for "ask to first token".
 let responseId = null;
@@ -214,7 +215,7 @@ function teardown() {
   if (stream) { for (const track of stream.getTracks()) track.stop(); stream = null; }
   ui.preview.srcObject = null;
   ui.voice.srcObject = null;
-  hasVoice = sessionLive = false;
+  hasVoice = sessionLive = playing = false;
   ui.speak.disabled = true;
   ui.speaking.textContent = "";
   responseId = null;
@@ -272,9 +273,12 @@ function requestAnswer(text) {
 }
 
 // Cancel stops the answer being written and, when it is spoken, the sound at once (the API's order: cancel, clear).
+// An answer written whole may still be playing: then there is nothing to cancel, only the sound to stop.
 function cancel() {
-  send(responseId ? { type: "response.cancel", response_id: responseId } : { type: "response.cancel" });
-  if (hasVoice) send({ type: "output_audio_buffer.clear" });
+  if (responseId || !playing) {
+    send(responseId ? { type: "response.cancel", response_id: responseId } : { type: "response.cancel" });
+  }
+  if (playing) send({ type: "output_audio_buffer.clear" });
 }
 
 // ---------------------------------------------------------------- server events
@@ -361,9 +365,9 @@ const handlers = {
   },
 
   // The voice track (WebRTC): when an answer's sound starts and ends, and when barge-in or Cancel cut it off.
-  "output_audio_buffer.started": () => { ui.speaking.textContent = "speaking"; },
-  "output_audio_buffer.stopped": () => { ui.speaking.textContent = ""; },
-  "output_audio_buffer.cleared": () => { ui.speaking.textContent = "interrupted"; },
+  "output_audio_buffer.started": () => { playing = true; ui.speaking.textContent = "speaking"; },
+  "output_audio_buffer.stopped": () => { playing = false; ui.speaking.textContent = ""; },
+  "output_audio_buffer.cleared": () => { playing = false; ui.speaking.textContent = "interrupted"; },
 
   // Cut to what was heard (barge-in or Cancel): the answer box keeps only the words played.
   "conversation.item.truncated": (e) => { send({ type: "conversation.item.retrieve", item_id: e.item_id }); },
