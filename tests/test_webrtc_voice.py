@@ -173,7 +173,7 @@ async def test_the_answer_is_spoken_on_the_track_framed_by_the_buffer_events() -
     assert 0.9 <= len(loud) * 0.02 <= 1.1, len(loud)
     # the events are sent as the frames go out; the sound comes through the receiver's jitter buffer, ~0.1 s later
     assert t_start - 0.05 <= loud[0] <= t_start + 0.25 and loud[-1] <= t_stop + 0.25
-    assert 0.85 <= t_stop - t_start <= 1.4
+    assert 0.85 <= t_stop - t_start <= 2.0  # about 1 s; the upper bound leaves room for a loaded machine
 
 
 async def test_output_audio_buffer_clear_silences_the_answer_at_once() -> None:
