@@ -33,7 +33,7 @@ pytestmark = pytest.mark.asyncio
 SDK_MODELS = {typing.get_args(m.model_fields["type"].annotation)[0]: m
               for m in typing.get_args(typing.get_args(RealtimeServerEvent)[0])}
 VOICE = "builtin:piper-en-us-joe-medium"
-COUNTING = "One two three four five six seven eight nine ten."  # clauses: six words, then four (0.6 s + 0.4 s)
+COUNTING = "One two three four five six seven eight nine ten."  # clauses: three words, then seven (0.3 s + 0.7 s)
 SPEAK = {"type": "realtime", "output_modalities": ["audio"], "audio": {"input": {"turn_detection": None}}}
 
 
@@ -149,7 +149,7 @@ async def test_a_spoken_answer_arrives_as_the_ga_api_sends_it() -> None:
     assert abs(len(pcm) - 24_000) <= 2 and 0.25 < np.abs(pcm).max() / 32767 < 0.35
     assert all(len(base64.b64decode(e["delta"])) <= 24_000 * 2 // 5 for e in mine
                if e["type"] == "response.output_audio.delta")  # at most 200 ms a delta
-    assert voice.spoken[:2] == ["One two three four five six", "seven eight nine ten."]
+    assert voice.spoken[:2] == ["One two three", "four five six seven eight nine ten."]
     assert voice.threads == {"device-worker"}  # synthesis runs on the worker, never on the event loop
     assert ulaw["audio"]["output"]["format"] == {"type": "audio/pcmu"}
     assert abs(len(talk.audio(ulaw["id"])) - 8_000) <= 2  # one byte a sample at 8 kHz
@@ -183,9 +183,9 @@ async def test_truncate_cuts_the_audio_and_transcript_to_what_was_played() -> No
         await stop(server, worker)
     assert past["error"]["code"] == "invalid_value" and "is already shorter than 1500 ms" in past["error"]["message"]
     assert truncated == {**truncated, "item_id": item_id, "content_index": 0, "audio_end_ms": 850}
-    # 850 ms: the first clause (six words, 0.6 s) whole, and 0.25 s of the second's 0.4 s: two of its four words
+    # 850 ms: the first clause (three words, 0.3 s) whole, and 0.55 s of the second's 0.7 s: five of its seven words
     assert retrieved["content"] == [{"type": "output_audio", "transcript": "One two three four five six seven eight"}]
-    assert shorter["content"][0]["transcript"] == "One two three"  # 300 ms of the first clause's 600
+    assert shorter["content"][0]["transcript"] == "One two three"  # 300 ms: the first clause, whole
     assert again["error"]["code"] == "invalid_value"  # the item now holds 300 ms
     assert "Assistant: One two three\n" in answerer.contexts[-1] + "\n" and "four" not in answerer.contexts[-1]
 
@@ -390,7 +390,7 @@ async def test_a_slow_reader_holds_the_decoder_and_nothing_grows() -> None:
         reading.set()
         await asyncio.wait_for(pushing, 10)
         await asyncio.wait_for(spoken.finish(), 10)
-    assert voice.spoken == sentences
+    assert voice.spoken == split_clauses(" ".join(sentences))  # every word, in order (the first clause is short)
     assert spoken.track.duration_ms == pytest.approx(8 * 5 * 100, abs=2)
     assert sum(len(base64.b64decode(e.delta)) for e in emitted) // 2 == spoken.track.samples
 

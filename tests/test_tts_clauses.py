@@ -59,7 +59,7 @@ def test_where_it_cuts() -> None:
         "and the budget numbers for the second quarter."]
     # abbreviations, inner periods and decimals do not end a sentence; ! ? and an ellipsis do
     assert split_clauses(ANSWERS[2]) == [
-        'Dr. Smith said "stop."', "Then he left, e.g. at 3.5 pm in the U.S. today!", "Really?", "Well...",
+        "Dr. Smith said", '"stop."', "Then he left, e.g. at 3.5 pm in the U.S. today!", "Really?", "Well...",
         "maybe not."]
     # a list's numbers stay with their item; line breaks cut
     assert split_clauses(ANSWERS[3]) == ["Here is the plan:", "1. First item", "2. Second item", "- a bullet",
@@ -69,8 +69,13 @@ def test_where_it_cuts() -> None:
 def test_the_first_clause_is_short_and_later_ones_longer() -> None:
     rules = ClauseRules()
     clauses = split_clauses(ANSWERS[7], rules)  # no punctuation at all
-    assert len(clauses[0].split()) == rules.first_max_words
+    assert len(clauses[0].split()) == rules.first_min_words  # "word" can end a phrase
     assert all(len(c.split()) == rules.max_words for c in clauses[1:-1])
+    # past first_min_words the first clause waits for a word that ends a phrase, at most first_max_words
+    assert split_clauses("The train to Boston leaves from platform four.") == [
+        "The train to Boston", "leaves from platform four."]
+    assert split_clauses("It is in the blue folder.")[0] == "It is in the blue"
+    assert split_clauses("And then it is in the middle of it")[0] == "And then it is in the"  # the cap
     # a comma cuts the first clause at once, a later one only past min_words words
     assert split_clauses("Well, I think, maybe, we could go, later on today, if you want.") == [
         "Well,", "I think, maybe, we could go,", "later on today, if you want."]
@@ -87,6 +92,8 @@ def test_the_first_clause_arrives_before_the_answer_is_written() -> None:
 def test_bad_rules_are_refused() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         ClauseRules(first_max_words=0)
+    with pytest.raises(ValueError, match=">= 1"):
+        ClauseRules(first_min_words=0)
 
 
 def test_markdown_is_not_read_aloud() -> None:

@@ -3,8 +3,11 @@
 Why clauses: a VITS voice speaks a whole utterance per call, with the prosody of that utterance, so it cannot
 start on half a word; waiting for the whole answer would put the language model's entire decode time before the
 first sound. A clause is the smallest piece that still sounds natural on its own. The first clause is cut early
-(at any comma, or after `first_max_words` words even without punctuation) because the time until it is complete
-is the latency a user hears; later clauses are longer (a comma cuts only past `min_words` words) because by then
+(at any comma; else at the first word from the `first_min_words`-th (3) on that can end a phrase, not "the", "to",
+"is"...; at the latest after `first_max_words` (6)) because the time until it is complete, and its synthesis, are
+the latency a user hears: `runtime bench voice` measured voice-to-voice p50 at 1.58-1.79 s with a 6-word first
+clause and 1.27-1.37 s with 3 words (SmolLM2-135M answering, 2 loaded cores; docs/model_card_piper_joe.md). Later
+clauses are longer (a comma cuts only past `min_words` words) because by then
 the voice is busy speaking and fewer, longer calls sound better.
 
 Streaming equals offline: every rule decides a cut at a word's end from the text up to and including the
@@ -17,6 +20,8 @@ The rules, from the start of the current clause:
   opening the clause (a list's "1.");
 - a word ending in `,`, `;`, `:` or a dash cuts the first clause at once, a later one past `min_words` words;
 - a line break cuts (list items, paragraphs);
+- the first clause is cut after a word at or past `first_min_words` words that is not in `FUNCTION_WORDS`, so it
+  breaks where a speaker might ("The train to Boston | leaves ...");
 - past `max_words` words (`first_max_words` for the first clause) a clause is cut at the next word's end.
 Each clause comes out with its whitespace collapsed, so `" ".join(clauses)` is the text's words in order.
 """
@@ -34,14 +39,29 @@ ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "prof", "st", "vs", "etc", "
                            "inc", "ltd", "dept", "est", "min", "max", "cf"})
 
 
+# Words a phrase does not end on (articles, prepositions, conjunctions, auxiliaries, pronouns, determiners): the
+# first clause is not cut after one of them, so its prosody breaks where a speaker might pause ("The train to Boston
+# | leaves ...", not "The train to | Boston ...").
+_FUNCTION_WORDS_BY_KIND = (
+    "a an the this that these those my your his her its our their some any no every each",  # determiners
+    "to of in on at for from with by about into onto over after before under between through during as than like",
+    "and or but nor so yet if because while when where which who whom whose what how",  # conjunctions, wh-words
+    "i you he she it we they me him us them",  # pronouns
+    "is are was were be been being am has have had do does did will would can could shall should may might must",
+    "not very just also there here",
+)
+FUNCTION_WORDS = frozenset(word for kind in _FUNCTION_WORDS_BY_KIND for word in kind.split())
+
+
 @dataclass(frozen=True)
 class ClauseRules:
-    first_max_words: int = 6  # the first clause, without punctuation: about 0.4 s of decode at 20 tokens/s
+    first_min_words: int = 3  # the first clause ends at the first word from here on that ends a phrase...
+    first_max_words: int = 6  # ...and here whatever the word: about 0.4 s of decode at 20 tokens/s
     min_words: int = 4  # a later clause is cut at a comma only past this many words
     max_words: int = 24  # a later clause without any punctuation
 
     def __post_init__(self) -> None:
-        if min(self.first_max_words, self.min_words, self.max_words) < 1:
+        if min(self.first_min_words, self.first_max_words, self.min_words, self.max_words) < 1:
             raise ValueError(f"clause word counts must be >= 1, got {self}")
 
 
@@ -86,7 +106,13 @@ def _next_cut(text: str, first: bool, rules: ClauseRules) -> int | None:
             return i
         if words >= (rules.first_max_words if first else rules.max_words):
             return i
+        if first and words >= rules.first_min_words and _ends_phrase(word):
+            return i
     return None
+
+
+def _ends_phrase(word: str) -> bool:
+    return word.strip(CLOSERS + "\"'(").lower() not in FUNCTION_WORDS
 
 
 def _tidy(text: str) -> str:
