@@ -312,6 +312,32 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def profile_data(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The TOML tables of the profile at `path`, over those of the profile it `extends` (a name or path): a
+    profile that differs from another in a few settings says only those. Its own name, description and cost are
+    never inherited."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"profile {path}: {err}") from None
+    base_name = data.pop("extends", None)
+    if base_name is None:
+        return data
+    if not isinstance(base_name, str):
+        raise ConfigError(f"profile {path}: extends must be a profile name, got {base_name!r}")
+    base_path = find_profile(base_name)
+    if base_path.resolve() in seen:
+        raise ConfigError(f"profile {path}: extends {base_name!r}, which extends it back")
+    base = {k: v for k, v in profile_data(base_path, (*seen, path.resolve())).items()
+            if k not in ("name", "description", "cost")}
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
+
+
 def load_profile(
     name: str = "tiny",
     *,
@@ -320,10 +346,7 @@ def load_profile(
     dtype: str | None = None,
 ) -> Profile:
     path = find_profile(name)
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"profile {path}: {err}") from None
+    data = profile_data(path)
     data.setdefault("name", path.stem)
     for text in overrides or []:
         keys, value = parse_override(text)

@@ -57,7 +57,6 @@ def test_the_set_asks_every_kind_inside_its_talks() -> None:
 def test_quick_run_end_to_end(capsys) -> None:
     packaged_or_skip("pp-ocrv4-det")
     packaged_or_skip("whisper-tiny.en")
-    packaged_or_skip("smollm2-135m-instruct")
     code, out, err = run_cli(capsys, "bench", "video-qa", "--quick", "--json")
     assert code == 0, err
     result = json.loads(out)

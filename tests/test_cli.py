@@ -156,7 +156,7 @@ def test_demo_at_speed_8_prints_transcript_and_answer():
     types = [e.type for e in events]
     assert "conversation.item.input_audio_transcription.completed" in types
     assert "response.output_text.delta" in types and "response.done" in types
-    assert "random, untrained weights" not in result.stderr  # real weights: the FastConformer and SmolLM2
+    assert "random, untrained weights" not in result.stderr  # real weights: Whisper tiny.en and Qwen2.5-Coder-1.5B
     answer = "".join(e.delta for e in events if e.type == "response.output_text.delta").lower()
     assert "roll" in answer, answer  # "What did the red ball do?": it rolls from the left to the right
 

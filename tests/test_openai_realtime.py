@@ -250,8 +250,8 @@ async def test_cancel_clear_delete_and_a_refused_field_keep_the_session(turn_mod
 
 @pytest.mark.slow
 async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped_models(tmp_path):
-    """The demo profile's real models (Whisper tiny.en two-pass, SmolLM2-135M-Instruct, Silero VAD) behind the SDK:
-    a statement, then a spoken question; turn detection commits each and answers the question from the first."""
+    """The default profile's real models (Whisper tiny.en two-pass, Qwen2.5-Coder-1.5B-Instruct, Silero VAD) behind
+    the SDK: a statement, then a spoken question; turn detection commits each and answers the question from the first."""
     from runtime.config import load_profile
     from runtime.loaded_models import load_models
     from runtime.train.synthesizers import Voice, resample, synthesize
@@ -288,8 +288,7 @@ async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped
     answer = done["response"]["output"][0]["content"][0]["text"]
     assert "thursday" in statement["transcript"].lower() and "meeting" in question.lower(), (statement, question)
     # The words of the answer may vary with how the prefill happened to be cut into jobs (the context is the same,
-    # the float rounding of a 135M model's chunked prefill is not): measured "...scheduled for thursday at ten"
-    # and "The meeting moved to the meeting room at ten." Either way it answers from the statement.
+    # the float rounding of a chunked prefill is not). Either way it answers from the statement.
     assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
     assert "thursday" in answer.lower() or "at ten" in answer.lower(), answer
 

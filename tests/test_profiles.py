@@ -14,6 +14,7 @@ from cli_common import run_cli
 
 from runtime.cli_parser import build_parser
 from runtime.config import DEFAULT_PROFILE, REPO_CONFIGS, load_profile
+from runtime.errors import ConfigError
 from runtime.profile_list import sees_video
 
 CONFIGS = sorted(p.stem for p in REPO_CONFIGS.glob("*.toml"))
@@ -25,8 +26,12 @@ def test_serve_demo_transcribe_and_ask_default_to_one_profile_with_the_screen_re
                 for argv in (["serve"], ["demo"], ["transcribe", "x.wav"], ["ask", "x.wav", "what?"])}
     assert defaults == dict.fromkeys(("serve", "demo", "transcribe", "ask"), DEFAULT_PROFILE)
     profile = load_profile(DEFAULT_PROFILE)  # captions, answers and the screen reader
-    assert profile.screen.read and profile.video.max_side >= 960 and profile.lm.grounded
+    assert profile.screen.read and profile.video.max_side >= 960
     assert not profile.random_weights and profile.asr.model == "builtin:whisper-tiny.en"
+    # the answerer that meets the accuracy targets (issue 51), told to say what is not known yet, with no lexical
+    # gate before it that would refuse answerable questions
+    assert profile.lm.model == "builtin:qwen2.5-coder-1.5b-instruct" and profile.lm.weights == "native"
+    assert not profile.lm.grounded and "Not known yet" in profile.lm.system_prompt
 
 
 def test_whisper_tiny_en_is_the_default_under_its_older_name():
@@ -89,8 +94,25 @@ def test_the_listing_sees_video_where_loading_would(name):
     assert sees_video(profile) == _sees_video(profile)
 
 
-def test_demo_1_5b_is_demo_with_another_answerer():
-    demo, big = load_profile("demo"), load_profile("demo-1.5b")
-    assert big.lm.model == "builtin:qwen2.5-coder-1.5b-instruct" and big.lm.weights == "native"
-    assert not big.lm.grounded and "Not known yet" in big.lm.system_prompt
-    assert replace(big, name=demo.name, description=demo.description, cost=demo.cost, lm=demo.lm) == demo
+def test_small_is_demo_with_the_135m_answerer_grounded():
+    demo, small = load_profile("demo"), load_profile("small")
+    assert small.lm.model == "builtin:smollm2-135m-instruct" and small.lm.weights == "int4" and small.lm.grounded
+    assert replace(small, name=demo.name, description=demo.description, cost=demo.cost, lm=demo.lm) == demo
+    assert small.description != demo.description and small.cost != demo.cost  # its own, never inherited
+
+
+def test_a_profile_extends_another_table_by_table(tmp_path):
+    base = tmp_path / "base.toml"
+    base.write_text('description = "base"\n[lm]\nmodel = "a"\nmax_new_tokens = 7\n[asr]\nchunk_ms = 200\n')
+    child = tmp_path / "child.toml"
+    child.write_text(f'extends = "{base}"\n[lm]\nmodel = "b"\n')
+    got = load_profile(str(child))
+    assert (got.lm.model, got.lm.max_new_tokens, got.asr.chunk_ms) == ("b", 7, 200)
+    assert got.name == "child" and got.description == ""  # the base's description is not the child's
+    looped = tmp_path / "loop.toml"
+    looped.write_text(f'extends = "{looped}"\n')
+    with pytest.raises(ConfigError, match="extends it back"):
+        load_profile(str(looped))
+    child.write_text(f'extends = "{tmp_path / "missing.toml"}"\n')
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_profile(str(child))

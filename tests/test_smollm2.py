@@ -108,10 +108,10 @@ def test_drafters_are_lossless_on_real_weights(path) -> None:
     assert {d: o == plain for d, o in outputs.items()} == {d: True for d in outputs}
 
 
-def test_demo_profile_answers_right_from_a_streamed_transcript(path) -> None:
-    """The demo profile's answerer, fed a scripted meeting line by line, answers its questions with the facts (a
+def test_small_profile_answers_right_from_a_streamed_transcript(path) -> None:
+    """The small profile's answerer, fed a scripted meeting line by line, answers its questions with the facts (a
     broken loader, tokenizer, weight format or prompt fails here)."""
-    cfg = load_profile("demo").lm
+    cfg = load_profile("small").lm
     assert cfg.model == REF
     answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
     item = next(i for i in load_set(DEFAULT_SET) if i["id"] == "budget-meeting")

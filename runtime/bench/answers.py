@@ -35,7 +35,7 @@ Status = Callable[[str], None]
 DEFAULT_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "answer_set.json"
 LINE_S = 4.0  # media seconds per scripted line
 VARIANTS: dict[str, dict[str, Any]] = {
-    "profile": {},  # the profile's own system prompt and answer length (demo-1.5b's says what is not known yet)
+    "profile": {},  # the profile's own system prompt and answer length (demo's says what is not known yet)
     "plain": {"system_prompt": LMConfig().system_prompt, "max_new_tokens": 48},  # the runtime's default
     "short": {"system_prompt": "You answer questions about a live transcript. Answer in one short sentence, using "
                                "only facts from the transcript.", "max_new_tokens": 32},
@@ -88,16 +88,26 @@ def transcript_context(lines: list[str]) -> str:
 
 
 def ask_all(answerer: EngineAnswerer, items: list[dict[str, Any]], lines_of: Callable[[dict[str, Any]], list[str]],
-            ) -> list[dict[str, Any]]:
+            status: Status | None = None) -> list[dict[str, Any]]:
+    """Each item's questions, asked on one stream per item as a session asks them: the lines land one by one and
+    are prefilled, each question is answered after its `after_line` lines, and the answer is released (its tokens
+    dropped, the prefilled transcript kept) before the next. Greedy answers are the ones a fresh stream per question
+    would give; prefilling the same lines again for every question only cost time (4-5 questions an item). A
+    question asked after fewer lines than the one before gets a fresh stream."""
     results = []
     for item in items:
+        if status is not None:
+            status(f"answers: {item['id']} ({len(item['questions'])} questions)")
         lines = lines_of(item)
+        stream, landed = answerer.open_stream(), 0
         for q in item["questions"]:
-            stream = answerer.open_stream()
-            for k in range(1, q["after_line"] + 1):  # each line lands and is prefilled, as the pipeline does
+            if q["after_line"] < landed:
+                stream, landed = answerer.open_stream(), 0
+            for k in range(landed + 1, q["after_line"] + 1):  # each line lands and is prefilled, as the pipeline does
                 stream.set_context(transcript_context(lines[:k]))
                 while stream.prefill_step():
                     pass
+            landed = q["after_line"]
             start = time.perf_counter()
             state = answerer.start(transcript_context(lines[: q["after_line"]]), q["q"], stream=stream)
             while not state.step().done:
@@ -130,6 +140,15 @@ def spoken_lines(items: list[dict[str, Any]], profile_name: str, status: Status)
     return heard
 
 
+def quick_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`--quick`'s items: the first of each kind (meeting, instructions, story in the committed set), so that every
+    prompt variant is still scored on text and on speech, on about half the questions."""
+    first: dict[str, dict[str, Any]] = {}
+    for item in items:
+        first.setdefault(item["kind"], item)
+    return list(first.values())
+
+
 def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     path = Path(args.data) if args.data else DEFAULT_SET
     if not path.is_file():
@@ -145,26 +164,27 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     if unknown:
         raise UserError(f"--prompts {','.join(unknown)}: unknown prompt variant (known: {', '.join(VARIANTS)})")
     if args.quick:
-        items = items[:3]
-        variants = variants[-1:]
-    out: dict[str, Any] = {"bench": "answers", "set": str(path), "model": base.model, "weights": base.weights,
+        items = quick_items(items)
+    out: dict[str, Any] = {"bench": "answers", "quick": bool(args.quick), "set": str(path), "model": base.model,
+                           "weights": base.weights, "items": [i["id"] for i in items],
                            "questions": sum(len(i["questions"]) for i in items), "variants": {}}
-    heard = spoken_lines(items, args.profile or "demo", status) if not args.quick else None
+    heard = spoken_lines(items, args.profile or "demo", status)
+    status(f"answers: loading {base.model} ({base.weights})")
+    loaded = EngineAnswerer.load(base, device="cpu", dtype="float32")  # once: the variants differ in prompts only
     for name in variants:
         cfg = replace(base, **VARIANTS[name])
-        status(f"answers: prompt variant {name!r}")
-        answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
+        status(f"answers: prompt variant {name!r} on the script")
+        answerer = EngineAnswerer.sharing(loaded.engine, cfg)
         row: dict[str, Any] = {"system_prompt": cfg.system_prompt, "max_new_tokens": cfg.max_new_tokens}
-        text = ask_all(answerer, items, lambda item: item["lines"])
+        text = ask_all(answerer, items, lambda item: item["lines"], status)
         row["text_accuracy"] = round(sum(r["right"] for r in text) / len(text), 3)
         row["text"] = text
-        if heard is not None:
-            speech = ask_all(answerer, items, lambda item: heard[item["id"]])
-            row["speech_accuracy"] = round(sum(r["right"] for r in speech) / len(speech), 3)
-            row["speech"] = speech
+        status(f"answers: prompt variant {name!r} on what the ASR heard")
+        speech = ask_all(answerer, items, lambda item: heard[item["id"]], status)
+        row["speech_accuracy"] = round(sum(r["right"] for r in speech) / len(speech), 3)
+        row["speech"] = speech
         out["variants"][name] = row
-    if heard is not None:
-        out["asr_transcripts"] = heard
+    out["asr_transcripts"] = heard
     best = max(out["variants"], key=lambda v: out["variants"][v]["text_accuracy"])
     out["best_variant"] = best
     return out
