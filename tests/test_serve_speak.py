@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 from cli_common import one_error_line, run_cli
 from session_fakes import ScriptAnswerer, ToneVoice, WordASR, profile_for
+from weights_common import packaged_or_skip
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.errors import DeviceNotFound, UserError
@@ -198,3 +203,22 @@ def test_speak_needs_a_local_source(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "serve", "--speak", "--profile", "tiny", "--port", "0")
     assert code == 1 and "--speak" in one_error_line(err)
     assert "models ready" not in err  # refused before any model loaded
+
+
+@pytest.mark.slow
+def test_serve_source_speak_answers_aloud_on_the_null_device(demo_file) -> None:
+    """The whole CLI path on alsa-lib's `null` device: the file's spoken turns and a typed question are answered,
+    spoken, played, and their words printed (the tiny profile's random model says noise; the voice speaks it)."""
+    from runtime.io.devices import device_backends
+
+    packaged_or_skip("piper-en-us-joe-medium")
+    if "alsa" not in device_backends():
+        pytest.skip("this PyAV build has no alsa")
+    done = subprocess.run([sys.executable, "-m", "runtime", "serve", "--source", str(demo_file), "--speed", "4",
+                           "--speak", "--speaker", "null", "--profile", "tiny", "--set", "lm.max_new_tokens=6",
+                           "--port", "0"], input="what moved?\n", capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("A: ") >= 2 and "Q: what moved?" in done.stdout  # turns and the typed question
+    spoke = [line for line in done.stderr.splitlines() if "spoke " in line and "s of answers" in line]
+    assert len(spoke) == 1 and float(spoke[0].split("spoke ")[1].split(" s")[0]) > 0.5, done.stderr
