@@ -184,6 +184,26 @@ def test_packing_round_trip_and_gguf_bytes():
     assert torch.allclose(w, (q.float().reshape(n, -1, 32) * scale[..., None] + low[..., None]).reshape(n, k))
 
 
+def test_packing_a_few_rows_at_a_time_equals_packing_all_at_once(monkeypatch):
+    """Big layers (the vocabulary) are packed ROWS_AT_ONCE rows at a time to bound the copies: the same bytes."""
+    from runtime.models.lm.cpu_kernels import packing
+    from runtime.models.lm.kernel_linears import q8_blocks_of
+    from runtime.models.lm.weight_formats import q4_blocks_of
+
+    n, k = 16 * 5 + 3, 64  # the last piece holds a partial tile
+    q, scale, low = q4_weights(n, k)
+    q8, scale8 = q8_weights(n, k)
+    w = torch.randn(n, k)
+    whole = (ck.pack_q4(q, scale, low), ck.pack_q8(q8, scale8), q8_blocks_of(w), q4_blocks_of(w))
+    monkeypatch.setattr(packing, "ROWS_AT_ONCE", 32)
+    monkeypatch.setattr("runtime.models.lm.kernel_linears.ROWS_AT_ONCE", 32)
+    monkeypatch.setattr("runtime.models.lm.weight_formats.ROWS_AT_ONCE", 32)
+    pieces = (ck.pack_q4(q, scale, low), ck.pack_q8(q8, scale8), q8_blocks_of(w), q4_blocks_of(w))
+    assert torch.equal(whole[0], pieces[0]) and torch.equal(whole[1], pieces[1])
+    assert torch.equal(whole[2].q, pieces[2].q) and torch.equal(whole[2].scale, pieces[2].scale)
+    assert all(torch.equal(getattr(whole[3], f), getattr(pieces[3], f)) for f in ("q", "scale", "low"))
+
+
 def test_forced_path_from_environment(monkeypatch):
     monkeypatch.setenv("RUNTIME_KERNEL_ISA", "avx2")
     assert ck._forced_isa() == ("avx2" if "avx2" in vector_paths() else None)

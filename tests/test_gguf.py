@@ -14,7 +14,7 @@ from gguf.quants import quantize
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from runtime.errors import CheckpointNotFound, ConfigError
-from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file
+from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file, open_gguf
 from runtime.models.lm.transformer import Transformer
 from runtime.models.lm.weight_formats import Int4Linear, Int8Linear, q4_blocks_of
 
@@ -168,6 +168,18 @@ def test_native_keeps_each_weight_in_the_layout_nearest_its_storage(tmp_path: Pa
     ref = Transformer.from_pretrained(path)(ids, torch.arange(len(ids)))
     got = native(ids, torch.arange(len(ids)))
     assert float((got - ref).norm() / ref.norm()) < 0.15
+
+
+def test_dequantising_a_few_rows_at_a_time_equals_all_at_once(tmp_path: Path) -> None:
+    """`tensor_as` dequantises big tensors (the vocabulary) in row chunks to bound the float copy: same values."""
+    path = tmp_path / "mixed.gguf"
+    q = GGMLQuantizationType
+    write_gguf(tiny("qwen2"), path, "qwen2", q.Q4_0, tie=False, types={"attn_v": q.Q8_0, "ffn_down": q.Q5_0})
+    ckpt = open_gguf(path)
+    for name in ("token_embd.weight", "blk.0.ffn_down.weight", "blk.0.attn_v.weight", "blk.1.attn_q.weight"):
+        whole = torch.from_numpy(ckpt.tensor(name))
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(ckpt.tensor_as(name, dtype, rows=7), whole.to(dtype)), (name, dtype)
 
 
 def test_quantisers_round_trip() -> None:

@@ -20,6 +20,7 @@ from runtime.models.lm.gguf_checkpoint import Q4Blocks, Q8Blocks
 
 KERNEL_CHOICES = ("auto", "runtime", "torch")
 GROUP = 32
+ROWS_AT_ONCE = 4096  # rows quantised together: the float temporaries of the largest layer (the vocabulary) stay small
 
 
 def use_runtime_kernels(choice: str, device: torch.device | str) -> bool:
@@ -117,10 +118,15 @@ def q8_blocks_of(w: Tensor) -> Q8Blocks:
     out, k = w.shape
     if k % GROUP:
         raise ConfigError(f"8-bit weights need input sizes divisible by {GROUP}; this layer has {k}")
-    blocks = w.float().reshape(out, k // GROUP, GROUP)
-    scale = blocks.abs().amax(-1) / 127
-    q = torch.round(blocks / scale.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-    return Q8Blocks(q.reshape(out, k), scale)
+    q = torch.empty(out, k, dtype=torch.int8)
+    scale = torch.empty(out, k // GROUP)
+    for start in range(0, out, ROWS_AT_ONCE):  # float temporaries of a few rows, not of a whole vocabulary
+        blocks = w[start : start + ROWS_AT_ONCE].float().reshape(-1, k // GROUP, GROUP)
+        s = blocks.abs().amax(-1) / 127
+        scale[start : start + ROWS_AT_ONCE] = s
+        q[start : start + ROWS_AT_ONCE] = torch.round(blocks / s.clamp(min=1e-30)[..., None]).clamp(
+            -127, 127).to(torch.int8).reshape(-1, k)
+    return Q8Blocks(q, scale)
 
 
 def kernel_layer(state: dict[str, Tensor], name: str, lin: nn.Linear) -> nn.Module | None:

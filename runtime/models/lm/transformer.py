@@ -371,8 +371,9 @@ class Transformer(nn.Module):
             ckpt = open_gguf(file)
             # cast tensor by tensor (no float32 copy of all); weights int4 takes from their blocks not dequantised
             skip = from_blocks(ckpt.four_bit, ckpt.args) if weights in ("int4", "native") else frozenset()
-            state = ckpt.state_dict(format_dtype(weights, dtype), skip=skip)
-            return cls.from_state(ckpt.args, state, where=str(file), device=device, dtype=dtype, weights=weights,
+            # the state is from_state's alone: each float weight is freed as soon as its int8/int4 layer is made
+            return cls.from_state(ckpt.args, ckpt.state_dict(format_dtype(weights, dtype), skip=skip),
+                                  where=str(file), device=device, dtype=dtype, weights=weights,
                                   blocks=ckpt.q4_blocks, blocks8=ckpt.q8_blocks, kernels=kernels)
         args = read_config(path)
         state = load_state(path, device=device, dtype=format_dtype(weights, dtype))
@@ -421,6 +422,7 @@ class Transformer(nn.Module):
                     else f"has weights of the wrong shape: {wrong[:2]}")
             raise CheckpointNotFound(f"lm checkpoint {where} {what} (a {args.model_type} checkpoint was expected)")
         model.load_state_dict(state, strict=True, assign=True)
+        state.clear()  # the model holds each weight now; a float one goes when quantize_linears replaces its layer
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args).to(device)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from runtime.errors import ConfigError
 from runtime.models.lm.gguf_checkpoint import Q4Blocks, Q8Blocks
-from runtime.models.lm.kernel_linears import Q4Linear, Q8Linear, kernel_layer
+from runtime.models.lm.kernel_linears import ROWS_AT_ONCE, Q4Linear, Q8Linear, kernel_layer
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "native")
 QUANTIZED = ("int8", "int4", "native")  # weight-only formats: bf16 activations around torch's int8/int4 kernels
@@ -141,11 +141,16 @@ def q4_blocks_of(w: Tensor, group: int = GROUP) -> Q4Blocks:
     out, k = w.shape
     if k % group:
         raise ConfigError(f"int4 weights need input sizes divisible by {group}; this layer has {k}")
-    blocks = w.float().reshape(out, k // group, group)
-    low, high = blocks.amin(-1), blocks.amax(-1)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((blocks - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    return Q4Blocks(q.reshape(out, k), scale, low, group)
+    q = torch.empty(out, k, dtype=torch.int32)
+    scale, low = torch.empty(out, k // group), torch.empty(out, k // group)
+    for start in range(0, out, ROWS_AT_ONCE):  # float temporaries of a few rows, not of a whole vocabulary
+        rows = slice(start, start + ROWS_AT_ONCE)
+        blocks = w[rows].float().reshape(-1, k // group, group)
+        lo, high = blocks.amin(-1), blocks.amax(-1)
+        sc = ((high - lo) / 15).clamp(min=1e-12)
+        scale[rows], low[rows] = sc, lo
+        q[rows] = torch.round((blocks - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32).reshape(-1, k)
+    return Q4Blocks(q, scale, low, group)
 
 
 def fused_blocks(parts: list[Q4Blocks | None]) -> Q4Blocks | None:

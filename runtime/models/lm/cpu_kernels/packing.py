@@ -12,6 +12,8 @@ products that fp16 rounds (relative error at most 2^-11 of the group's scale), w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -19,6 +21,7 @@ GROUP = 32
 TILE = 16
 Q4_BLOCK = 320  # bytes per tile and group: 256 of nibbles, 16 fp16 scales, 16 fp16 offsets
 Q8_BLOCK = 544  # 512 of int8 weights, 16 fp16 scales
+ROWS_AT_ONCE = 4096  # rows packed together (a multiple of TILE): the copies of a 151,936-row vocabulary stay small
 
 
 def pack_q4(q: Tensor, scale: Tensor, low: Tensor) -> Tensor:
@@ -31,6 +34,8 @@ def pack_q4(q: Tensor, scale: Tensor, low: Tensor) -> Tensor:
         raise ValueError(f"low {tuple(low.shape)} must have scale's shape {tuple(scale.shape)}")
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError("4-bit weights must lie in 0..15")
+    if n > ROWS_AT_ONCE:
+        return _by_rows(lambda r: pack_q4(q[r], scale[r], low[r]), n, k, Q4_BLOCK)
     tiles, groups = -(-n // TILE), k // GROUP
     qb = _pad(q.to(torch.uint8), tiles * TILE).reshape(tiles * TILE, groups, GROUP)
     nibbles = qb[..., :16] | (qb[..., 16:] << 4)  # [rows, G, 16]: GGUF's byte order within a row
@@ -46,11 +51,23 @@ def pack_q8(q: Tensor, scale: Tensor) -> Tensor:
     n, k = _check(q, scale, GROUP)
     if q.numel() and (int(q.min()) < -128 or int(q.max()) > 127):
         raise ValueError("8-bit weights must lie in -128..127")
+    if n > ROWS_AT_ONCE:
+        return _by_rows(lambda r: pack_q8(q[r], scale[r]), n, k, Q8_BLOCK)
     tiles, groups = -(-n // TILE), k // GROUP
     qb = _pad(q.to(torch.int8), tiles * TILE).view(torch.uint8)
     # [tiles, 16 rows, G, 8 words, 4 bytes] -> [tiles, G, 8 words, 16 rows, 4 bytes]
     body = qb.reshape(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
     return torch.cat([body, _scales(scale, tiles)], dim=-1).contiguous()
+
+
+def _by_rows(pack: Callable[[slice], Tensor], n: int, k: int, block: int) -> Tensor:
+    """`pack` of ROWS_AT_ONCE rows at a time into one layout: tiles never straddle two calls (ROWS_AT_ONCE is a
+    multiple of TILE), so the pieces are the whole's tiles in order."""
+    out = torch.empty(-(-n // TILE), k // GROUP, block, dtype=torch.uint8)
+    for start in range(0, n, ROWS_AT_ONCE):
+        piece = pack(slice(start, start + ROWS_AT_ONCE))
+        out[start // TILE : start // TILE + piece.shape[0]] = piece
+    return out
 
 
 def unpack_q4(packed: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
