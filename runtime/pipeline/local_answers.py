@@ -1,9 +1,14 @@
 """A local backend's answers through the async seam (`models/lm/answering.py`): each call a device-worker job.
 
-Function calls on a local model: a call is forced (`tool_choice` names a function, or is `required`) and its
-arguments are decoded under the function's JSON Schema (the backend's `schema=`), so the call is valid JSON even
-from a 135M model. Under `required` with several tools the model first chooses the name, decoded under an enum
-of the names, then writes that function's arguments. With `auto` a local model answers in text.
+Function calls on a local model whose chat template takes tools (Qwen2.5's: `models/lm/tool_calls.py`): the backend
+renders the tools and the exchange of calls in the template's own format and decodes a call as the template writes
+it, under a grammar (`tools=`); the model decides under `auto`. The answer's text is then either text or one call,
+which `CallText` turns into the call's name and argument pieces.
+
+Other models (SmolLM2's template ignores tools): a call is forced (`tool_choice` names a function, or is
+`required`) and its arguments are decoded under the function's JSON Schema (the backend's `schema=`), so the call
+is valid JSON even from a 135M model. Under `required` with several tools the model first chooses the name, decoded
+under an enum of the names, then writes that function's arguments. With `auto` such a model answers in text.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from runtime.events import new_id
 from runtime.function_tools import ToolUse, arguments_schema, names_schema, tools_prompt
 from runtime.models.lm.answering import AnswerRequest, CallDelta, RunningAnswer, Step
 from runtime.models.lm.backend import Answer, AnswerBackend, AnswerStep, DecodingStats, LMStream
+from runtime.models.lm.tool_calls import CallText, ToolFormat, ToolPrompt
 from runtime.worker import DeviceWorker, Priority
 
 
@@ -26,6 +32,13 @@ class OnWorker:
 
     async def start(self, request: AnswerRequest) -> RunningAnswer:
         use = request.tools
+        fmt: ToolFormat | None = getattr(self.backend, "tool_format", None)
+        if fmt is not None and use.tools:  # the model's own format: the calls go in as messages, not context lines
+            context = request.context_before_calls if request.calls else request.context
+            answer = await self.worker.run(Priority.PREFILL, self.backend.start, context, request.question,
+                                           stream=self.stream, max_tokens=request.max_tokens,
+                                           tools=ToolPrompt(use, request.calls))
+            return WorkerAnswer(answer, self.worker, call_text=CallText(fmt))
         if not use.active or (use.forced is None and use.choice != "required"):
             answer = await self._open(request.context, request.question, request.max_tokens)
             return WorkerAnswer(answer, self.worker)
@@ -75,6 +88,7 @@ class WorkerAnswer:
     worker: DeviceWorker
     call: CallDelta | None = None
     closed: bool = False
+    call_text: CallText | None = None  # a tool-taking template's answer: text, or a call if it opens with one
 
     @property
     def prompt_tokens(self) -> int:
@@ -82,6 +96,19 @@ class WorkerAnswer:
 
     async def step(self) -> Step:
         step: AnswerStep = await self.worker.run(Priority.DECODE, self.answer.step)
+        parse = self.call_text
+        # a call's first token is the opener (the constraint forbids it anywhere else): any other start is text
+        if (parse is not None and self.call is None and (parse.text or step.delta)
+                and not (parse.text + step.delta).startswith(parse.fmt.opener)):
+            self.call_text = parse = None
+        if parse is not None:
+            arguments = parse.feed(step.delta)
+            if self.call is None and parse.name is not None:
+                self.call = CallDelta(0, new_id("call"), parse.name, "")
+            if self.call is None:  # the opener and the name so far
+                return Step(done=step.done, finish_reason=step.finish_reason, tokens=step.tokens)
+            piece = CallDelta(self.call.index, self.call.call_id, self.call.name, arguments)
+            return Step(call=piece, done=step.done, finish_reason=step.finish_reason, tokens=step.tokens)
         if self.call is None:
             return Step(text=step.delta, done=step.done, finish_reason=step.finish_reason, tokens=step.tokens)
         piece = CallDelta(self.call.index, self.call.call_id, self.call.name, step.delta)

@@ -29,6 +29,7 @@ window (`_sync`, `_skip_evicted`).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from runtime.models.lm.kernel_linears import use_runtime_kernels
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.packed_weights import load_model
 from runtime.models.lm.pieces import Piece, visual_id
-from runtime.models.lm.prompt import EMPTY_CONTEXT, prompt_parts
+from runtime.models.lm.prompt import EMPTY_CONTEXT, Messages, Tools, prompt_parts
 from runtime.models.lm.sampling import eos_ids as eos_set
 from runtime.models.lm.source_tokens import SourceTokens
 from runtime.models.lm.tokenizer import load_tokenizer
@@ -87,6 +88,7 @@ class LMEngine:
         # what it costs). fp32 agrees to rounding anyway, and bf16's `F.linear` is not row-independent.
         self.by_token = exact_prefill and model.device.type == "cpu" and cfg.weights in QUANTIZED
         self._encoded: dict[str, list[int]] = {}
+        self._heads: dict[str, str] = {}  # tool set (canonical JSON) -> its head (`head_for`)
         self.compiled: CompiledStep | None = None  # the CPU decode step compiled at load (`lm.compile`)
         if wanted(cfg.compile, model, cfg.drafter):
             a = model.args
@@ -131,9 +133,22 @@ class LMEngine:
             ids = self._encoded[text] = self.encode(text)
         return ids
 
-    def prompt_parts(self, question: str) -> tuple[str, str]:
+    def prompt_parts(self, question: str, tools: Tools = None, after: Messages = ()) -> tuple[str, str]:
         """(head, tail): head + transcript + tail is exactly the plain answerer's prompt text."""
-        return prompt_parts(self.tokenizer, self.cfg.system_prompt, question)
+        return prompt_parts(self.tokenizer, self.cfg.system_prompt, question, tools, after)
+
+    def head_for(self, tools: Tools) -> str:
+        """The source head with `tools` written where the template writes them (its system turn), kept per tool set:
+        a session's answers all render the same tools."""
+        if not tools:
+            return self.head
+        key = json.dumps(tools, sort_keys=True)
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) > 64:
+                self._heads.clear()
+            head = self._heads[key] = self.prompt_parts("", tools)[0]
+        return head
 
     @torch.inference_mode()
     def embed_text(self, text: str) -> torch.Tensor | None:
@@ -193,6 +208,8 @@ class EngineSession:
         self._tree: tuple[list[int], torch.Tensor] | None = None
         self._graph: DecodeGraph | None = None  # the CUDA-graph decode step, recorded on first use
         self._restart = False  # an edit before the window came during an answer: restart after it
+        self.tools: Tools = None  # the function tools the head renders (a tool-taking template's system turn)
+        self.head = engine.head
 
     # -- source group ---------------------------------------------------------------------------------------
 
@@ -202,6 +219,27 @@ class EngineSession:
         self._wanted = text
         if suffix is not None:
             self._wanted_suffix = tuple(suffix)
+
+    def set_tools(self, tools: Tools) -> None:
+        """Write `tools` into the head (None: the plain head). A new head changes the source from its system turn
+        on, so the context after it is prefilled again; a head longer than the sinks becomes the sinks (the window
+        gives up the slots, so the cache and the compiled step keep their shapes) and is never evicted. Not during
+        an answer."""
+        head = self.engine.head_for(tools)
+        self.tools = tools
+        if head == self.head:
+            return
+        if self.cache.answering:
+            raise RuntimeError("the tools do not change during an answer")
+        self.head = head
+        need = len(self.engine.encode(head))
+        if need > self.cache.sink:
+            if need > self.engine.window // 2:
+                raise PromptTooLong(f"the tools' descriptions take {need} prompt tokens with the system prompt, more "
+                                    f"than half the engine's window of {self.engine.window}; declare fewer or shorter")
+            self._restart_source(0)
+            self.cache.resplit(need)
+            self._graph = None
 
     def _build_suffix(self, suffix: tuple[Piece, ...]) -> None:
         ids: list[int] = []
@@ -221,7 +259,7 @@ class EngineSession:
         """Re-tokenise a changed transcript or suffix and cut the KV back to the longest common prefix of ids."""
         wanted, suffix = self._wanted, self._wanted_suffix  # read once: the event loop may set them meanwhile
         self._synced = (wanted, suffix)
-        same = self._tokens.update(self.engine.head + (wanted or EMPTY_CONTEXT))
+        same = self._tokens.update(self.head + (wanted or EMPTY_CONTEXT))
         if same is None and suffix == self._suffix and not (self._restart and not self.cache.answering):
             return
         if same is None:
@@ -235,7 +273,7 @@ class EngineSession:
         keep = min(same, len(hist))
         while keep < len(hist) and keep < len(new) and hist[keep] == new[keep]:
             keep += 1
-        committed = self.engine.sink + self.cache.evicted  # what lies before the window
+        committed = self.cache.sink + self.cache.evicted  # what lies before the window
         if self.cache.evicted and keep < committed:
             # An edit before the window (a deleted item, older screens consolidated): the window must become the
             # new text's end, which the old history cannot give (it held nothing of a short context after a long
@@ -245,7 +283,7 @@ class EngineSession:
             self._restart = True
         if self._restart:
             if not self.cache.answering:  # the sinks kept are those still the same (a deferred edit may be older)
-                limit = min(self.engine.sink, len(hist), len(new))
+                limit = min(self.cache.sink, len(hist), len(new))
                 self._restart_source(next((i for i in range(limit) if hist[i] != new[i]), limit))
                 return
             keep = max(keep, committed)
@@ -294,8 +332,8 @@ class EngineSession:
         the prefill costs at most a window however long the text (a 3 MB message took half an hour). What is
         lost is their attention on the tokens after them, and once the window slides the keys a token sees
         depend on how the context was cut anyway (docs/llm.md). The sinks are always run first."""
-        skip = pending - self.engine.window
-        if skip <= 0 or self.cache.answering or len(self._hist) < self.engine.sink:
+        skip = pending - self.cache.window
+        if skip <= 0 or self.cache.answering or len(self._hist) < self.cache.sink:
             return
         start = len(self._hist)
         self._hist.extend(self._ids[start : start + skip])
@@ -304,7 +342,7 @@ class EngineSession:
 
     def source_ids(self) -> list[int]:
         """The source ids whose KV is live: the sinks, then the window, in order."""
-        s = min(self.engine.sink, len(self._hist))
+        s = min(self.cache.sink, len(self._hist))
         return self._hist[:s] + self._hist[s + self.cache.evicted :]
 
     def _embeds(self, ids: Sequence[int]) -> torch.Tensor | None:
@@ -327,12 +365,13 @@ class EngineSession:
     # -- target group (the open answer) -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def begin_answer(self, question: str) -> list[int]:
-        """Prefill what is pending of the source, then the prompt tail into a new target group; returns the
-        tail's ids. `next_logits()` then gives the first token's distribution."""
+    def begin_answer(self, question: str, after: Messages = ()) -> list[int]:
+        """Prefill what is pending of the source, then the prompt tail (the question, and `after`: the exchange of
+        calls being continued) into a new target group; returns the tail's ids. `next_logits()` then gives the
+        first token's distribution."""
         if self.cache.answering:
             raise RuntimeError("an answer is already open; end_answer() first")
-        ids = self.engine.encode(self.engine.prompt_parts(question)[1])
+        ids = self.engine.encode(self.engine.prompt_parts(question, self.tools, after)[1])
         if len(ids) > self.engine.max_question_tokens:  # refused before the pending context costs its prefill
             raise PromptTooLong(f"the question and the response's instructions need {len(ids)} prompt tokens, more "
                                 f"than the engine's {self.engine.max_question_tokens}; shorten them")

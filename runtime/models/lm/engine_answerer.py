@@ -24,8 +24,18 @@ from runtime.models.lm.engine import EngineSession, LMEngine
 from runtime.models.lm.json_constraint import JsonGrammars
 from runtime.models.lm.layer_skip import layer_skip_view
 from runtime.models.lm.pieces import Piece
+from runtime.models.lm.prompt import Tools
 from runtime.models.lm.sampling import Sampler, StopRule
 from runtime.models.lm.speculative import SpeculativeDecoder
+from runtime.models.lm.tool_calls import (
+    ToolCallConstraint,
+    ToolFormat,
+    ToolPrompt,
+    call_grammar,
+    call_starts,
+    exchange_messages,
+    tool_format,
+)
 
 
 @dataclass
@@ -43,6 +53,12 @@ class StreamLM:
         if self.draft_session is not None:
             text_only = None if suffix is None else [p for p in suffix if isinstance(p, str)]
             self.draft_session.set_context(text, text_only)
+
+    def set_tools(self, tools: Tools) -> None:
+        """The function tools the prompt's head renders (`EngineSession.set_tools`), in both sessions."""
+        self.session.set_tools(tools)
+        if self.draft_session is not None:
+            self.draft_session.set_tools(tools)
 
     def prefill_step(self) -> int:
         done = self.session.prefill_step()
@@ -108,6 +124,8 @@ class EngineAnswerer:
         self.eos_ids = frozenset(engine.eos_ids)
         self._idle: list[StreamLM] = []
         self._grammars: JsonGrammars | None = None  # built on the first schema: plain answers never import it
+        self._tool_format: ToolFormat | None | bool = False  # False: not looked at yet
+        self._call_starts: torch.Tensor | None = None  # the tokens that start a call (`tool_calls.call_starts`)
 
     @classmethod
     def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,
@@ -165,23 +183,50 @@ class EngineAnswerer:
             self._grammars = JsonGrammars(self.tokenizer, self.engine.model.args.vocab_size, self.eos_ids)
         return self._grammars
 
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How the model's chat template takes tools and writes calls (None: it does not; `tool_calls`)."""
+        if self._tool_format is False:
+            self._tool_format = tool_format(self.tokenizer)
+        return self._tool_format or None
+
+    def _tool_constraint(self, tools: ToolPrompt) -> ToolCallConstraint:
+        """`tools.use.choice` as a constraint: auto decides at the first token, a forced choice starts with the
+        opener, `none` forbids it (`tool_calls`)."""
+        fmt = self.tool_format
+        if fmt is None:
+            raise ValueError(f"{self.name}'s chat template takes no tools")
+        called, decided = tools.called(), tools.use.choice != "auto"
+        call = self.grammars().lark_constraint(call_grammar(fmt, called, opener=decided)) if called else None
+        vocab = self.engine.model.args.vocab_size
+        if self._call_starts is None:
+            self._call_starts = call_starts(self.tokenizer, fmt, vocab)
+        return ToolCallConstraint(fmt, call, decided=decided, vocab=vocab, stop_ids=self.eos_ids,
+                                  call_starts=self._call_starts)
+
     def start(self, context: str, question: str, *, seed: int | None = None, stream: LMStream | None = None,
               suffix: Sequence[Piece] | None = None, max_tokens: int | None = None,
-              schema: JsonSchema | None = None) -> EngineAnswer:
+              schema: JsonSchema | None = None, tools: ToolPrompt | None = None) -> EngineAnswer:
         """Open an answer. With `stream` (the pipeline's, from `open_stream`) the suffix it was last given is
         kept unless `suffix` replaces it; without one, a pooled stream gets `suffix` or none. With `schema`
-        the answer is one JSON value under it (`json_constraint`), still decoded speculatively."""
+        the answer is one JSON value under it (`json_constraint`), still decoded speculatively. With `tools` (a
+        template that takes them: `tool_format`) the prompt renders them and the exchange of calls it continues,
+        and the answer is text or a call in the template's format, as the choice allows (`tool_calls`)."""
         if stream is not None and not isinstance(stream, StreamLM):
             raise TypeError(f"an engine answer needs a stream from EngineAnswerer.open_stream, not {type(stream)}")
-        constraint = None if schema is None else self.grammars().constraint(schema)  # a bad schema fails first
+        # a bad schema fails first
+        constraint = (self.grammars().constraint(schema) if schema is not None
+                      else self._tool_constraint(tools) if tools is not None and tools.use.tools else None)
+        after = exchange_messages(tools.calls) if tools is not None else []
         pooled = stream is None
         lm = stream if stream is not None else (self._idle.pop() if self._idle else self.open_stream())
+        lm.set_tools(tools.chat_tools() if tools is not None and tools.use.tools else None)
         lm.set_context(context, () if pooled and suffix is None else suffix)
-        lm.session.begin_answer(question)
+        lm.session.begin_answer(question, after)
         generator = self.sampler.generator(self.seed if seed is None else seed)
         drafter = lm.drafter
         if lm.draft_session is not None:
-            lm.draft_session.begin_answer(question)
+            lm.draft_session.begin_answer(question, after)
             drafter = make_drafter(self.cfg, vocab_size=self.engine.model.args.vocab_size,
                                    draft_target=lm.draft_session,
                                    draft_fed=lm.draft_session.answer_ids(), generator=generator)
@@ -194,7 +239,7 @@ class EngineAnswerer:
         text = AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens),
                                                    self.cfg.stop_repeats), framing=schema is None)
         return EngineAnswer(lm, decoder, text,
-                            prompt, max(0, cache.source_len - self.engine.sink), cache.evicted > 0, first=first,
+                            prompt, max(0, cache.source_len - cache.sink), cache.evicted > 0, first=first,
                             on_release=self._pool if pooled else None)
 
     def embed_text(self, text: str) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -87,12 +87,19 @@ class JsonGrammars:
         """A fresh matcher for one answer; an invalid schema is one UserError naming what is wrong."""
         if not isinstance(schema, dict):
             raise InvalidSchema(f"a JSON schema must be an object, not {type(schema).__name__}")
-        key = json.dumps(schema, sort_keys=True)
+        return self._constraint(json.dumps(schema, sort_keys=True), lambda lib: lib.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False}))
+
+    def lark_constraint(self, grammar: str) -> JsonConstraint:
+        """A fresh matcher for a Lark grammar (llguidance's dialect: `%json {...}` embeds a schema, `<[id]>` is a
+        token): a function call in the model's own format (`tool_calls.call_grammar`)."""
+        return self._constraint("lark:" + grammar, lambda lib: lib.LLMatcher.grammar_from_lark(grammar))
+
+    def _constraint(self, key: str, compile_grammar: Callable[[ModuleType], str]) -> JsonConstraint:
         pristine = self._compiled.pop(key, None)
         if pristine is None:
             lib = self._lib
-            grammar = lib.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-            pristine = lib.LLMatcher(self._tokenizer, grammar, log_level=0)
+            pristine = lib.LLMatcher(self._tokenizer, compile_grammar(lib), log_level=0)
             if pristine.is_error():
                 raise InvalidSchema(f"unusable JSON schema: {pristine.get_error().splitlines()[0]}")
         self._compiled[key] = pristine

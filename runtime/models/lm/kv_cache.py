@@ -146,6 +146,16 @@ class SinkKVCache:
             raise RuntimeError("the source is not restarted during an answer")
         self.a, self.evicted = min(self.a, self.sink, keep), 0
 
+    def resplit(self, sink: int) -> None:
+        """Move the boundary between the sinks and the window of an empty source, the capacity unchanged (a longer
+        pinned head: a tool-taking template's tools)."""
+        if self.frozen is not None or self.a:
+            raise RuntimeError("the sinks are resized only with an empty source and no answer")
+        window = self.sink + self.window - sink
+        if sink < 0 or window <= 0:
+            raise ValueError(f"cannot make {sink} of {self.sink + self.window} source slots sinks")
+        self.sink, self.window, self.evicted = sink, window, 0
+
     def skip_source(self, count: int) -> None:
         """Record `count` new source tokens as evicted without running them, emptying the window: everything in
         it and they would be evicted before the tokens after them land (`EngineSession.prefill_step`)."""

@@ -7,7 +7,8 @@ An answer's prompt frames the transcript and the question in the user turn, afte
 `prompt_text` writes it whole (the generate answerer prefills it at question time); `prompt_parts` cuts the
 same text in two where the transcript goes, so the engine can prefill the head and the transcript as they
 stream in and add the tail at question time: head + transcript + tail == prompt_text, exactly (tested).
-A base model without a chat template gets the same parts in plain text, ending in "Answer:".
+A base model without a chat template gets the same parts in plain text, ending in "Answer:". With function
+tools, a template that takes them (`tool_calls.tool_format`) renders them and the exchange being continued.
 
 The video memory's labels (`MEMORY_INTRO`, `HEADINGS`; `runtime.models.vlm.prompt` builds the pieces) and the
 question a segment note answers (`NOTE_QUESTION`) are prompt text too, so they live here.
@@ -16,7 +17,8 @@ question a segment note answers (`NOTE_QUESTION`) are prompt text too, so they l
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -35,6 +37,8 @@ HEADINGS = {  # one per kind of memory block, before the first block of that kin
 _MARK = "<<runtime:context>>"  # where the transcript goes, while the prompt is cut in two
 
 Content = Callable[[str], str | list[dict[str, str]]]  # a message's text as the template wants it
+Tools = list[dict[str, Any]] | None  # functions in chat-completions' shape ({"type": "function", "function": ...})
+Messages = Sequence[dict[str, Any]]  # chat messages after the user turn (`tool_calls.exchange_messages`)
 # How the prompt starts its lines: the context's (a timestamp, "[00:42.0] ...", conversation.py) and the question's
 # (`user_turn`). An answer that starts a line so is writing the conversation on, not answering (AnswerText).
 _FRAMING = re.compile(r"\n(?:\[\d+:\d|Question:|Transcript so far:)")
@@ -76,10 +80,13 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def chat_text(tokenizer: PreTrainedTokenizerBase, system_prompt: str, user: str,
-              content: Content = plain_content) -> str:
-    """The chat template applied to a system and a user message, ending with the assistant's header."""
-    messages = [{"role": "system", "content": content(system_prompt)}, {"role": "user", "content": content(user)}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+              content: Content = plain_content, tools: Tools = None, after: Messages = ()) -> str:
+    """The chat template applied to a system and a user message, ending with the assistant's header. `tools`
+    (chat-completions shape) and `after` (the exchange being continued: an assistant message with `tool_calls`,
+    then `tool` messages) go to the template as they are: where and how it writes them is the model's format."""
+    messages = [{"role": "system", "content": content(system_prompt)}, {"role": "user", "content": content(user)},
+                *after]
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
 
 
 def plain_text(system_prompt: str, user: str) -> str:
@@ -87,23 +94,27 @@ def plain_text(system_prompt: str, user: str) -> str:
     return f"{system_prompt}\n\n{user}\nAnswer:"
 
 
-def prompt_text(tokenizer: PreTrainedTokenizerBase, system_prompt: str, context: str, question: str) -> str:
-    """The whole prompt for answering `question` about `context` (empty: `EMPTY_CONTEXT`)."""
+def prompt_text(tokenizer: PreTrainedTokenizerBase, system_prompt: str, context: str, question: str,
+                tools: Tools = None, after: Messages = ()) -> str:
+    """The whole prompt for answering `question` about `context` (empty: `EMPTY_CONTEXT`); `tools` and `after`
+    reach a chat template only (`chat_text`)."""
     user = user_turn(context or EMPTY_CONTEXT, question)
     if has_chat_template(tokenizer):
-        return chat_text(tokenizer, system_prompt, user)
+        return chat_text(tokenizer, system_prompt, user, tools=tools, after=after)
     return plain_text(system_prompt, user)
 
 
-def prompt_parts(tokenizer: PreTrainedTokenizerBase, system_prompt: str, question: str) -> tuple[str, str]:
-    """(head, tail): head + transcript + tail is exactly `prompt_text(..., transcript, question)` for a
-    non-empty transcript. Templates that want typed message parts (VLM templates) get them when plain string
-    contents lose the transcript."""
+def prompt_parts(tokenizer: PreTrainedTokenizerBase, system_prompt: str, question: str, tools: Tools = None,
+                 after: Messages = ()) -> tuple[str, str]:
+    """(head, tail): head + transcript + tail is exactly `prompt_text(..., transcript, question, tools, after)`
+    for a non-empty transcript. A template that writes the tools into its system turn (Qwen's) puts them in the
+    head, the exchange after the user turn in the tail. Templates that want typed message parts (VLM templates)
+    get them when plain string contents lose the transcript."""
     user = user_turn(_MARK, question)
     text = plain_text(system_prompt, user)
     if has_chat_template(tokenizer):
         for content in (plain_content, typed_content):
-            chat = chat_text(tokenizer, system_prompt, user, content)
+            chat = chat_text(tokenizer, system_prompt, user, content, tools=tools, after=after)
             if _MARK in chat:
                 text = chat
                 break
