@@ -131,9 +131,10 @@ def score(question: dict[str, Any], answer: str, not_known: list[str]) -> bool:
     return is_right(answer, question["expect"])
 
 
-async def play(profile: Profile, models: Models, worker: DeviceWorker, path: Path, questions: list[dict[str, Any]]
-               ) -> tuple[list[Event], str, float]:
-    """Play one talk through a session; (events, the context the answerer read at the end, video seconds)."""
+async def play(profile: Profile, models: Models, worker: DeviceWorker, path: Path, questions: list[dict[str, Any]],
+               status: Callable[[str], None] | None = None) -> tuple[list[Event], str, float]:
+    """Play one talk through a session; (events, the context the answerer read at the end, video seconds). `status`
+    hears of each answer as it ends: a talk plays for a minute or more, its answers on a 1.5B for longer."""
     from runtime.feed import ScheduledQuestion, feed
     from runtime.io.file_source import FileSource
     from runtime.session_builder import open_session
@@ -146,6 +147,9 @@ async def play(profile: Profile, models: Models, worker: DeviceWorker, path: Pat
     async def consume() -> None:
         async for event in session.events:
             events.append(event)
+            if status is not None and isinstance(event, ResponseDone):
+                done = sum(isinstance(e, ResponseDone) for e in events)
+                status(f"{path.stem}: answer {done}/{len(questions)} done ({event.response.get('status')})")
 
     consumer = asyncio.create_task(consume())
     try:
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
         for talk, path in zip(talks, paths, strict=True):
             status(f"{talk['id']}: {len(talk['questions'])} questions ...")
             cpu = time.process_time()
-            events, context, seconds = asyncio.run(play(profile, models, worker, path, talk["questions"]))
+            events, context, seconds = asyncio.run(play(profile, models, worker, path, talk["questions"], status))
             cpu = time.process_time() - cpu
             got = answers_of(events)
             if len(got) != len(talk["questions"]):
