@@ -12,8 +12,9 @@ it is the sum of four parts that belong to different models, so each part is rep
 How: the server is `python -m runtime serve --profile P` in its own process (`--profile`, default: the default
 profile, the one `runtime profiles` marks `*`), with the voice. The clients are the official `openai` SDK's realtime
 client (`AsyncOpenAI(websocket_base_url=...).realtime.connect`, typed `recv()`), as users run it. Each session sends
-`session.update` with `output_modalities: ["audio"]` (24 kHz PCM) and server VAD as the API's defaults
-(`silence_duration_ms` 500, `create_response`, `interrupt_response`), then puts the facts (`FACTS`) into the
+`session.update` with `output_modalities: ["audio"]` (24 kHz PCM), `max_output_tokens` 32 (an answer of a sentence
+or two: the first sound does not depend on it, the time until the next question does) and server VAD as the API's
+defaults (`silence_duration_ms` 500, `create_response`, `interrupt_response`), then puts the facts (`FACTS`) into the
 conversation as a user text item, then asks spoken questions about them, one a turn (`QUESTIONS`, conversation i
 starting at question i). The questions are espeak-ng speech (`en-us`, 22,050 Hz, resampled to the API's 24 kHz by
 linear interpolation), with `LEAD_S` of digital silence before the speech.
@@ -40,7 +41,8 @@ later mark came before its earlier one (an answer that started before the transc
 `stall_ms`: the silences inside an answer for a client that plays each audio delta at real time from the first one
 (its buffer ran dry waiting for the next clause's audio), per turn: what cutting the first clause early may cost.
 
-Reported per N (1, 2, 4; quick: 1, 2): `voice_to_voice_ms` (p50, p95, n), `marks_ms`, `stages_ms`, the turns
+Reported per N (1, 2, 4 conversations of 5 questions; quick: 1 of 2 questions, 2 of 1): `voice_to_voice_ms` (p50, p95,
+n), `marks_ms`, `stages_ms`, the turns
 answered with sound, the answers (what was asked, what the server heard, what it said, whether the expected words are
 in it: a 135M model's answers are often wrong, and a wrong answer is timed like a right one). One unmeasured turn
 warms the server first. Clients and server share the machine's cores: on 2 cores N = 4 also measures the clients.
@@ -55,6 +57,7 @@ import contextlib
 import io
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,8 +83,8 @@ QUIET = 1e-3
 TURN_TIMEOUT_S = 30.0
 CONNECT_LEAD_S = 0.5
 DRAIN_TIMEOUT_S = 30.0
-QUICK_NS, FULL_NS = (1, 2), (1, 2, 4)
-QUICK_TURNS, FULL_TURNS = 2, 5
+# (conversations at once, questions each): quick keeps both rows within its budget with the 1.5B answering
+QUICK_PHASES, FULL_PHASES = ((1, 2), (2, 1)), ((1, 5), (2, 5), (4, 5))
 TARGET_P50_S = 1.2
 FACTS = ("Here are my notes for today. The team meeting moved to Thursday at three. The budget report is in the blue "
          "folder. The train to Boston leaves from platform four. The red car outside belongs to our neighbor Tom. "
@@ -98,7 +101,8 @@ QUESTIONS = (
 SILENCE_MS = 500  # the API's default
 TURN_DETECTION = {"type": "server_vad", "silence_duration_ms": SILENCE_MS, "create_response": True,
                   "interrupt_response": True}
-SESSION = {"type": "realtime", "output_modalities": ["audio"],
+MAX_OUTPUT_TOKENS = 32  # a spoken answer of a sentence or two; bounds how long a polite user waits for the next turn
+SESSION = {"type": "realtime", "output_modalities": ["audio"], "max_output_tokens": MAX_OUTPUT_TOKENS,
            "audio": {"input": {"turn_detection": TURN_DETECTION},
                      "output": {"format": {"type": "audio/pcm", "rate": RATE}}}}
 MARKS = {"speech_stopped": "input_audio_buffer.speech_stopped", "committed": "input_audio_buffer.committed",
@@ -288,15 +292,29 @@ def summarize(convs: list[Conversation]) -> dict[str, Any]:
 
 
 class VoiceServer(_Server):
-    """`python -m runtime serve --profile P` in its own process (the serve bench's `_Server`, another profile)."""
+    """`python -m runtime serve --profile P` in its own process (the serve bench's `_Server`, another profile), its
+    stderr in a temporary folder that `stop()` removes. Started by `start_server` before the rows that do not time
+    anything (voice.py: intelligibility), so that its load overlaps them."""
 
-    def __init__(self, profile: str, max_sessions: int, log_dir: Path, overrides: list[str]) -> None:
+    def __init__(self, profile: str, max_sessions: int, overrides: list[str]) -> None:
         self.port = _free_port()
-        self.log = log_dir / "server.stderr"
+        self.tmp = Path(tempfile.mkdtemp(prefix="runtime-bench-voice-"))
+        self.log = self.tmp / "server.stderr"
         self.cmd = [sys.executable, "-m", "runtime", "serve", "--profile", profile, "--port", str(self.port),
                     "--max-sessions", str(max_sessions)] + [a for o in overrides for a in ("--set", o)]
+        self.started = time.perf_counter()
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def start_server(profile: str, quick: bool, overrides: list[str] | None = None) -> VoiceServer:
+    """The server for `run`, started now: it loads while the caller does other work."""
+    phases = QUICK_PHASES if quick else FULL_PHASES
+    return VoiceServer(profile, max(n for n, _ in phases) + 1, overrides or [])
 
 
 async def _phase(base_url: str, pool: list[Question], n: int, turns: int) -> list[Conversation]:
@@ -307,23 +325,21 @@ async def _phase(base_url: str, pool: list[Question], n: int, turns: int) -> lis
     return convs
 
 
-async def _bench(profile: str, ns: tuple[int, ...], turns: int, status: Status, log_dir: Path,
-                 overrides: list[str]) -> dict[str, Any]:
+async def _bench(server: VoiceServer, phases: tuple[tuple[int, int], ...], status: Status) -> dict[str, Any]:
     pool = [question(text, expect) for text, expect in QUESTIONS]
-    server = VoiceServer(profile, max(ns) + 1, log_dir, overrides)
     base_url = f"ws://127.0.0.1:{server.port}/v1"
     try:
-        status(f"voice-to-voice: starting the server: {' '.join(server.cmd[1:])}")
-        started = time.perf_counter()
+        status(f"voice-to-voice: waiting for the server: {' '.join(server.cmd[1:])}")
         await server.wait_ready()
-        status(f"voice-to-voice: server up in {time.perf_counter() - started:.1f} s; one warm-up turn")
+        status(f"voice-to-voice: server up {time.perf_counter() - server.started:.1f} s after its start; one "
+               "warm-up turn")
         warm = summarize(await _phase(base_url, pool, 1, 1))
         if warm["turns_with_audio"] == 0:
             raise UserError(f"the warm-up turn got no audio ({warm.get('errors') or warm['answers']}); the server's "
                             f"stderr ends:\n{server.log.read_text(errors='replace')[-1500:]}")
         await server.wait_idle()
         rows = []
-        for n in ns:
+        for n, turns in phases:
             status(f"voice-to-voice: N={n}: {n} conversation(s) of {turns} spoken question(s) at real-time pace "
                    f"(load average {os.getloadavg()[0]:.2f})")
             row = {"n": n, "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -338,8 +354,9 @@ async def _bench(profile: str, ns: tuple[int, ...], turns: int, status: Status, 
         server.stop()
 
 
-def run(args: argparse.Namespace, status: Status, profile: str) -> dict[str, Any]:
-    """The rows of the module docstring for `profile` (a name or .toml path)."""
+def run(args: argparse.Namespace, status: Status, profile: str, server: VoiceServer | None = None) -> dict[str, Any]:
+    """The rows of the module docstring for `profile` (a name or .toml path), on `server` if it was started ahead
+    (`start_server`; stopped here either way)."""
     try:
         import openai
     except ImportError:
@@ -349,14 +366,13 @@ def run(args: argparse.Namespace, status: Status, profile: str) -> dict[str, Any
 
     loaded = load_profile(profile)
     quick = bool(getattr(args, "quick", False))
-    ns, turns = (QUICK_NS, QUICK_TURNS) if quick else (FULL_NS, FULL_TURNS)
-    with tempfile.TemporaryDirectory(prefix="runtime-bench-voice-") as tmp:
-        measured = asyncio.run(_bench(profile, ns, turns, status, Path(tmp), list(getattr(args, "overrides", []))))
-    rows = measured["rows"]
+    phases = QUICK_PHASES if quick else FULL_PHASES
+    server = server or start_server(profile, quick)
+    rows = asyncio.run(_bench(server, phases, status))["rows"]
     p50 = rows[0]["voice_to_voice_ms"]["p50"] / 1000 if rows and rows[0]["voice_to_voice_ms"]["n"] else None
     return {"profile": loaded.name, "lm": loaded.lm.model, "asr": loaded.asr.model, "client": f"openai "
             f"{openai.__version__} (realtime.connect)", "turn_detection": TURN_DETECTION, "chunk_ms": 100,
-            "facts": FACTS, "n_sessions": list(ns), "turns_per_session": turns, "rows": rows,
+            "facts": FACTS, "phases": [{"n": n, "questions_each": t} for n, t in phases], "rows": rows,
             "target_p50_s_at_1": at_most(None if p50 is None else round(p50, 3), TARGET_P50_S),
             "definition": "receive time of the turn's first response.output_audio.delta minus the wall time its "
                           "question's last speech sample was spoken (chunks sent at real-time pace, each when its "
