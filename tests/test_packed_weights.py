@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 from test_gguf import tiny, write_gguf
 
 from runtime.models.lm import packed_weights
+from runtime.models.lm.kernel_linears import use_runtime_kernels
 from runtime.models.lm.packed_weights import load_model, packed_file
 from runtime.models.lm.transformer import Transformer
 
@@ -25,13 +26,17 @@ def gguf(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch-kernels", "runtime-kernels"])
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_read_back_equals_the_built_model(gguf: Path, weights: str) -> None:
-    built = Transformer.from_pretrained(gguf, weights=weights)
-    first = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights)  # builds and keeps it
-    target = packed_file(gguf, weights, torch.float32)
+def test_read_back_equals_the_built_model(gguf: Path, weights: str, kernels: bool) -> None:
+    if kernels and not use_runtime_kernels("auto", "cpu"):
+        pytest.skip("the runtime's kernels do not build here")
+    built = Transformer.from_pretrained(gguf, weights=weights, kernels=kernels)
+    first = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights, kernels=kernels)  # builds, keeps
+    target = packed_file(gguf, weights, torch.float32, kernels)
     assert target.is_file()
-    again = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights)  # reads it back
+    packed_weights.read_packed(target)  # readable as written (load_model would quietly pack an unreadable one again)
+    again = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights, kernels=kernels)  # reads it back
     assert type(again.lm_head) is type(built.lm_head) and again.weights == weights
     assert again.args == built.args
     ids = torch.tensor([5, 17, 3, 42, 8, 1])

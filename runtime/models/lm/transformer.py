@@ -387,8 +387,8 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args)
         empty_like_state(model, state)
-        if args.tie_word_embeddings and "lm_head.weight" not in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        if args.tie_word_embeddings and type(model.lm_head) is nn.Linear and "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # a quantised head has its own buffers
         model.load_state_dict(state, strict=True, assign=True)
         if args.tie_word_embeddings and type(model.lm_head) is nn.Linear:  # a float head reads the embeddings
             model.lm_head.weight = model.model.embed_tokens.weight
