@@ -175,8 +175,8 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
                            "weights": base.weights, "threads": threads, "items": [i["id"] for i in items],
                            "questions": sum(len(i["questions"]) for i in items), "variants": {}}
     heard = spoken_lines(items, args.profile or "demo", status)
-    status(f"answers: loading {base.model} ({base.weights})")
-    loaded = EngineAnswerer.load(base, device="cpu", dtype="float32")  # once: the variants differ in prompts only
+    # loaded once: the variants differ in their prompts only
+    loaded = EngineAnswerer.load(base, device="cpu", dtype="float32", progress=status)
     for name in variants:
         cfg = replace(base, **VARIANTS[name])
         status(f"answers: prompt variant {name!r} on the script")
