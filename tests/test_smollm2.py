@@ -242,6 +242,32 @@ def test_paired_trials_put_each_ratio_beside_its_own_peer_run(path, monkeypatch)
     assert row["median_ratio"] == pytest.approx(sorted(row["ratios"])[1], abs=0.002)
 
 
+def test_spec_table_rows_are_lossless_and_the_peer_is_llama_cpps_prompt_lookup(path, engines) -> None:
+    """The Spec-Bench table on the real model: every drafter's row for every task, each output identical to plain
+    greedy, and (where llama-cpp-python is installed; CI installs it) llama.cpp's own prompt-lookup row on the same
+    prompts, its speedup over its plain decoding and ours against it."""
+    from runtime.bench.llm_spec import DRAFTER_ROWS, TASKS, spec_table
+
+    peer = importlib.util.find_spec("llama_cpp") is not None
+    if not peer and os.environ.get("CI"):
+        pytest.fail("CI installs llama-cpp-python (make peers)", pytrace=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        table = spec_table(REF, "int4", quick=True, status=lambda _: None, loaded=engines("int4"), tokens=12,
+                           prompts_per_task=1, compile_mode="off", llama_file=gguf_file(path) if peer else None)
+    finally:
+        torch.set_num_threads(before)
+    for task in TASKS:
+        assert set(table[task]) == set(DRAFTER_ROWS)
+        assert all(row["identical"] and row["tokens_per_step"] >= 1 for row in table[task].values()), table[task]
+    assert table["prompts_per_task"] == dict.fromkeys(TASKS, 1) and table["max_new_tokens"] == 12
+    if peer:
+        for task in TASKS:
+            row = table["llama_cpp"][task]
+            assert 0 < row["tokens"] <= 12 and row["speedup"] > 0 and row["ours_best_vs_prompt_lookup"] > 0, row
+
+
 @pytest.mark.slow
 def test_bench_answers_quick_runs_the_question_set(path, capsys) -> None:
     import json

@@ -11,7 +11,12 @@ model is served in, each side by side with llama.cpp on the same file in the sam
   `ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`), against llama.cpp as built for this CPU;
 - think-while-reading: the first token after N streamed tokens against prefilling them at question time, and
   against llama.cpp answering the same prompt cold;
-- the speculative-decoding table (`llm_spec.py`), with the 0.5B as a draft model when it is installed.
+- the speculative-decoding table (`llm_spec.py`), with the 0.5B as a draft model when it is installed, and
+  llama.cpp's own prompt-lookup decoding as the peer.
+
+`--quick` keeps every row on less (`QUICK`): fewer tokens and trials, a 512-token think-while-reading, one prompt
+per task, and eager steps (compiling a format costs 16-19 s here and gains about a tenth of decode speed at 1
+thread; the full run compiles, as `lm.compile = auto` serves a plain decode).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,7 @@ import torch
 
 from runtime.bench.llm_model import CONTEXT, QUESTION, Status, decode_tok_s, paired_vs_llama_cpp, step_bytes
 from runtime.bench.llm_model import ttft_after_streaming as engine_ttft
-from runtime.bench.llm_peers import INSTALL, decode_once, llama_cpp_logits, logits_difference, open_llama
+from runtime.bench.llm_peers import INSTALL, llama_cpp_logits, logits_difference, open_llama
 from runtime.bench.llm_spec import spec_table
 from runtime.bench.timing import machine
 from runtime.config import LMConfig
@@ -43,9 +49,36 @@ from runtime.models.lm.weights import ModelArgs
 from runtime.models.loading import resolve_checkpoint
 
 THREADS = (1, 2)
-# name: (lm.weights, lm.kernels, lm.compile)
-ROWS = {"native": ("native", "runtime", "auto"), "int4": ("int4", "runtime", "auto"),
-        "int4-torch-kernels": ("int4", "torch", "off")}
+# name: (lm.weights, lm.kernels, compiled in the full run)
+ROWS = {"native": ("native", "runtime", True), "int4": ("int4", "runtime", True),
+        "int4-torch-kernels": ("int4", "torch", False)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much each row measures: `decode_tokens` per decode run, a `prefill_tokens` transcript, `trials` pairs
+    per thread count (`avx2_trials` in the AVX2 child), think-while-reading after each of `ttft_tokens`, the
+    speculative table's answers (`spec_tokens`, `spec_prompts` per task), and whether steps compile. Decode rows
+    answer a question about the first `context_lines` lines of the meeting (a shorter prompt to prefill first)."""
+    decode_tokens: int
+    context_lines: int
+    prefill_tokens: int
+    trials: int
+    avx2_trials: int
+    ttft_tokens: tuple[int, ...]
+    spec_tokens: int
+    spec_prompts: int
+    compile: bool
+
+
+QUICK = Plan(decode_tokens=16, context_lines=1, prefill_tokens=128, trials=2, avx2_trials=1, ttft_tokens=(384,),
+             spec_tokens=16, spec_prompts=1, compile=False)
+FULL = Plan(decode_tokens=64, context_lines=3, prefill_tokens=1000, trials=5, avx2_trials=3, ttft_tokens=(2048, 4096),
+            spec_tokens=64, spec_prompts=2, compile=True)
+
+
+def decode_context(plan: Plan) -> str:
+    return "".join(CONTEXT.splitlines(keepends=True)[: plan.context_lines])
 LOGIT_TEXT = ("The committee met on Tuesday to review the plans for the new library. After a long discussion about the "
               "budget, they agreed to build the reading room first and to open it to the public in the spring.")
 AVX2_ENV = {"RUNTIME_KERNEL_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -104,15 +137,17 @@ def llama_prefill_tok_s(file: Path, ids: list[int], threads: int) -> float:
     return rate
 
 
-def format_rows(ref: str, n: int, prefill: int, file: Path | None, status: Status,
+def format_rows(ref: str, plan: Plan, file: Path | None, status: Status,
                 ) -> tuple[dict[str, Any], dict[str, EngineAnswerer]]:
     rows: dict[str, Any] = {}
     kept: dict[str, EngineAnswerer] = {}
     peer_logits: torch.Tensor | None = None
-    for name, (fmt, kernels, compile_mode) in ROWS.items():
+    n, prefill = plan.decode_tokens, plan.prefill_tokens
+    for name, (fmt, kernels, compiles) in ROWS.items():
         status(f"{name}: loading")
         cfg = LMConfig(backend="engine", model=ref, weights=fmt, kernels=kernels, drafter="none",
-                       max_new_tokens=n + 8, compile=compile_mode, window_tokens=max(2048, prefill + 512))
+                       max_new_tokens=max(n + 8, plan.spec_tokens), compile=_compile(plan, compiles),
+                       window_tokens=max(2048, prefill + 512))
         answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
         engine = answerer.engine
         row: dict[str, Any] = {"weights": fmt, "kernels": kernel_path(kernels, "cpu"),
@@ -122,7 +157,9 @@ def format_rows(ref: str, n: int, prefill: int, file: Path | None, status: Statu
         for threads in THREADS:
             torch.set_num_threads(threads)
             status(f"{name}: decode and prefill at {threads} thread(s)")
-            row[f"decode_tok_s_{threads}t"] = round(max(decode_tok_s(answerer, n) for _ in range(2)), 2)
+            runs = 1 if plan is QUICK else 2
+            row[f"decode_tok_s_{threads}t"] = round(max(decode_tok_s(answerer, n, decode_context(plan))
+                                                        for _ in range(runs)), 2)
             row[f"prefill_tok_s_{threads}t"] = round(engine_prefill_tok_s(engine, ids), 1)
         torch.set_num_threads(2)
         if file is not None and has_llama_cpp():
@@ -138,16 +175,14 @@ def format_rows(ref: str, n: int, prefill: int, file: Path | None, status: Statu
     return rows, kept
 
 
-def llama_rows(file: Path, prompt: list[int], ids: list[int], n: int, status: Status) -> dict[str, Any]:
+def llama_rows(paired_decode: dict[str, Any], paired_prefill: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's own row: its best run of the paired trials at each thread count (the pairs ran it already)."""
     import llama_cpp
 
-    out: dict[str, Any] = {"version": llama_cpp.__version__}
+    out: dict[str, Any] = {"version": llama_cpp.__version__, "measured": "best of its paired runs"}
     for threads in THREADS:
-        status(f"llama.cpp: decode and prefill at {threads} thread(s)")
-        llm = open_llama(file, threads)
-        out[f"decode_tok_s_{threads}t"] = round(max(decode_once(llm, prompt, n) for _ in range(2)), 2)
-        del llm
-        out[f"prefill_tok_s_{threads}t"] = round(llama_prefill_tok_s(file, ids, threads), 1)
+        out[f"decode_tok_s_{threads}t"] = max(paired_decode[f"{threads}t"]["llama_cpp_tok_s"])
+        out[f"prefill_tok_s_{threads}t"] = max(paired_prefill[f"{threads}t"]["llama_cpp_tok_s"])
     return out
 
 
@@ -192,16 +227,20 @@ def think_while_reading(ref: str, engine: LMEngine, file: Path | None, sizes: li
             status(f"ttft: llama.cpp answering the {tokens}-token prompt cold")
             row["llama_cpp_cold_ms"] = round(llama_cold_ttft_ms(file, engine.encode(head + text + tail)), 1)
             row["vs_llama_cpp_cold"] = round(row["llama_cpp_cold_ms"] / row["streamed_ms"], 1)
-        row["target"], row["met"] = ">= 50", row["speedup"] >= 50
+        # issue 51's target is stated after 2k and 4k streamed tokens (the full run); a quick run's shorter
+        # transcript gains less from having been read ahead, so it reports its speedup without judging it
+        row["target"] = ">= 50 after 2048 and 4096 tokens"
+        row["met"] = row["speedup"] >= 50 if tokens >= 2048 else None
         out[f"{tokens}_tokens"] = row
     torch.set_num_threads(1)
     return out
 
 
-def avx2_child(ref: str, fmt: str, n: int, prefill: int, trials: int, status: Status) -> dict[str, Any]:
+def avx2_child(ref: str, fmt: str, plan: Plan, status: Status) -> dict[str, Any]:
     """The paired rows again in a child process whose kernels are forced to AVX2 (what AVX2-only CPUs run)."""
-    status("AVX2 forced: the paired rows again in a child process (loads and compiles anew)")
-    cmd = [sys.executable, "-m", "runtime.bench.llm_big", ref, fmt, str(n), str(prefill), str(trials)]
+    status("AVX2 forced: the paired rows again in a child process (loads" + (" and compiles" if plan.compile else "")
+           + " anew)")
+    cmd = [sys.executable, "-m", "runtime.bench.llm_big", ref, fmt, "quick" if plan is QUICK else "full"]
     done = subprocess.run(cmd, env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         return {"skipped": f"the AVX2 child failed: {done.stderr.strip().splitlines()[-1:]}"}
@@ -213,28 +252,34 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         raise UserError(f"runtime bench llm --model measures the CPU against llama.cpp; --device {args.device} is "
                         "not measured here")
     ref, quick = args.model, args.quick
+    plan = QUICK if quick else FULL
+    n, trials = plan.decode_tokens, plan.trials
     file = gguf_file(resolve_checkpoint(ref, role="lm"))
-    n, prefill, trials = (24, 256, 3) if quick else (64, 1000, 7)
     out: dict[str, Any] = {"bench": "llm", "model": ref, "quick": quick, "plan": "big model (llm_big.py)",
-                           "decode_tokens": n, "prefill_tokens": prefill}
-    formats, answerers = format_rows(ref, n, prefill, file, status)
+                           "sizes": asdict(plan)}
+    formats, answerers = format_rows(ref, plan, file, status)
     out["formats"] = formats
     best = max(("native", "int4"), key=lambda f: formats[f]["decode_tok_s_1t"])
     out["best_format"] = best
     engine = answerers[best].engine
-    prompt = list(answerers[best].start(CONTEXT, QUESTION, stream=answerers[best].open_stream()).prompt_ids)
-    ids = transcript_ids(engine, prefill)
-    if file is None or not has_llama_cpp():
+    context = decode_context(plan)
+    prompt = list(answerers[best].start(context, QUESTION, stream=answerers[best].open_stream()).prompt_ids)
+    ids = transcript_ids(engine, plan.prefill_tokens)
+    peer = file is not None and has_llama_cpp()
+    if not peer:
         out["llama_cpp"] = {"skipped": f"llama-cpp-python is not installed: {INSTALL}" if file else "not a GGUF"}
     else:
-        out["llama_cpp"] = llama_rows(file, prompt, ids, n, status)
+        assert file is not None
         out["paired_decode"] = paired_vs_llama_cpp(ref, best, file, prompt, n, trials, status,
-                                                   answerer=answerers[best])
+                                                   answerer=answerers[best], context=context)
         out["paired_prefill"] = paired_prefill(engine, file, ids, trials, status)
-        out["avx2_forced"] = avx2_child(ref, best, n, prefill, trials, status)
-    out["think_while_reading"] = think_while_reading(ref, engine, file, [1024] if quick else [2048, 4096], status)
+        out["llama_cpp"] = llama_rows(out["paired_decode"], out["paired_prefill"])
+        out["avx2_forced"] = avx2_child(ref, best, plan, status)
+    out["think_while_reading"] = think_while_reading(ref, engine, file, list(plan.ttft_tokens), status)
     draft = DRAFT if ref != DRAFT else None
-    out["speculative"] = spec_table(ref, best, quick=quick, status=status, loaded=engine, draft_model=draft)
+    out["speculative"] = spec_table(ref, best, quick=quick, status=status, loaded=engine, draft_model=draft,
+                                    tokens=plan.spec_tokens, prompts_per_task=plan.spec_prompts,
+                                    compile_mode=_compile(plan, True), llama_file=file if peer else None)
     out["targets"] = _targets(out)
     out["machine"] = machine("cpu", "bfloat16 activations; weights per row", 1)
     return out
@@ -253,8 +298,13 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
     return t
 
 
-def _child(ref: str, fmt: str, n: int, prefill: int, trials: int) -> dict[str, Any]:
-    """The AVX2 child: the paired decode and prefill rows of format `fmt`, as JSON on stdout."""
+def _compile(plan: Plan, compiles: bool) -> str:
+    """The `lm.compile` of a row that the full run compiles (`compiles`) under `plan`."""
+    return "auto" if plan.compile and compiles else "off"
+
+
+def _child(ref: str, fmt: str, plan: Plan) -> dict[str, Any]:
+    """The AVX2 child: the paired decode and prefill rows of format `fmt` (`plan.avx2_trials` each), as JSON."""
     from runtime.models.lm import cpu_kernels
 
     def quiet(_: str) -> None:
@@ -262,17 +312,19 @@ def _child(ref: str, fmt: str, n: int, prefill: int, trials: int) -> dict[str, A
 
     file = gguf_file(resolve_checkpoint(ref, role="lm"))
     assert file is not None
+    n, trials, context = plan.decode_tokens, plan.avx2_trials, decode_context(plan)
     cfg = LMConfig(backend="engine", model=ref, weights=fmt, kernels="runtime", drafter="none",
-                   max_new_tokens=n + 8, compile="auto")
+                   max_new_tokens=n + 8, compile=_compile(plan, True))
     answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
-    prompt = list(answerer.start(CONTEXT, QUESTION, stream=answerer.open_stream()).prompt_ids)
+    prompt = list(answerer.start(context, QUESTION, stream=answerer.open_stream()).prompt_ids)
+    ids = transcript_ids(answerer.engine, plan.prefill_tokens)
     return {"kernels": f"runtime {cpu_kernels.isa()}", "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "env": AVX2_ENV,
-            "paired_decode": paired_vs_llama_cpp(ref, fmt, file, prompt, n, trials, quiet, answerer=answerer),
-            "paired_prefill": paired_prefill(answerer.engine, file, transcript_ids(answerer.engine, prefill), trials,
-                                             quiet)}
+            "paired_decode": paired_vs_llama_cpp(ref, fmt, file, prompt, n, trials, quiet, answerer=answerer,
+                                                 context=context),
+            "paired_prefill": paired_prefill(answerer.engine, file, ids, trials, quiet)}
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    print(json.dumps(_child(a[0], a[1], int(a[2]), int(a[3]), int(a[4]))))
+    print(json.dumps(_child(a[0], a[1], QUICK if a[2] == "quick" else FULL)))

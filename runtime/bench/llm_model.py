@@ -40,7 +40,9 @@ from runtime.models.loading import resolve_checkpoint
 
 Status = Callable[[str], None]
 FORMATS = ("fp32", "bf16", "int8", "int4")
-# the rows: each format as `lm.compile = auto` runs it plainly (int8/int4 compiled), and int4 eager beside it
+# the rows: each format as `lm.compile = auto` runs it plainly (int8/int4 compiled), and int4 eager beside it.
+# --quick compiles int4 alone (the format the profiles serve): a compile costs 14 s from inductor's cache and about
+# a minute without, once per format and thread count, which is most of a quick run; its int8 row is eager then.
 ROWS = {"fp32": ("fp32", "auto"), "bf16": ("bf16", "auto"), "int8": ("int8", "auto"), "int4": ("int4", "auto"),
         "int4-eager": ("int4", "off")}
 THREADS = (1, 2)
@@ -77,8 +79,9 @@ def step_bytes(model: Transformer) -> int:
     return total + emb.shape[1] * emb.element_size()
 
 
-def decode_tok_s(answerer: EngineAnswerer, n: int) -> float:
-    state = answerer.start(CONTEXT, QUESTION, stream=answerer.open_stream())
+def decode_tok_s(answerer: EngineAnswerer, n: int, context: str = CONTEXT) -> float:
+    """Greedy tokens/s of `n` tokens answering QUESTION about `context` (its prompt's prefill not timed)."""
+    state = answerer.start(context, QUESTION, stream=answerer.open_stream())
     state.step()
     state.step()
     t = time.perf_counter()
@@ -126,6 +129,8 @@ def _formats(ref: str, args: argparse.Namespace, status: Status,
         status(f"{name}: loading")
         # the speculative table's answer length (at least n + 8): its plain row then shares this row's cache
         # geometry, so the step compiled here serves it
+        if args.quick and name != "int4":  # quick compiles the served format only (see ROWS)
+            compile_mode = "off"
         cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none",
                        max_new_tokens=max(n + 8, spec_tokens(args.quick)), compile=compile_mode)
         answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
@@ -178,7 +183,8 @@ def transformers_rows(path: Path, prompt: list[int], n: int, status: Status) -> 
 
 
 def paired_vs_llama_cpp(ref: str, fmt: str, file: Path, prompt: list[int], n: int, trials: int,
-                        status: Status, answerer: EngineAnswerer | None = None) -> dict[str, Any]:
+                        status: Status, answerer: EngineAnswerer | None = None,
+                        context: str = CONTEXT) -> dict[str, Any]:
     """The engine in format `fmt` (as `lm.compile = auto` runs it) and llama.cpp decoding the same prompt in
     turns, `trials` times per thread count, each trial's ratio from two back-to-back runs (who goes first
     alternates).
@@ -188,7 +194,7 @@ def paired_vs_llama_cpp(ref: str, fmt: str, file: Path, prompt: list[int], n: in
     a ratio of neighbouring runs does not, and the median over trials drops the trial a burst of other work hit.
 
     `answerer`: the format's row's own (`_formats`), whose step is already compiled at each thread count; without
-    one it is loaded here."""
+    one it is loaded here. `prompt` is the ids of QUESTION about `context` (what the engine's side answers)."""
     if answerer is None:
         cfg = LMConfig(backend="engine", model=ref, weights=fmt, drafter="none", max_new_tokens=n + 8,
                        compile="auto")
@@ -203,9 +209,9 @@ def paired_vs_llama_cpp(ref: str, fmt: str, file: Path, prompt: list[int], n: in
         for trial in range(trials):  # who goes first alternates: neither always runs on the other's heels
             if trial % 2:
                 peer = decode_once(llm, prompt, n)
-                pairs.append((decode_tok_s(answerer, n), peer))
+                pairs.append((decode_tok_s(answerer, n, context), peer))
             else:
-                pairs.append((decode_tok_s(answerer, n), decode_once(llm, prompt, n)))
+                pairs.append((decode_tok_s(answerer, n, context), decode_once(llm, prompt, n)))
         out[f"{threads}t"] = {"ours_tok_s": [round(o, 1) for o, _ in pairs],
                               "llama_cpp_tok_s": [round(p, 1) for _, p in pairs],
                               "ratios": [round(o / p, 3) for o, p in pairs],

@@ -5,17 +5,25 @@ plain greedy (it must be: the drafters are lossless).
 
 Tasks: answering from a transcript (this runtime's own use: answers quote the transcript), summarising a
 transcript, and open chat (no transcript). `swift` is self-speculation by layer skipping (`layer_skip.py`).
+
+The peer, when the target is a GGUF file and llama-cpp-python is installed: llama.cpp's own speculative decoding on
+the same file, prompts and thread count (its prompt lookup, `LlamaPromptLookupDecoding`: the binding's only
+built-in drafter; it takes no second model), against llama.cpp decoding plainly, in the same run.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from runtime.config import LMConfig
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
 
 DRAFTER_ROWS = ("none", "ngram", "recycling", "trigram", "swift", "auto")
 MEETING = ("[00:03] Ana: Welcome back. Our first customer in Oslo signed the contract on Monday.\n"
@@ -51,26 +59,33 @@ def _run(answerer: EngineAnswerer, prompts: list[tuple[str, str]]) -> tuple[list
 
 
 def spec_tokens(quick: bool) -> int:
-    """The answer length of each prompt (`max_new_tokens`)."""
+    """The answer length of each prompt (`max_new_tokens`) in the small model's bench."""
     return 40 if quick else 128
 
 
 def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], None],
-               loaded: LMEngine | None = None, draft_model: str | None = None) -> dict[str, Any]:
+               loaded: LMEngine | None = None, draft_model: str | None = None, tokens: int | None = None,
+               prompts_per_task: int | None = None, compile_mode: str = "auto",
+               llama_file: Path | None = None) -> dict[str, Any]:
     """`loaded`: an engine of `ref` in `weights` whose weights every drafter's answerer shares (no load per row);
-    `draft_model`: a smaller model of the same tokenizer, a row of its own (`draft-model`)."""
-    n = spec_tokens(quick)
+    `draft_model`: a smaller model of the same tokenizer, a row of its own (`draft-model`); `tokens` and
+    `prompts_per_task`: the answer length and prompts per task (by default `spec_tokens(quick)`, and one prompt per
+    task when quick, all otherwise); `compile_mode`: the rows' `lm.compile` (the plain row's step);
+    `llama_file`: the GGUF file llama.cpp's speculative row runs (the peer)."""
+    n = tokens or spec_tokens(quick)
+    per_task = prompts_per_task or (1 if quick else max(len(p) for p in TASKS.values()))
     table: dict[str, Any] = {}
     drafters = (*DRAFTER_ROWS[:-1], "draft-model", DRAFTER_ROWS[-1]) if draft_model else DRAFTER_ROWS
     status(f"speculative: {len(drafters)} drafters on {weights}" + (" (loading)" if loaded is None else ""))
     answerers = {}
     for d in drafters:
         cfg = LMConfig(backend="engine", model=ref, weights=weights, drafter=d, max_new_tokens=n,
-                       draft_model=draft_model if d == "draft-model" else "")
+                       draft_model=draft_model if d == "draft-model" else "", compile=compile_mode)
         answerers[d] = (EngineAnswerer.load(cfg, device="cpu", dtype="float32") if loaded is None
                         else EngineAnswerer.sharing(loaded, cfg))
+    prompt_ids: dict[str, list[list[int]]] = {}
     for task, all_prompts in TASKS.items():
-        prompts = all_prompts[:1] if quick else all_prompts  # quick: every task and drafter, on one prompt each
+        prompts = all_prompts[:per_task]  # quick: every task and drafter, on fewer prompts
         rows: dict[str, Any] = {}
         plain, base_s, _, _ = (None, 0.0, 0, 0)
         for drafter in drafters:
@@ -82,7 +97,68 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
                              "seconds": round(seconds, 3), "speedup": round(base_s / seconds, 3),
                              "identical": outs == plain}
         table[task] = rows
+        plain_answerer = answerers["none"]
+        prompt_ids[task] = [list(plain_answerer.start(c, q, stream=plain_answerer.open_stream()).prompt_ids)
+                            for c, q in prompts]
     table["weights"] = weights
     table["max_new_tokens"] = n
-    table["prompts_per_task"] = {task: 1 if quick else len(prompts) for task, prompts in TASKS.items()}
+    table["prompts_per_task"] = {task: len(prompts[:per_task]) for task, prompts in TASKS.items()}
+    if llama_file is not None:
+        eos = frozenset(answerers["none"].eos_ids)
+        table["llama_cpp"] = llama_cpp_speculative(llama_file, prompt_ids, n, eos, status)
+        for task in prompt_ids:
+            peer = table["llama_cpp"].get(task)
+            if peer and "tokens" in peer:  # our best drafter's tokens/s against llama.cpp's prompt lookup's
+                best = min((r for d, r in table[task].items() if d != "none"), key=lambda r: r["seconds"])
+                ours = best["tokens"] / best["seconds"]
+                peer["ours_best_vs_prompt_lookup"] = round(ours / (peer["tokens"] / peer["prompt_lookup_seconds"]), 3)
     return table
+
+
+def llama_cpp_speculative(file: Path, prompts: dict[str, list[list[int]]], n: int, eos: frozenset[int],
+                          status: Callable[[str], None]) -> dict[str, Any]:
+    """llama.cpp on `file` answering each task's prompts greedily, plainly and with its prompt lookup (10 tokens
+    drafted from the longest match of the last 1-2 tokens, the binding's defaults but 10 drafts), at the thread
+    count the table runs at: seconds (prompt and up to `n` tokens, ending at an `eos` id, as our rows time them),
+    its speedup, and whether the outputs are identical. With a drafter the binding computes logits at every
+    prompt position (`logits_all`), which its plain row does not: that is part of its speculative cost."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return {"skipped": "llama-cpp-python is not installed: make peers"}
+    import torch
+
+    threads = torch.get_num_threads()
+    out: dict[str, Any] = {"threads": threads, "drafter": "LlamaPromptLookupDecoding(max_ngram_size=2, "
+                           "num_pred_tokens=10)"}
+    try:
+        plain = Llama(str(file), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+        lookup = Llama(str(file), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False,
+                       draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+        for task, task_prompts in prompts.items():
+            status(f"speculative: {task} on llama.cpp, plain and with prompt lookup")
+            (plain_s, plain_out), (look_s, look_out) = (_llama_answers(llm, task_prompts, n, eos)
+                                                        for llm in (plain, lookup))
+            out[task] = {"tokens": sum(map(len, look_out)), "plain_seconds": round(plain_s, 3),
+                         "prompt_lookup_seconds": round(look_s, 3),
+                         "speedup": round(plain_s / look_s, 3), "identical": plain_out == look_out}
+        del plain, lookup
+    except Exception as err:  # the peer's failure is its row, never the bench's end
+        out["skipped"] = f"llama.cpp failed: {type(err).__name__}: {err}"
+    return out
+
+
+def _llama_answers(llm: Llama, prompts: list[list[int]], n: int, eos: frozenset[int]) -> tuple[float, list[list[int]]]:
+    seconds, outputs = 0.0, []
+    for ids in prompts:
+        llm.reset()
+        t = time.perf_counter()
+        got: list[int] = []
+        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if int(token) in eos or len(got) == n:
+                break
+            got.append(int(token))
+        seconds += time.perf_counter() - t
+        outputs.append(got)
+    return seconds, outputs
