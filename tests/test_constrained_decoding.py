@@ -249,14 +249,18 @@ def test_mask_application_is_exact() -> None:
     assert not torch.isinf(logits).any()  # the caller's logits are left as they were
 
 
-def test_grammar_bench_reports_both_libraries() -> None:
-    """`runtime bench grammar --quick` on the tiny tokenizer: every schema compiled and walked by llguidance, and
-    xgrammar measured too or a row saying how to install it."""
+def test_grammar_bench_reports_both_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runtime bench grammar --quick` on the tiny tokenizer: every schema compiled and walked by llguidance,
+    xgrammar measured too or a row saying how to install it, and the engine's decode rows kept (each call decoded
+    plainly and speculatively, the same text both ways)."""
     import argparse
 
     from runtime.bench import grammar
 
+    monkeypatch.setattr(grammar, "DECODE_COMPILE", "off")  # the compiled step is held to the eager one elsewhere
     out = grammar.run(argparse.Namespace(model="tiny:qwen2", quick=True, threads=1), lambda _: None)
-    assert set(out["llguidance"]["schemas"]) == set(grammar.SCHEMAS) and "decode" not in out
+    assert set(out["llguidance"]["schemas"]) == set(grammar.SCHEMAS)
+    assert set(out["decode"]) == {call for call, _ in grammar.CALLS}
+    assert all(row["identical"] and row["none"]["tokens"] > 0 for row in out["decode"].values()), out["decode"]
     assert all(row["mask_us_mean"] > 0 for row in out["llguidance"]["schemas"].values())
     assert "schemas" in out["xgrammar"] or "pip install" in out["xgrammar"]["error"]

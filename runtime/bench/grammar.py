@@ -185,6 +185,7 @@ def apply_cost_us(vocab: int) -> dict[str, float]:
     return out
 
 
+DECODE_COMPILE = "auto"  # the decode rows' lm.compile: as sessions run the engine (the tests set "off": 30 s less)
 CALLS = (("get_weather", "What's the weather in Paris in celsius?"),
          ("create_event", "Book a 45 minute budget review with Dana and Sam on May 17th 2026 at 9:30, online."))
 
@@ -197,7 +198,8 @@ def decode_rows(ref: str, status: Status, tries: int = 3) -> dict[str, Any]:
     from runtime.models.lm.engine_answerer import EngineAnswerer
 
     out: dict[str, Any] = {}
-    cfg = LMConfig(backend="engine", model=ref, weights="int4", drafter="none", max_new_tokens=160)
+    cfg = LMConfig(backend="engine", model=ref, weights="int4", drafter="none", max_new_tokens=160,
+                   compile=DECODE_COMPILE)
     loaded = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
     for drafter in ("none", "auto"):
         status(f"grammar: decoding calls with the engine, drafter {drafter}")
