@@ -1,7 +1,8 @@
 """Function calling through the official `openai` SDK (`client.realtime.connect`) against `runtime serve`, answered by
-the real SmolLM2-135M-Instruct on the local engine: session tools, a forced call decoded under the function's JSON
-Schema, its `function_call` item and argument events (each validated strictly against the SDK's models), the
-client's `function_call_output` going back in, and the answer that continues from it."""
+the real SmolLM2-135M-Instruct on the local engine, whose chat template takes no tools (Qwen2.5's own format:
+test_function_calling_qwen.py): session tools, a forced call decoded under the function's JSON Schema, its
+`function_call` item and argument events (each validated strictly against the SDK's models), the client's
+`function_call_output` going back in, and the answer that continues from it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from test_openai_realtime import Conversation
 from weights_common import packaged_or_skip
 
 from runtime.config import load_profile
+from runtime.errors import ConfigError
 from runtime.loaded_models import Models
 from runtime.models.lm import load_answerer
 from runtime.web.server import RealtimeServer
@@ -33,7 +35,12 @@ TIME = {"type": "function", "name": "get_time", "description": "Get the local ti
 @pytest.fixture(scope="module")
 def engine():
     packaged_or_skip("smollm2-135m-instruct")
-    profile = load_profile("demo", overrides=["pipeline.metrics_interval_s=0", "pipeline.turn_detection=none"])
+    overrides = ["pipeline.metrics_interval_s=0", "pipeline.turn_detection=none"]
+    try:  # SmolLM2's own profile: `small` once `demo` answers with Qwen2.5-Coder-1.5B (issue 51)
+        profile = load_profile("small", overrides=overrides)
+    except ConfigError:
+        profile = load_profile("demo", overrides=overrides)
+    assert profile.lm.model == "builtin:smollm2-135m-instruct", profile.lm.model
     with DeviceWorker() as worker:
         answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, device="cpu", dtype="float32")
         yield profile, worker, answerer

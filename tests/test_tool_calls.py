@@ -19,7 +19,7 @@ from runtime.function_tools import ToolUse, parse_tools
 from runtime.models.lm.answering import PastCall
 from runtime.models.lm.json_constraint import JsonGrammars
 from runtime.models.lm.kv_cache import SinkKVCache
-from runtime.models.lm.prompt import prompt_parts, prompt_text
+from runtime.models.lm.prompt import TOOL_RESULTS, prompt_parts, prompt_text
 from runtime.models.lm.tokenizer import load_tokenizer
 from runtime.models.lm.tool_calls import (
     CallText,
@@ -83,7 +83,7 @@ def test_the_tools_go_in_the_head_and_the_exchange_in_the_tail(qwen):
     after = exchange_messages([CALL])
     head, tail = prompt_parts(tokenizer, "Be brief.", "What's the weather?", tools, after)
     system = head[: head.index("<|im_end|>")]
-    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and "<tools>" in system
+    assert system.startswith(f"<|im_start|>system\nBe brief. {TOOL_RESULTS}\n\n# Tools") and "<tools>" in system
     assert json.dumps(tools[0]) in system and '"name": "get_time"' in system  # the chat-completions shape, as is
     assert head.endswith("<|im_start|>user\nTranscript so far:\n")
     assert tail == ("\n\nQuestion: What's the weather?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"

@@ -373,8 +373,10 @@ class EngineSession:
             raise RuntimeError("an answer is already open; end_answer() first")
         ids = self.engine.encode(self.engine.prompt_parts(question, self.tools, after)[1])
         if len(ids) > self.engine.max_question_tokens:  # refused before the pending context costs its prefill
-            raise PromptTooLong(f"the question and the response's instructions need {len(ids)} prompt tokens, more "
-                                f"than the engine's {self.engine.max_question_tokens}; shorten them")
+            what = "the question, the response's instructions and the calls' outputs" if after else (
+                "the question and the response's instructions")
+            raise PromptTooLong(f"{what} need {len(ids)} prompt tokens, more than the engine's "
+                                f"{self.engine.max_question_tokens}; shorten them")
         while self.prefill_step():
             pass
         self.answered_from = self._synced  # the transcript and suffix this answer sees

@@ -34,6 +34,10 @@ HEADINGS = {  # one per kind of memory block, before the first block of that kin
     "retrieved": "\nMoments:",
     "spatial": "\nNow:",
 }
+# Said after the system prompt when functions are offered: a profile's prompt limits answers to what the transcript
+# and the screen say ("... reply: Not known yet"), and a function's output is neither, so without it the 0.5B answered
+# "Not known yet." with the output right before it.
+TOOL_RESULTS = "The functions' results (tool responses) are facts you can answer from too."
 _MARK = "<<runtime:context>>"  # where the transcript goes, while the prompt is cut in two
 
 Content = Callable[[str], str | list[dict[str, str]]]  # a message's text as the template wants it
@@ -84,6 +88,8 @@ def chat_text(tokenizer: PreTrainedTokenizerBase, system_prompt: str, user: str,
     """The chat template applied to a system and a user message, ending with the assistant's header. `tools`
     (chat-completions shape) and `after` (the exchange being continued: an assistant message with `tool_calls`,
     then `tool` messages) go to the template as they are: where and how it writes them is the model's format."""
+    if tools:
+        system_prompt = f"{system_prompt} {TOOL_RESULTS}"
     messages = [{"role": "system", "content": content(system_prompt)}, {"role": "user", "content": content(user)},
                 *after]
     return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)

@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from runtime.function_tools import FunctionTool, ToolUse, chat_tools
 from runtime.models.lm.answering import PastCall
 from runtime.models.lm.json_constraint import JsonConstraint
-from runtime.models.lm.prompt import chat_text, has_chat_template
+from runtime.models.lm.prompt import has_chat_template
 
 _PROBE = {"type": "function", "function": {"name": "runtime_probe_fn", "description": "A probe.", "parameters": {
     "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
@@ -66,13 +66,12 @@ def tool_format(tokenizer: PreTrainedTokenizerBase) -> ToolFormat | None:
     if not has_chat_template(tokenizer):
         return None
     try:
-        offered = chat_text(tokenizer, "S", "U", tools=[_PROBE])
+        asked = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        offered = tokenizer.apply_chat_template(asked, tools=[_PROBE], tokenize=False, add_generation_prompt=True)
         called = tokenizer.apply_chat_template(
-            [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-             {"role": "assistant", "content": "", "tool_calls": [
-                 {"type": "function", "id": "call_1", "function": {"name": "runtime_probe_fn",
-                                                                    "arguments": {"x": "y"}}}]}],
-            tools=[_PROBE], tokenize=False)
+            [*asked, {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "id": "call_1", "function": {"name": "runtime_probe_fn", "arguments": {"x": "y"}}}
+            ]}], tools=[_PROBE], tokenize=False)
     except Exception:  # a template that fails on tools or tool_calls does not take them
         return None
     if "runtime_probe_fn" not in offered or not called.startswith(offered) or _PROBE_CALL not in called:

@@ -1,0 +1,157 @@
+"""Function calling in Qwen2.5's own tool-call format through the official `openai` SDK against `runtime serve`,
+answered by the real Qwen2.5-Coder-0.5B-Instruct on the local engine: the session's tools rendered by the model's
+chat template, `auto` deciding at the first token, the call decoded under its grammar and streamed as a
+`function_call` item with argument events (each event validated strictly against the SDK's models), and the client's
+`function_call_output` going back in as a `tool` message that the answer reads."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import pytest
+from openai import AsyncOpenAI
+from session_fakes import WordASR
+from test_openai_realtime import Conversation
+
+from runtime.config import load_profile
+from runtime.errors import CheckpointNotFound
+from runtime.loaded_models import Models
+from runtime.models.lm import load_answerer
+from runtime.models.loading import resolve_checkpoint
+from runtime.web.server import RealtimeServer
+from runtime.worker import DeviceWorker, Priority
+
+pytestmark = pytest.mark.asyncio
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}
+
+
+def engine_for(model: str, worker: DeviceWorker):
+    try:
+        resolve_checkpoint(f"builtin:{model}", role="lm")
+    except CheckpointNotFound as err:
+        if os.environ.get("CI"):
+            pytest.fail(str(err), pytrace=False)
+        pytest.skip(str(err))
+    profile = load_profile("demo", overrides=[
+        "pipeline.metrics_interval_s=0", "pipeline.turn_detection=none", f"lm.model=builtin:{model}",
+        "lm.weights=native", "lm.grounded=false", "lm.max_new_tokens=48"])
+    answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, device="cpu", dtype="float32")
+    assert answerer.tool_format is not None and answerer.tool_format.opener == "<tool_call>"
+    return profile, worker, answerer
+
+
+@pytest.fixture(scope="module")
+def qwen05():
+    with DeviceWorker() as worker:
+        yield engine_for("qwen2.5-coder-0.5b-instruct", worker)
+
+
+@contextlib.asynccontextmanager
+async def talking(engine):
+    """A server on the engine and one SDK connection to it, past its `session.created`."""
+    profile, worker, answerer = engine
+    server = await RealtimeServer(profile, Models(WordASR(per_item=1000), answerer), worker, port=0).start()
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
+    try:
+        async with client.realtime.connect(model="gpt-realtime") as connection:
+            talk = Conversation(connection)
+            await talk.next("session.created")
+            yield connection, talk
+    finally:
+        await server.stop()
+
+
+async def say(connection, text: str) -> None:
+    await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": text}]})
+
+
+async def weather_call(connection, talk) -> dict:
+    """Under `auto`, "What's the weather in Paris in celsius?" makes a get_weather call with exactly its arguments,
+    streamed as argument deltas, never as text; returns the call item."""
+    await connection.session.update(session={"type": "realtime", "tools": [WEATHER], "tool_choice": "auto"})
+    await talk.next("session.updated")
+    await say(connection, "What's the weather in Paris in celsius?")
+    await connection.response.create()
+    done = await talk.next("response.done", timeout=180)
+    assert done["response"]["status"] == "completed", done["response"]
+    call = done["response"]["output"][0]
+    assert call["type"] == "function_call" and call["name"] == "get_weather", call  # the model chose to call
+    assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "celsius"}, call["arguments"]
+    deltas = "".join(e["delta"] for e in talk.of("response.function_call_arguments.delta"))
+    finished = talk.of("response.function_call_arguments.done")[-1]
+    assert deltas == finished["arguments"] == call["arguments"] and finished["call_id"] == call["call_id"]
+    assert not talk.of("response.output_text.delta")  # the opener, the name and the closer are never text
+    return call
+
+
+async def answer_from_output(connection, talk, call: dict) -> str:
+    """The client ran the call: its output goes back in (a `tool` message), and a `none` response answers."""
+    await connection.conversation.item.create(item={"type": "function_call_output",
+                                                    "call_id": call["call_id"], "output": "18 degrees, sunny"})
+    await talk.next("conversation.item.done")
+    await connection.response.create(response={"tool_choice": "none"})
+    done = await talk.next("response.done", timeout=180)
+    assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
+    message = done["response"]["output"][0]
+    assert message["type"] == "message", message
+    return message["content"][0]["text"]
+
+
+async def test_auto_calls_the_tool_a_question_needs_with_valid_arguments(qwen05):
+    async with talking(qwen05) as (connection, talk):
+        await weather_call(connection, talk)
+
+
+@pytest.mark.xfail(strict=True, reason="measured: Qwen2.5-Coder-0.5B answers 'Not known yet.' (demo's prompt) or writes"
+                   " the call again in a code fence (a helpful-assistant prompt) after the output (docs/llm.md)")
+async def test_the_answer_after_the_output_reads_it(qwen05):
+    async with talking(qwen05) as (connection, talk):
+        text = await answer_from_output(connection, talk, await weather_call(connection, talk))
+        assert "18" in text, text  # "The weather in Paris is 18 degrees and sunny."
+
+
+@pytest.mark.xfail(strict=True, reason="measured: Qwen2.5-Coder-0.5B starts every answer with a call when tools are "
+                   "offered (call starts 0.85 of the first token's mass on 'Say hello.'; docs/llm.md)")
+async def test_auto_answers_a_question_without_a_call_in_text(qwen05):
+    async with talking(qwen05) as (connection, talk):
+        await connection.session.update(session={"type": "realtime", "tools": [WEATHER], "tool_choice": "auto"})
+        await talk.next("session.updated")
+        await say(connection, "Say hello.")
+        await connection.response.create()
+        done = await talk.next("response.done", timeout=180)
+        output = done["response"]["output"]
+        assert [o["type"] for o in output] == ["message"], output
+        text = output[0]["content"][0]["text"]
+        assert text.strip() and "<tool_call>" not in text and not text.lstrip().startswith("{"), text
+        assert not talk.of("response.function_call_arguments.delta")
+
+
+@pytest.fixture(scope="module")
+def qwen15():
+    with DeviceWorker() as worker:
+        yield engine_for("qwen2.5-coder-1.5b-instruct", worker)
+
+
+@pytest.mark.slow  # loading the 1.5B takes minutes on 2 shared cores
+async def test_the_1_5b_calls_in_its_format_when_the_choice_names_the_function_and_answers_from_the_output(qwen15):
+    """The default profile's model: a named function (its `auto` defers to the profile's "Not known yet": docs/llm.md)
+    is called in Qwen's format under the grammar, and the output, back in as a `tool` message, is answered from."""
+    async with talking(qwen15) as (connection, talk):
+        await connection.session.update(session={"type": "realtime", "tools": [WEATHER],
+                                                 "tool_choice": {"type": "function", "name": "get_weather"}})
+        await talk.next("session.updated")
+        await say(connection, "What's the weather in Paris in celsius?")
+        await connection.response.create()
+        done = await talk.next("response.done", timeout=300)
+        call = done["response"]["output"][0]
+        assert call["type"] == "function_call" and call["name"] == "get_weather", call
+        assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "celsius"}
+        text = await answer_from_output(connection, talk, call)
+        assert "18" in text, text
