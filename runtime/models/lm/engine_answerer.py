@@ -124,7 +124,8 @@ class EngineAnswerer:
         self.eos_ids = frozenset(engine.eos_ids)
         self._idle: list[StreamLM] = []
         self._grammars: JsonGrammars | None = None  # built on the first schema: plain answers never import it
-        self._tool_format: ToolFormat | None | bool = False  # False: not looked at yet
+        # read at load (on the worker): the pipeline asks for it on the event loop, and rendering takes ~0.1 s
+        self._tool_format = tool_format(self.tokenizer)
         self._call_starts: torch.Tensor | None = None  # the tokens that start a call (`tool_calls.call_starts`)
 
     @classmethod
@@ -186,9 +187,7 @@ class EngineAnswerer:
     @property
     def tool_format(self) -> ToolFormat | None:
         """How the model's chat template takes tools and writes calls (None: it does not; `tool_calls`)."""
-        if self._tool_format is False:
-            self._tool_format = tool_format(self.tokenizer)
-        return self._tool_format or None
+        return self._tool_format
 
     def _tool_constraint(self, tools: ToolPrompt) -> ToolCallConstraint:
         """`tools.use.choice` as a constraint: auto decides at the first token, a forced choice starts with the
