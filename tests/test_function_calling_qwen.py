@@ -31,7 +31,12 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Get the cu
                "required": ["city", "unit"], "additionalProperties": False}}
 
 
-def engine_for(model: str, worker: DeviceWorker):
+# An assistant's prompt: `demo`'s tells the model to reply "Not known yet" unless the transcript or the screen says,
+# and both models then answer so with the function's output right before them (docs/llm.md)
+ASSISTANT = "You are a helpful assistant. Answer in one short sentence."
+
+
+def engine_for(model: str, worker: DeviceWorker, system_prompt: str | None = None):
     try:
         resolve_checkpoint(f"builtin:{model}", role="lm")
     except CheckpointNotFound as err:
@@ -40,7 +45,8 @@ def engine_for(model: str, worker: DeviceWorker):
         pytest.skip(str(err))
     profile = load_profile("demo", overrides=[
         "pipeline.metrics_interval_s=0", "pipeline.turn_detection=none", f"lm.model=builtin:{model}",
-        "lm.weights=native", "lm.grounded=false", "lm.max_new_tokens=48"])
+        "lm.weights=native", "lm.grounded=false", "lm.max_new_tokens=48",
+        *([f"lm.system_prompt={system_prompt}"] if system_prompt else [])])
     answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, device="cpu", dtype="float32")
     assert answerer.tool_format is not None and answerer.tool_format.opener == "<tool_call>"
     return profile, worker, answerer
@@ -50,6 +56,12 @@ def engine_for(model: str, worker: DeviceWorker):
 def qwen05():
     with DeviceWorker() as worker:
         yield engine_for("qwen2.5-coder-0.5b-instruct", worker)
+
+
+@pytest.fixture(scope="module")
+def qwen15():
+    with DeviceWorker() as worker:
+        yield engine_for("qwen2.5-coder-1.5b-instruct", worker, ASSISTANT)
 
 
 @contextlib.asynccontextmanager
@@ -117,41 +129,53 @@ async def test_the_answer_after_the_output_reads_it(qwen05):
         assert "18" in text, text  # "The weather in Paris is 18 degrees and sunny."
 
 
+async def hello(connection, talk) -> None:
+    await connection.session.update(session={"type": "realtime", "tools": [WEATHER], "tool_choice": "auto"})
+    await talk.next("session.updated")
+    await say(connection, "Say hello.")
+    await connection.response.create()
+    done = await talk.next("response.done", timeout=180)
+    output = done["response"]["output"]
+    assert [o["type"] for o in output] == ["message"], output
+    text = output[0]["content"][0]["text"]
+    assert text.strip() and "<tool_call>" not in text and not text.lstrip().startswith("{"), text
+    assert not talk.of("response.function_call_arguments.delta")
+
+
 @pytest.mark.xfail(strict=True, reason="measured: Qwen2.5-Coder-0.5B starts every answer with a call when tools are "
                    "offered (call starts 0.85 of the first token's mass on 'Say hello.'; docs/llm.md)")
 async def test_auto_answers_a_question_without_a_call_in_text(qwen05):
     async with talking(qwen05) as (connection, talk):
-        await connection.session.update(session={"type": "realtime", "tools": [WEATHER], "tool_choice": "auto"})
-        await talk.next("session.updated")
-        await say(connection, "Say hello.")
-        await connection.response.create()
-        done = await talk.next("response.done", timeout=180)
-        output = done["response"]["output"]
-        assert [o["type"] for o in output] == ["message"], output
-        text = output[0]["content"][0]["text"]
-        assert text.strip() and "<tool_call>" not in text and not text.lstrip().startswith("{"), text
-        assert not talk.of("response.function_call_arguments.delta")
+        await hello(connection, talk)
 
 
-@pytest.fixture(scope="module")
-def qwen15():
-    with DeviceWorker() as worker:
-        yield engine_for("qwen2.5-coder-1.5b-instruct", worker)
+async def named_weather_call(connection, talk) -> dict:
+    await connection.session.update(session={"type": "realtime", "tools": [WEATHER],
+                                             "tool_choice": {"type": "function", "name": "get_weather"}})
+    await talk.next("session.updated")
+    await say(connection, "What's the weather in Paris in celsius?")
+    await connection.response.create()
+    done = await talk.next("response.done", timeout=300)
+    call = done["response"]["output"][0]
+    assert call["type"] == "function_call" and call["name"] == "get_weather", call
+    assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    return call
 
 
-@pytest.mark.slow  # loading the 1.5B takes minutes on 2 shared cores
-async def test_the_1_5b_calls_in_its_format_when_the_choice_names_the_function_and_answers_from_the_output(qwen15):
-    """The default profile's model: a named function (its `auto` defers to the profile's "Not known yet": docs/llm.md)
-    is called in Qwen's format under the grammar, and the output, back in as a `tool` message, is answered from."""
+async def test_a_named_function_is_called_in_the_template_format(qwen05):
+    async with talking(qwen05) as (connection, talk):
+        await named_weather_call(connection, talk)
+
+
+@pytest.mark.slow  # loading the 1.5B takes 1.5-2 minutes on 2 shared cores; the test itself about 30 s
+async def test_the_1_5b_calls_when_a_question_needs_it_and_answers_from_the_output(qwen15):
     async with talking(qwen15) as (connection, talk):
-        await connection.session.update(session={"type": "realtime", "tools": [WEATHER],
-                                                 "tool_choice": {"type": "function", "name": "get_weather"}})
-        await talk.next("session.updated")
-        await say(connection, "What's the weather in Paris in celsius?")
-        await connection.response.create()
-        done = await talk.next("response.done", timeout=300)
-        call = done["response"]["output"][0]
-        assert call["type"] == "function_call" and call["name"] == "get_weather", call
-        assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "celsius"}
-        text = await answer_from_output(connection, talk, call)
-        assert "18" in text, text
+        text = await answer_from_output(connection, talk, await weather_call(connection, talk))
+        assert "18" in text, text  # measured: "The weather in Paris is 18 degrees, sunny."
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured: the 1.5B calls get_weather for London on 'Say hello.' (docs/llm.md)")
+async def test_the_1_5b_answers_hello_in_text(qwen15):
+    async with talking(qwen15) as (connection, talk):
+        await hello(connection, talk)

@@ -226,17 +226,17 @@ class EngineSession:
         gives up the slots, so the cache and the compiled step keep their shapes) and is never evicted. Not during
         an answer."""
         head = self.engine.head_for(tools)
-        self.tools = tools
         if head == self.head:
+            self.tools = tools
             return
         if self.cache.answering:
             raise RuntimeError("the tools do not change during an answer")
-        self.head = head
         need = len(self.engine.encode(head))
+        if need > self.engine.window // 2:  # refused before anything changes
+            raise PromptTooLong(f"the tools' descriptions take {need} prompt tokens with the system prompt, more "
+                                f"than half the engine's window of {self.engine.window}; declare fewer or shorter")
+        self.head, self.tools = head, tools
         if need > self.cache.sink:
-            if need > self.engine.window // 2:
-                raise PromptTooLong(f"the tools' descriptions take {need} prompt tokens with the system prompt, more "
-                                    f"than half the engine's window of {self.engine.window}; declare fewer or shorter")
             self._restart_source(0)
             self.cache.resplit(need)
             self._graph = None
