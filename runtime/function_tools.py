@@ -7,8 +7,10 @@ the client runs it and sends a `function_call_output` item, and the next `respon
 
 Two backends make calls differently, and both read these types:
 - a remote server (`lm.backend = openai`) gets them as chat-completions `tools` (`chat_tools`, `chat_tool_choice`);
-- the local engine decodes a forced call's arguments under the function's schema (`arguments_schema`), so even a
-  135M model's call is valid JSON; with `auto` it answers in text (a small model is a poor judge of when to call).
+- the local engine, on a model whose chat template takes tools (Qwen2.5's), prompts and calls in that template's
+  format and lets the model decide under `auto` (`models/lm/tool_calls.py`); on one whose template ignores them
+  (SmolLM2's) it decodes a forced call's arguments under the function's schema (`arguments_schema`), so even a
+  135M model's call is valid JSON, and with `auto` answers in text (a 135M model is a poor judge of when to call).
 """
 
 from __future__ import annotations
