@@ -14,9 +14,10 @@ model is served in, each side by side with llama.cpp on the same file in the sam
 - the speculative-decoding table (`llm_spec.py`), with the 0.5B as a draft model when it is installed, and
   llama.cpp's own prompt-lookup decoding as the peer.
 
-`--quick` keeps every row on less (`QUICK`): fewer tokens and trials, a 512-token think-while-reading, one prompt
-per task, and eager steps (compiling a format costs 16-19 s here and gains about a tenth of decode speed at 1
-thread; the full run compiles, as `lm.compile = auto` serves a plain decode).
+`--quick` keeps every row on less (`QUICK`, about 3 minutes on 2 cores): 12 decoded tokens a run, a 64-token
+prefill, 2 trials (1 in the AVX2 child), a 256-token think-while-reading, one prompt per task at 2 threads, and
+eager steps (compiling a format costs 16-19 s here and gains about a tenth of decode speed at 1 thread; the full
+run compiles, as `lm.compile = auto` serves a plain decode). Its ratios are noisier than the full run's.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ ROWS = {"native": ("native", "runtime", True), "int4": ("int4", "runtime", True)
 class Plan:
     """How much each row measures: `decode_tokens` per decode run, a `prefill_tokens` transcript, `trials` pairs
     per thread count (`avx2_trials` in the AVX2 child), think-while-reading after each of `ttft_tokens`, the
-    speculative table's answers (`spec_tokens`, `spec_prompts` per task), and whether steps compile. Decode rows
+    speculative table's answers (`spec_tokens`, `spec_prompts` per task, at `spec_threads`: the quick table's
+    prompts prefill twice as fast on both cores), and whether steps compile. Decode rows
     answer a question about the first `context_lines` lines of the meeting (a shorter prompt to prefill first)."""
     decode_tokens: int
     context_lines: int
@@ -68,13 +70,14 @@ class Plan:
     ttft_tokens: tuple[int, ...]
     spec_tokens: int
     spec_prompts: int
+    spec_threads: int
     compile: bool
 
 
-QUICK = Plan(decode_tokens=16, context_lines=1, prefill_tokens=128, trials=2, avx2_trials=1, ttft_tokens=(384,),
-             spec_tokens=16, spec_prompts=1, compile=False)
-FULL = Plan(decode_tokens=64, context_lines=3, prefill_tokens=1000, trials=5, avx2_trials=3, ttft_tokens=(2048, 4096),
-            spec_tokens=64, spec_prompts=2, compile=True)
+QUICK = Plan(decode_tokens=12, context_lines=1, prefill_tokens=64, trials=2, avx2_trials=1, ttft_tokens=(256,),
+             spec_tokens=12, spec_prompts=1, spec_threads=2, compile=False)
+FULL = Plan(decode_tokens=64, context_lines=3, prefill_tokens=1000, trials=3, avx2_trials=2, ttft_tokens=(2048, 4096),
+            spec_tokens=48, spec_prompts=2, spec_threads=1, compile=True)
 
 
 def decode_context(plan: Plan) -> str:
@@ -133,7 +136,7 @@ def llama_prefill_tok_s(file: Path, ids: list[int], threads: int) -> float:
     t = time.perf_counter()
     llm.eval(ids)
     rate = len(ids) / (time.perf_counter() - t)
-    del llm
+    llm.close()  # its threads go now, not when the garbage collector finds it: idle ones slowed the next run
     return rate
 
 
@@ -211,7 +214,7 @@ def llama_cold_ttft_ms(file: Path, ids: list[int], threads: int = 2) -> float:
     next(gen)
     seconds = time.perf_counter() - t
     gen.close()
-    del llm
+    llm.close()  # its threads go now, not when the garbage collector finds it: idle ones slowed the next run
     return seconds * 1000
 
 
@@ -277,9 +280,12 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         out["avx2_forced"] = avx2_child(ref, best, plan, status)
     out["think_while_reading"] = think_while_reading(ref, engine, file, list(plan.ttft_tokens), status)
     draft = DRAFT if ref != DRAFT else None
+    torch.set_num_threads(plan.spec_threads)
     out["speculative"] = spec_table(ref, best, quick=quick, status=status, loaded=engine, draft_model=draft,
                                     tokens=plan.spec_tokens, prompts_per_task=plan.spec_prompts,
                                     compile_mode=_compile(plan, True), llama_file=file if peer else None)
+    out["speculative"]["threads"] = plan.spec_threads
+    torch.set_num_threads(1)
     out["targets"] = _targets(out)
     out["machine"] = machine("cpu", "bfloat16 activations; weights per row", 1)
     return out

@@ -143,7 +143,8 @@ def llama_cpp_speculative(file: Path, prompts: dict[str, list[list[int]]], n: in
             out[task] = {"tokens": sum(map(len, look_out)), "plain_seconds": round(plain_s, 3),
                          "prompt_lookup_seconds": round(look_s, 3),
                          "speedup": round(plain_s / look_s, 3), "identical": plain_out == look_out}
-        del plain, lookup
+        plain.close()
+        lookup.close()
     except Exception as err:  # the peer's failure is its row, never the bench's end
         out["skipped"] = f"llama.cpp failed: {type(err).__name__}: {err}"
     return out
