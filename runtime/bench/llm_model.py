@@ -269,7 +269,7 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         status("note: --threads and --dtype are not used: every row is measured at 1 and 2 threads, and each "
                "weight format sets its own dtype")
     ref = args.model
-    n = 32 if args.quick else 96
+    n = 16 if args.quick else 96
     path = resolve_checkpoint(ref, role="lm")
     out: dict[str, Any] = {"bench": "llm", "model": ref, "quick": args.quick, "decode_tokens": n}
     status("copy bandwidth")

@@ -60,7 +60,7 @@ def _run(answerer: EngineAnswerer, prompts: list[tuple[str, str]]) -> tuple[list
 
 def spec_tokens(quick: bool) -> int:
     """The answer length of each prompt (`max_new_tokens`) in the small model's bench."""
-    return 40 if quick else 128
+    return 24 if quick else 128
 
 
 def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], None],
