@@ -73,10 +73,11 @@ def test_quick_run_end_to_end(capsys) -> None:
     assert all(q["answer_in_context"] for q in result["questions"] if q["kind"] in ("realtime", "backward"))
     assert result["accuracy"]["not_yet"]["answer_in_context"] is None
     assert 0 <= talk["narration_wer"] < 100
-    # the profile answers grounded: the question nothing by 14 s mentions is answered without the model, and only it
-    assert result["answering"] == {"grounded": True, "answers_in_context": False}
-    assert [(q["kind"], q["not_heard"]) for q in result["questions"] if q["not_heard"]] == [
-        ("not_yet", ["public", "release"])]
+    # the default profile is not grounded: every question goes to the 1.5B, which says itself what is not known yet
+    # (the release date, on a slide shown only after 14 s: measured "Not known yet." in every run)
+    assert result["answering"] == {"grounded": False, "answers_in_context": False}
+    assert not any(q["not_heard"] for q in result["questions"])
+    assert all("not known" in q["answer"].lower() for q in result["questions"] if q["kind"] == "not_yet")
     assert "Assistant:" not in talk["context"] and "] User: When is the public release?" in talk["context"]
     assert set(result["targets"]) == {"realtime_accuracy", "backward_accuracy", "speech_screen_accuracy",
                                       "not_yet_accuracy", "ocr_cpu_s_per_video_s"}

@@ -251,7 +251,8 @@ async def test_cancel_clear_delete_and_a_refused_field_keep_the_session(turn_mod
 @pytest.mark.slow
 async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped_models(tmp_path):
     """The default profile's real models (Whisper tiny.en two-pass, Qwen2.5-Coder-1.5B-Instruct, Silero VAD) behind
-    the SDK: a statement, then a spoken question; turn detection commits each and answers the question from the first."""
+    the SDK: a statement, then a spoken question; turn detection commits each and answers the question from the
+    first."""
     from runtime.config import load_profile
     from runtime.loaded_models import load_models
     from runtime.train.synthesizers import Voice, resample, synthesize
