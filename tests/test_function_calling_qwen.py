@@ -6,30 +6,19 @@ chat template, `auto` deciding at the first token, the call decoded under its gr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
 import pytest
-from openai import AsyncOpenAI
-from session_fakes import WordASR
-from test_openai_realtime import Conversation
+from test_function_calling import WEATHER, say, talking
 
 from runtime.config import load_profile
 from runtime.errors import CheckpointNotFound
-from runtime.loaded_models import Models
 from runtime.models.lm import load_answerer
 from runtime.models.loading import resolve_checkpoint
-from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker, Priority
 
 pytestmark = pytest.mark.asyncio
-
-WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
-           "parameters": {"type": "object", "properties": {
-               "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-               "required": ["city", "unit"], "additionalProperties": False}}
-
 
 # An assistant's prompt: `demo`'s tells the model to reply "Not known yet" unless the transcript or the screen says,
 # and both models then answer so with the function's output right before them (docs/llm.md)
@@ -62,26 +51,6 @@ def qwen05():
 def qwen15():
     with DeviceWorker() as worker:
         yield engine_for("qwen2.5-coder-1.5b-instruct", worker, ASSISTANT)
-
-
-@contextlib.asynccontextmanager
-async def talking(engine):
-    """A server on the engine and one SDK connection to it, past its `session.created`."""
-    profile, worker, answerer = engine
-    server = await RealtimeServer(profile, Models(WordASR(per_item=1000), answerer), worker, port=0).start()
-    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1")
-    try:
-        async with client.realtime.connect(model="gpt-realtime") as connection:
-            talk = Conversation(connection)
-            await talk.next("session.created")
-            yield connection, talk
-    finally:
-        await server.stop()
-
-
-async def say(connection, text: str) -> None:
-    await connection.conversation.item.create(item={"type": "message", "role": "user", "content": [
-        {"type": "input_text", "text": text}]})
 
 
 async def weather_call(connection, talk) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_function_calling import TIME, WEATHER
 from weights_common import packaged_or_skip
 
 from runtime.errors import CheckpointNotFound
@@ -32,12 +33,6 @@ from runtime.models.lm.tool_calls import (
 )
 from runtime.models.loading import resolve_checkpoint
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
-           "parameters": {"type": "object", "properties": {
-               "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-               "required": ["city", "unit"], "additionalProperties": False}}
-TIME = {"type": "function", "name": "get_time", "description": "Get the local time in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 TOOLS = parse_tools([WEATHER, TIME], "tools")
 CALL = PastCall("call_1", "get_weather", '{"city": "Paris", "unit": "celsius"}', "18 degrees, sunny")
 
