@@ -9,8 +9,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError
-from runtime.models.lm.drafter_choice import AutoDrafter, greedy_accepted, make_drafter
+from runtime.models.lm.drafter_choice import AutoDrafter, greedy_accepted, make_drafter, matched_path
 from runtime.models.lm.drafters import (
+    Draft,
     DraftModelDrafter,
     NgramDrafter,
     TokenRecyclingDrafter,
@@ -224,16 +225,60 @@ def test_greedy_acceptance_of_a_scored_tree():
     assert greedy_accepted([9, 4], [-1, 0], logits) == 0
 
 
-def test_auto_learns_which_candidate_the_target_accepts():
-    """A candidate whose drafts the target keeps rejecting loses its turn to one whose drafts are accepted."""
-    d = AutoDrafter(20, wide_trees=False)
-    ctx = [3, 4, 5, 6, 3, 4]
-    for _ in range(30):
-        draft = d.propose(ctx, 5, 3)  # the copy proposes 6, 3, 4 (5 followed 3, 4 before)
-        assert draft.tokens
-        tokens, parents = [5, *draft.tokens], [-1, *[p + 1 for p in draft.parents]]
-        logits = torch.zeros(len(tokens), 20)
-        logits[:, 11] = 1  # the target wants 11 after everything: every copy is rejected at once
-        d.observe(tokens, parents, logits)
-    # the tri-gram table learned "11 after (4, 5)" from those trees, its drafts are accepted, and it goes first
-    assert d.rate["trigram"] > 0.5 > d.rate["ngram"]
+class Scripted:
+    """A candidate that knows the answer (`ANSWER`) and drafts it right, or wrong from a given step on."""
+
+    def __init__(self, right: bool, quiet_after: int | None = None) -> None:
+        self.right, self.quiet_after, self.asked = right, quiet_after, 0
+
+    def propose(self, context, pending, budget):
+        self.asked += 1
+        if self.quiet_after is not None and self.asked > self.quiet_after:
+            return Draft([], [])
+        at = len(context) + 1
+        guess = ANSWER[at : at + budget] if self.right else [99] * budget
+        return Draft(list(guess), list(range(-1, len(guess) - 1)))
+
+    def observe(self, tokens, parents, logits):
+        pass
+
+    def reset(self):
+        pass
+
+
+ANSWER = list(range(1, 200))
+
+
+def test_auto_learns_which_candidate_the_target_accepts_from_what_was_decoded():
+    """Each candidate's proposals are scored against the tokens decoded after them, chosen or not: a candidate
+    whose drafts the answer never follows loses its turn to one whose drafts it does, even from behind."""
+    wrong, right = Scripted(right=False), Scripted(right=True)
+    auto = AutoDrafter(200, candidates={"wrong": wrong, "right": right})  # "wrong" starts first (optimistic)
+    picks = []
+    for i in range(1, 40):
+        draft = auto.propose(ANSWER[:i], ANSWER[i], 3)
+        picks.append("right" if draft.tokens == ANSWER[i + 1 : i + 4] else "wrong")
+    assert picks[0] == "wrong" and picks[-10:] == ["right"] * 10
+    assert auto.gain["right"] > 2.5 and auto.gain["wrong"] < 0.5
+    assert auto.scored["wrong"] > 30 and auto.scored["right"] > 30  # the unchosen one was scored all along
+
+
+def test_auto_uses_the_next_best_when_the_best_has_nothing_and_forgets_other_contexts():
+    copy, table = Scripted(right=True, quiet_after=19), Scripted(right=False)
+    auto = AutoDrafter(200, candidates={"copy": copy, "table": table})
+    for i in range(1, 20):
+        assert auto.propose(ANSWER[:i], ANSWER[i], 3).tokens == ANSWER[i + 1 : i + 4]
+    assert auto.propose(ANSWER[:30], ANSWER[30], 3).tokens == [99, 99, 99]  # the copy is quiet: the table's turn
+    gain = dict(auto.gain)
+    auto.propose([7, 7], 7, 3)  # another answer: the waiting proposals cannot be scored against it
+    assert auto.gain == gain and not any(auto._waiting[name] and auto._waiting[name][0].start < 3
+                                         for name in auto.candidates)
+
+
+def test_a_proposal_is_scored_by_the_levels_the_decoded_tokens_follow():
+    tree = Draft([5, 6, 7, 8], [-1, 0, 0, 2])  # 5, then 6 or 7, and 8 below 7
+    assert matched_path(tree, [5, 7, 8, 1]) == (3, True)  # down to the leaf
+    assert matched_path(tree, [5, 9]) == (1, True)  # the tree has no 9 below 5
+    assert matched_path(tree, [5, 7]) == (2, False)  # 8 may still come: not decided yet
+    assert matched_path(tree, [4]) == (0, True)
+    assert matched_path(Draft([], []), []) == (0, True)

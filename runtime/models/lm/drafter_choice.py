@@ -3,13 +3,19 @@
 `auto` exists because no drafter wins everywhere (runtime bench llm --model ...: on answers that quote the
 transcript n-gram copies and tri-gram chains accept 2 tokens a step; in open chat nothing accepts much; Token
 Recycling's wide trees pay on a GPU and cost more than they save on 2 CPU cores). So it keeps the candidates
-that suit the device, learns from every verified tree how many of each one's proposed nodes the target
-accepted, and proposes with the best, trying the others now and then so the estimates stay current.
+that suit the device, asks each of them at every step, and proposes with the one whose proposals would have been
+accepted most. "Would have been": each candidate's proposal is scored against the tokens the answer went on to
+decode (the target's own choices), whichever candidate's tree was verified, so every estimate stays current without
+spending verification on the losers. An earlier `auto` scored only the proposal it verified: once the tri-gram
+table's always-available drafts ranked first they shadowed the copy, and `auto` fell to 1.38x where the copy alone
+gave 1.82x on transcript answering (docs/llm.md).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +33,8 @@ from runtime.models.lm.drafters import (
 )
 from runtime.models.lm.target import Target
 
-EXPLORE_EVERY = 16  # every 16th proposal goes to a candidate other than the current best
+OUTSTANDING = 64  # proposals per candidate waiting for the decoded tokens that score them (bounded)
+KEY = 4  # tokens before a proposal's first position that must still be there when it is scored
 
 
 def greedy_accepted(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> int:
@@ -41,50 +48,94 @@ def greedy_accepted(tokens: Sequence[int], parents: Sequence[int], logits: torch
         node, accepted = child, accepted + 1
 
 
+def matched_path(draft: Draft, decoded: Sequence[int]) -> tuple[int, bool]:
+    """How many levels of `draft` (a tree below the pending token) follow `decoded` (the tokens after the pending
+    one, as far as they are known), and whether that is final: the walk stopped at a token the tree does not
+    hold, or at a leaf, rather than at the end of what is known."""
+    node, depth = -1, 0
+    while True:
+        kids = [i for i, parent in enumerate(draft.parents) if parent == node]
+        if not kids:
+            return depth, True
+        if depth >= len(decoded):
+            return depth, False
+        node = next((i for i in kids if draft.tokens[i] == decoded[depth]), -2)
+        if node == -2:
+            return depth, True
+        depth += 1
+
+
+@dataclass
+class _Proposal:
+    start: int  # index in the sequence (context + pending) of the first token it guesses
+    key: tuple[int, ...]  # the sequence's last KEY tokens before `start` when it was made
+    draft: Draft
+
+
 class AutoDrafter:
     """`auto`: the n-gram copy, the tri-gram table and (where wide trees are cheap to verify: `wide_trees`, a
-    GPU) Token Recycling, chosen per proposal by measured acceptance: an exponential average, per candidate,
-    of accepted draft tokens per proposed node (a node costs verification time whether accepted or not). A
-    candidate with nothing to propose is skipped. Every candidate learns from every verified tree."""
+    GPU) Token Recycling. At each step every candidate proposes; each proposal is later scored by how many of its
+    levels the decoded answer followed (`matched_path`), and `auto` returns the proposal of the candidate with the
+    highest expected accepted tokens per proposal (an exponential average, per candidate, over its scored
+    proposals), ties to the earlier candidate. A candidate with nothing to propose is skipped; when none proposes,
+    the step is plain. Every candidate also learns from every verified tree (`observe`)."""
 
     def __init__(self, vocab_size: int, ngram: NgramDrafter | None = None, wide_trees: bool = True,
-                 decay: float = 0.9) -> None:
-        self.candidates: dict[str, Drafter] = {"ngram": ngram or NgramDrafter(), "trigram": TrigramDrafter()}
-        if wide_trees:
-            self.candidates["recycling"] = TokenRecyclingDrafter(vocab_size)
+                 decay: float = 0.9, candidates: dict[str, Drafter] | None = None) -> None:
+        """`candidates`: the drafters to choose among, in tie-breaking order (default: see the class doc)."""
+        if candidates is None:
+            candidates = {"ngram": ngram or NgramDrafter(), "trigram": TrigramDrafter()}
+            if wide_trees:
+                candidates["recycling"] = TokenRecyclingDrafter(vocab_size)
+        self.candidates = candidates
         self.decay = decay
         self.reset_estimates()
-        self._last: tuple[str, int] | None = None  # (candidate, nodes) of the proposal being verified
 
     def reset_estimates(self) -> None:
-        # optimistic start: the copy first (it is free and long when it matches), then the others
-        self.rate = {name: 1.0 if name == "ngram" else 0.5 for name in self.candidates}
-        self.proposals = 0
+        # optimistic start for the copy (free, and long when it matches), modest for the others
+        self.gain = {name: 2.0 if i == 0 else 0.5 for i, name in enumerate(self.candidates)}
+        self.scored = dict.fromkeys(self.candidates, 0)
+        self.chosen = dict.fromkeys(self.candidates, 0)
+        self._waiting: dict[str, deque[_Proposal]] = {name: deque() for name in self.candidates}
 
-    def _order(self) -> list[str]:
-        ranked = sorted(self.candidates, key=lambda name: -self.rate[name])
-        if self.proposals % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            ranked = ranked[1:] + ranked[:1]
-        return ranked
+    def _score(self, seq: Sequence[int]) -> None:
+        """Score the waiting proposals that the decoded tokens now decide; drop those of another context."""
+        for name, waiting in self._waiting.items():
+            while waiting:
+                prop = waiting[0]
+                if len(seq) < prop.start or tuple(seq[max(0, prop.start - KEY) : prop.start]) != prop.key:
+                    waiting.popleft()  # the context moved on (a new answer): it can no longer be scored
+                    continue
+                accepted, final = matched_path(prop.draft, seq[prop.start :])
+                if not final:
+                    break  # later proposals start later still: none of them is decided either
+                waiting.popleft()
+                self.gain[name] = self.decay * self.gain[name] + (1 - self.decay) * accepted
+                self.scored[name] += 1
 
     def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
-        self.proposals += 1
-        self._last = None
-        for name in self._order():  # the first with something to propose; the others catch up on the context
-            draft = self.candidates[name].propose(context, pending, budget)  # incrementally when next asked
-            if draft.tokens:
-                self._last = (name, len(draft.tokens))
-                return draft
-        return EMPTY
+        seq = [*context, pending]
+        self._score(seq)
+        start, key = len(seq), tuple(seq[-KEY:])
+        best: tuple[float, str, Draft] | None = None
+        for name, drafter in self.candidates.items():  # every candidate keeps up with the context
+            draft = drafter.propose(context, pending, budget)
+            if not draft.tokens:
+                continue
+            waiting = self._waiting[name]
+            waiting.append(_Proposal(start, key, draft))
+            if len(waiting) > OUTSTANDING:
+                waiting.popleft()
+            if best is None or self.gain[name] > best[0]:
+                best = (self.gain[name], name, draft)
+        if best is None:
+            return EMPTY
+        self.chosen[best[1]] += 1
+        return best[2]
 
     def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
         for drafter in self.candidates.values():
             drafter.observe(tokens, parents, logits)
-        if self._last is not None and len(tokens) > 1:
-            name, nodes = self._last
-            rate = greedy_accepted(tokens, parents, logits) / max(1, nodes)
-            self.rate[name] = self.decay * self.rate[name] + (1 - self.decay) * rate
-        self._last = None
 
     def reset(self) -> None:
         for drafter in self.candidates.values():
