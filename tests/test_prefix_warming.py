@@ -129,3 +129,34 @@ async def test_a_warm_up_in_flight_is_given_up_when_a_question_comes():
     assert remote.cancelled == 1 and warmer.cancelled == 1 and not warmer.caught_up and warmer.failed == 0
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+class Slow(Recorder):
+    """A server whose warm-ups take `delay_s`: the session's prefix was not in its cache, or it is busy."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.done: list[float] = []
+
+    async def warm(self, context: str, tools: object = None) -> None:
+        await super().warm(context, tools)
+        await asyncio.sleep(self.delay_s)
+        self.done.append(time.monotonic())
+
+
+@pytest.mark.asyncio
+async def test_slow_warm_ups_take_at_most_their_duty_share_of_the_time():
+    """Warm-ups of 0.1 s at an interval of 0.05 s: each next one waits 0.9 s (DUTY = 0.1), not the interval."""
+    from runtime.pipeline.prefix_warming import DUTY
+
+    conversation, changes, remote = Conversation(), ContextChanges(), Slow(0.1)
+    warmer = PrefixWarmer(remote, conversation, changes, AnswerActivity(), interval_s=0.05)
+    task = asyncio.create_task(warmer.run())
+    for i in range(40):  # changes keep coming for 2 s
+        say(conversation, changes, i)
+        await asyncio.sleep(0.05)
+    task.cancel()
+    assert 2 <= len(remote.sent) <= 3  # at 0.05 s apart it would have been about 13
+    rests = [start - end for end, (start, _) in zip(remote.done, remote.sent[1:], strict=False)]
+    assert rests and all(rest >= 0.1 * (1 / DUTY - 1) - 0.02 for rest in rests), rests

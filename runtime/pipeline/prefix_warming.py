@@ -7,7 +7,13 @@ When a question comes, the server finds the transcript cached and prefills only 
 
 Bounded by construction: one request in flight per session, none while an answer streams (the server's slot is
 the answer's then; a warm-up in flight when a question comes is given up), and changes coalesce
-(`ContextChanges`), so a burst of transcript deltas costs one request.
+(`ContextChanges`), so a burst of transcript deltas costs one request. And a session's warm-ups take at most
+`DUTY` of its time: after a warm-up of d seconds the next waits d * (1 / DUTY - 1). A warm-up is short when the
+server's cache held the session's prefix; a long one means it did not (another session's prompt took the server's
+slot: llama.cpp's Python server has one) or that the server is busy, and then warming again soon only queues
+in front of the answers. Measured in the fleet test (six sessions on one single-slot llama.cpp server, every
+2 s): each warm-up evicted another session's prefix and re-read about 1,000 tokens (10 s), and an answer waited
+behind them for over a minute.
 A failed warm-up is counted and otherwise ignored: it only costs the next question its cache, and the answer
 itself reports a server that is down.
 """
@@ -24,6 +30,8 @@ from runtime.memory.conversation import Conversation
 from runtime.session_state import AnswerActivity, ContextChanges, SessionSettings
 
 log = logging.getLogger(__name__)
+
+DUTY = 0.1  # the share of a session's time its warm-ups may take (module doc)
 
 
 class Warming(Protocol):
@@ -42,6 +50,7 @@ class PrefixWarmer:
         self.cancelled = 0  # warm-ups given up because a question came
         self._warmed = ""  # the context the server last cached
         self._last = -float("inf")  # monotonic time of the last request
+        self._rested = -float("inf")  # monotonic time until which the last warm-up's duty pause lasts
 
     @property
     def caught_up(self) -> bool:
@@ -53,7 +62,8 @@ class PrefixWarmer:
             return
         while True:
             await self.changes.wait()
-            await asyncio.sleep(max(0.0, self._last + self.interval_s - time.monotonic()))
+            await asyncio.sleep(max(0.0, self._last + self.interval_s - time.monotonic(),
+                                    self._rested - time.monotonic()))
             await self.activity.idle()  # the answer's own prompt refreshes the cache; wait for it to end
             context = self.conversation.context()
             if not context or context == self._warmed:
@@ -70,6 +80,8 @@ class PrefixWarmer:
                 if not warm.done():  # a question came (or the session stops): its own request goes first, and
                     warm.cancel()    # a server that aborts a request whose client left frees its slot for it
                     warm.add_done_callback(_retrieved)
+                took = time.monotonic() - self._last
+                self._rested = time.monotonic() + took * (1 / DUTY - 1)
             if not warm.done():
                 self.cancelled += 1
                 continue
