@@ -62,9 +62,27 @@ def worker():
         yield w
 
 
+# `make test` runs the suite in two phases (docs/testing.md): everything but the tests marked `realtime` on both
+# cores, then those alone, one at a time, with the machine to themselves. A realtime test paces media at real time
+# under time-outs (servers, browsers, a fleet); beside another worker's load one in three runs timed out.
+PHASE = os.environ.get("RUNTIME_TEST_PHASE", "")  # "" (every test), "parallel" or "realtime"
+if PHASE not in ("", "parallel", "realtime"):
+    raise pytest.UsageError(f"RUNTIME_TEST_PHASE={PHASE!r}: expected parallel or realtime (or unset: every test)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests marked `slow` first, each kept in its place among them: under xdist they start while the short
-    ones fill the other worker, instead of one landing last and holding the run's end on a single core."""
+    """The phase's tests only; the tests marked `slow` first, each kept in its place among them: under xdist they
+    start while the short ones fill the other worker, instead of one landing last and holding the run's end on a
+    single core. Run together under xdist (no phase), the realtime tests share one group: one at a time."""
+    if PHASE:
+        ours = [(item.get_closest_marker("realtime") is not None) == (PHASE == "realtime") for item in items]
+        if not all(ours):
+            config.hook.pytest_deselected(items=[item for item, mine in zip(items, ours, strict=True) if not mine])
+            items[:] = [item for item, mine in zip(items, ours, strict=True) if mine]
+    for item in items:
+        if item.get_closest_marker("realtime") is not None:
+            item.add_marker(pytest.mark.xdist_group("realtime"))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

@@ -9,8 +9,8 @@ import pytest
 from runtime.bench import serve
 from runtime.cli import main
 
-# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
-pytestmark = pytest.mark.xdist_group("realtime")
+# paced in real time with time-outs: `make test` runs these alone, after the rest (docs/testing.md)
+pytestmark = pytest.mark.realtime
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ from cli_common import one_error_line, run_cli
 from runtime.bench import demo_sentences
 from runtime.bench.turn_accounting import Ev, TurnMarks, account, summarize
 
-# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
-pytestmark = pytest.mark.xdist_group("realtime")
+# paced in real time with time-outs: `make test` runs these alone, after the rest (docs/testing.md)
+pytestmark = pytest.mark.realtime
 
 
 @pytest.mark.slow

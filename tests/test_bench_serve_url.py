@@ -16,8 +16,8 @@ from runtime.bench.serve import _Server
 from runtime.bench.serve_url import base_url
 from runtime.errors import UserError
 
-# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
-pytestmark = pytest.mark.xdist_group("realtime")
+# paced in real time with time-outs: `make test` runs these alone, after the rest (docs/testing.md)
+pytestmark = pytest.mark.realtime
 
 
 def metric(port: int, name: str) -> float:

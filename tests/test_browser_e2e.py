@@ -25,8 +25,8 @@ from runtime.session_builder import open_session
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker, Priority
 
-# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
-pytestmark = pytest.mark.xdist_group("realtime")
+# paced in real time with time-outs: `make test` runs these alone, after the rest (docs/testing.md)
+pytestmark = pytest.mark.realtime
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

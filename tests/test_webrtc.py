@@ -19,8 +19,8 @@ from test_web_server import tiny, wait_until  # noqa: F401  (the module-scoped m
 from runtime.io.sample import demo_speech, render_frame
 from runtime.web.server import RealtimeServer
 
-# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
-pytestmark = pytest.mark.xdist_group("realtime")
+# paced in real time with time-outs: `make test` runs these alone, after the rest (docs/testing.md)
+pytestmark = pytest.mark.realtime
 
 
 class SpeechTrack(MediaStreamTrack):

@@ -18,8 +18,8 @@ from runtime.session_builder import open_session
 from runtime.session_state import TransportStats
 from runtime.web.webrtc import INBOX_MESSAGES, WebRTCPeer, next_sample_due
 
-# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
-pytestmark = pytest.mark.xdist_group("realtime")
+# paced in real time with time-outs: `make test` runs these alone, after the rest (docs/testing.md)
+pytestmark = pytest.mark.realtime
 
 RATE = 48000
 FRAME = 960  # 20 ms, as browsers send

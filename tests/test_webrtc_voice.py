@@ -27,8 +27,8 @@ from runtime.loaded_models import Models, load_turn_models
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
 
-# paced in real time with time-outs: under xdist, one at a time on one worker (docs/testing.md)
-pytestmark = [pytest.mark.asyncio, pytest.mark.xdist_group("realtime")]
+# paced in real time with time-outs: `make test` runs these alone, after the rest (docs/testing.md)
+pytestmark = [pytest.mark.asyncio, pytest.mark.realtime]
 
 COUNTING = "One two three four five six seven eight nine ten."  # 1.0 s at 0.1 s a word
 LOUD = 0.02  # RMS of a 20 ms frame (full scale 1) above which it holds sound; the tone voice plays at 0.3
