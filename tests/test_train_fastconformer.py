@@ -31,6 +31,9 @@ from runtime.train.fastconformer import TrainConfig, train_model
 from runtime.train.fastconformer_config import lookahead_weights
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# One worker for the whole file under xdist: its module fixtures train the model, and split across two workers
+# each trained it (CI from a cold cache, 2026-11-29: 135 s and 119 s of setup, one per worker; 4 s quiet).
+pytestmark = pytest.mark.xdist_group("train_fastconformer")
 
 WORDS = ("ba", "di", "ku", "mo", "pe", "sa")
 STEPS, SAVE_EVERY = 60, 30
