@@ -43,7 +43,7 @@ demo: install
 # fleet, serve benches: media paced in real time under time-outs) in one process with the machine to themselves,
 # since beside another worker's load one in three runs timed out. Both read one cache of what the tests build
 # (tiny models, joined and packed weights, ONNX graphs, kernels), TEST_CACHE, kept between runs and clones: every
-# entry is keyed by what it was built from, so the first run on a machine builds them (about 4 minutes more) and
+# entry is keyed by what it was built from, so the first run on a machine builds them (4 to 12 minutes more) and
 # later runs read them. CI passes a fresh one. Exit status 5 (ARGS selected no test of a phase) is no failure.
 TEST_WORKERS ?= 2
 TEST_CACHE   ?= $(HOME)/.cache/runtime-test
