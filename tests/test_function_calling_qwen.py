@@ -18,7 +18,9 @@ from runtime.models.lm import load_answerer
 from runtime.models.loading import resolve_checkpoint
 from runtime.worker import DeviceWorker, Priority
 
-pytestmark = pytest.mark.asyncio
+# One xdist worker for the file: its module fixtures load the 0.5B and the 1.5B, which split across two workers
+# were each loaded twice (20-60 s of setup per worker in the suite's runs)
+pytestmark = [pytest.mark.asyncio, pytest.mark.xdist_group("qwen_function_calling")]
 
 # An assistant's prompt: `demo`'s tells the model to reply "Not known yet" unless the transcript or the screen says,
 # and both models then answer so with the function's output right before them (docs/llm.md)
