@@ -98,15 +98,23 @@ class AutoDrafter:
         self.chosen = dict.fromkeys(self.candidates, 0)
         self._waiting: dict[str, deque[_Proposal]] = {name: deque() for name in self.candidates}
 
-    def _score(self, seq: Sequence[int]) -> None:
-        """Score the waiting proposals that the decoded tokens now decide; drop those of another context."""
+    def _score(self, context: Sequence[int], pending: int) -> None:
+        """Score the waiting proposals that the decoded tokens now decide; drop those of another context. Only the
+        sequence's tail from the oldest waiting proposal on is read (no copy of a long context per step)."""
+        starts = [w[0].start for w in self._waiting.values() if w]
+        if not starts:
+            return
+        base = max(0, min(starts) - KEY)
+        seq = [*context[base:], pending]  # positions from `base` on
+        length = base + len(seq)
         for name, waiting in self._waiting.items():
             while waiting:
                 prop = waiting[0]
-                if len(seq) < prop.start or tuple(seq[max(0, prop.start - KEY) : prop.start]) != prop.key:
+                at = prop.start - base
+                if length < prop.start or tuple(seq[max(0, at - KEY) : at]) != prop.key:
                     waiting.popleft()  # the context moved on (a new answer): it can no longer be scored
                     continue
-                accepted, final = matched_path(prop.draft, seq[prop.start :])
+                accepted, final = matched_path(prop.draft, seq[at:])
                 if not final:
                     break  # later proposals start later still: none of them is decided either
                 waiting.popleft()
@@ -114,9 +122,8 @@ class AutoDrafter:
                 self.scored[name] += 1
 
     def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
-        seq = [*context, pending]
-        self._score(seq)
-        start, key = len(seq), tuple(seq[-KEY:])
+        self._score(context, pending)
+        start, key = len(context) + 1, (*context[-(KEY - 1):], pending)
         best: tuple[float, str, Draft] | None = None
         for name, drafter in self.candidates.items():  # every candidate keeps up with the context
             draft = drafter.propose(context, pending, budget)
