@@ -75,3 +75,31 @@ def test_an_unreadable_packing_is_rebuilt(gguf: Path) -> None:
 def test_other_formats_are_not_packed(gguf: Path) -> None:
     load_model(gguf, device="cpu", dtype=torch.float32, weights="bf16")
     assert not packed_file(gguf, "bf16", torch.float32).parent.exists()
+
+
+def test_a_full_disk_still_loads_and_says_why_nothing_was_kept(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CI run once died in `save_file` on a full disk: the load must go on, unpacked-to-disk, and say so."""
+    usage = packed_weights.shutil.disk_usage(gguf.parent)
+    monkeypatch.setattr(packed_weights.shutil, "disk_usage", lambda _: usage._replace(free=packed_weights.SPARE))
+    said: list[str] = []
+    model = load_model(gguf, device="cpu", dtype=torch.float32, weights="int8", progress=said.append)
+    assert any("could not keep" in s and "GiB free" in s for s in said), said
+    target = packed_file(gguf, "int8", torch.float32)
+    assert not target.exists() and not list(target.parent.glob(".packing-*"))
+    ids = torch.tensor([4, 9, 2])
+    assert torch.equal(model(ids, torch.arange(3)), Transformer.from_pretrained(gguf, weights="int8")(
+        ids, torch.arange(3)))
+
+
+def test_a_failed_write_is_an_os_error_and_leaves_no_partial_file(gguf: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(_state, tmp, metadata=None) -> None:
+        Path(tmp).write_bytes(b"partial")
+        raise packed_weights.SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(packed_weights, "save_file", full)
+    said: list[str] = []
+    load_model(gguf, device="cpu", dtype=torch.float32, weights="int4", progress=said.append)
+    assert any("No space left" in s for s in said), said
+    target = packed_file(gguf, "int4", torch.float32)
+    assert not target.exists() and not list(target.parent.glob(".packing-*"))

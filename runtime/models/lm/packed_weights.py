@@ -17,14 +17,17 @@ place, so two processes packing at once both end with a whole file.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from runtime.models.lm.gguf_checkpoint import gguf_file
@@ -36,6 +39,7 @@ from runtime.models.loading import cache_dir
 VERSION = 1
 PACKED_FORMATS = QUANTIZED  # the formats whose build from a GGUF file repacks every weight
 ALIGN = 64  # bytes: a cache line, what a fresh torch allocation is aligned to
+SPARE = 512 << 20  # bytes a packing leaves free on its disk: a cache that fills the disk breaks everything beside it
 
 
 def packed_file(file: Path, weights: str, dtype: torch.dtype, kernels: bool = False) -> Path:
@@ -82,16 +86,25 @@ def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, we
 
 
 def write_packed(model: Transformer, target: Path) -> None:
-    """Save `model`'s state and args to `target`, atomically (a temporary file renamed into place)."""
+    """Save `model`'s state and args to `target`, atomically (a temporary file renamed into place). Raises OSError
+    when it cannot, before writing anything when the disk lacks room for the file and `SPARE` more."""
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight:
         state.pop("lm_head.weight")  # one tensor under two names: tied again at load
     meta = {"args": json.dumps(dataclasses.asdict(model.args)), "weights": model.weights}
     target.parent.mkdir(parents=True, exist_ok=True)
+    need = sum(v.numel() * v.element_size() for v in state.values())
+    free = shutil.disk_usage(target.parent).free
+    if free < need + SPARE:
+        raise OSError(errno.ENOSPC, f"the packing needs {need / 2**30:.1f} GiB and {SPARE >> 20} MiB to spare, "
+                      f"the disk has {free / 2**30:.1f} GiB free")
     fd, tmp = tempfile.mkstemp(prefix=".packing-", suffix=".safetensors", dir=target.parent)
     os.close(fd)
     try:
-        save_file(state, tmp, metadata=meta)
+        try:
+            save_file(state, tmp, metadata=meta)
+        except SafetensorError as err:  # safetensors reports a full disk or an I/O error as its own type
+            raise OSError(errno.EIO, str(err)) from err
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
