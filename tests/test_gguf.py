@@ -278,3 +278,28 @@ def test_q4_k_groups_are_exactly_the_files_weights(tmp_path: Path) -> None:
     exact = (b.q.float() - 8) * bf[0].repeat_interleave(32, 1) + bf[1].repeat_interleave(32, 1)
     err = (lin.dequantized() - exact).abs()
     assert bool((err <= exact.abs() * 2**-8 + 1e-6).all()), float((err - exact.abs() * 2**-8).max())
+
+
+def test_transformers_conversion_kept_reads_back_as_converted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer's conversion of a GGUF file, kept in the cache (`transformers_model(keep=True)`), is the model
+    transformers converts from the file; a folder that does not read is converted again."""
+    from runtime.models.lm.generate_answerer import transformers_model
+
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_gguf(tiny("qwen2"), path, "qwen2", GGMLQuantizationType.Q8_0)
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    first = transformers_model(path, torch.float32, keep=True)
+    kept = list((tmp_path / "cache" / "transformers-gguf").iterdir())
+    assert len(kept) == 1 and (kept[0] / "config.json").is_file()
+    again = transformers_model(path, torch.float32, keep=True).eval()
+    assert Path(again.config._name_or_path) == kept[0]  # read from the cache, not the file
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 14]])
+    with torch.inference_mode():
+        want = fresh(ids).logits
+        assert torch.equal(first.eval()(ids).logits, want) and torch.equal(again(ids).logits, want)
+    (kept[0] / "config.json").write_text("{not json")
+    repaired = transformers_model(path, torch.float32, keep=True).eval()
+    with torch.inference_mode():
+        assert torch.equal(repaired(ids).logits, want)
+    assert transformers_model(path, torch.float32, keep=True).config._name_or_path == str(kept[0])

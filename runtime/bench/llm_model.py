@@ -41,8 +41,10 @@ from runtime.models.loading import resolve_checkpoint
 Status = Callable[[str], None]
 FORMATS = ("fp32", "bf16", "int8", "int4")
 # the rows: each format as `lm.compile = auto` runs it plainly (int8/int4 compiled), and int4 eager beside it.
-# --quick compiles int4 alone (the format the profiles serve): a compile costs 14 s from inductor's cache and about
-# a minute without, once per format and thread count, which is most of a quick run; its int8 row is eager then.
+# --quick compiles int4 alone (the format the profiles serve): a compile costs about 30 s from inductor's cache (SmolLM2
+# on 2 cores; 14 s on a quieter day) and about a minute without, once per format and thread count, which is most of
+# a quick run; its int8 row is eager then. transformers' GGUF conversion is kept in the cache after the first run
+# (generate_answerer.transformers_model: 31 s of a quick run before, 5 s after).
 ROWS = {"fp32": ("fp32", "auto"), "bf16": ("bf16", "auto"), "int8": ("int8", "auto"), "int4": ("int4", "auto"),
         "int4-eager": ("int4", "off")}
 THREADS = (1, 2)
@@ -163,7 +165,7 @@ def _formats(ref: str, args: argparse.Namespace, status: Status,
 def transformers_rows(path: Path, prompt: list[int], n: int, status: Status) -> dict[str, Any]:
     """transformers `generate` on the same file (its GGUF loader dequantises to fp32), at 1 and 2 threads."""
     status("transformers generate: loading the same file")
-    hf = transformers_model(path, torch.float32).eval()
+    hf = transformers_model(path, torch.float32, keep=True).eval()  # the conversion read back after the first run
     x = torch.tensor([prompt])
     out: dict[str, Any] = {}
     for threads in THREADS:

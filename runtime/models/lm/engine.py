@@ -115,7 +115,7 @@ class LMEngine:
                                progress=progress)
             if progress is not None and wanted(cfg.compile, model, cfg.drafter):
                 progress("compiling the decode step (lm.compile: about a minute the first time on this machine, "
-                         "14 s from torch's cache after) ...")
+                         "about 30 s from torch's cache after) ...")
             return cls(model, tokenizer, cfg, name=cfg.model, seed=seed, eos_ids=eos, **options)
 
     def open_session(self) -> EngineSession:

@@ -8,6 +8,11 @@ tokens and a cancelled answer stops within one step. Greedy output must stay tok
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +24,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers import __version__ as transformers_version
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError, PromptTooLong, UserError
@@ -29,7 +35,7 @@ from runtime.models.lm.pieces import Piece
 from runtime.models.lm.prompt import CUT_MARK, prompt_text
 from runtime.models.lm.sampling import Sampler, StopRule, eos_ids
 from runtime.models.lm.tokenizer import load_tokenizer
-from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+from runtime.models.loading import cache_dir, load_progress, resolve_checkpoint, torch_dtype
 
 
 @dataclass(eq=False)
@@ -89,11 +95,52 @@ class GenerateAnswer:
         return None
 
 
-def transformers_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
-    """transformers' own causal LM for a checkpoint folder or a GGUF file (which transformers dequantises)."""
+def transformers_model(path: Path, dtype: torch.dtype, *, keep: bool = False) -> PreTrainedModel:
+    """transformers' own causal LM for a checkpoint folder or a GGUF file (which transformers dequantises).
+
+    `keep`: a GGUF file's conversion is saved once (`save_pretrained`) into the runtime's cache and read from
+    there after, keyed by the file's name, size and modification time, the dtype and the transformers version.
+    transformers dequantises in Python (about 30 s for SmolLM2-135M on 2 cores, the larger part of a peer row or
+    a test that checks the engine against it); what is read back is that same conversion. The bench and the tests
+    keep it; a `generate` profile does not, since an fp32 copy of a large model would fill the disk."""
     file = gguf_file(path)
-    where = {"gguf_file": file.name} if file is not None else {}
-    return AutoModelForCausalLM.from_pretrained(file.parent if file else path, dtype=dtype, **where)
+    if file is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if not keep:
+        return AutoModelForCausalLM.from_pretrained(file.parent, dtype=dtype, gguf_file=file.name)
+    stat = file.stat()
+    dt = str(dtype).removeprefix("torch.")
+    folder = (cache_dir() / "transformers-gguf"
+              / f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}-{dt}-transformers{transformers_version}")
+    if (folder / "config.json").is_file():
+        try:
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        except Exception:  # noqa: BLE001 - a truncated or foreign folder: converted again below
+            shutil.rmtree(folder, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(file.parent, dtype=dtype, gguf_file=file.name)
+    with contextlib.suppress(OSError):  # a full or read-only cache: converted again next time
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(folder.parent).free > 2 * model.num_parameters() * model.dtype.itemsize:
+            tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+            try:
+                _save_dequantised(model, tmp)
+                os.replace(tmp, folder)  # whole or not at all (another process may have kept it first)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return model
+
+
+def _save_dequantised(model: PreTrainedModel, folder: Path) -> None:
+    """What `from_pretrained(folder)` reads back as `model`: its weights (dequantised already) and its config less
+    the GGUF quantisation note, which makes `save_pretrained` refuse a model loaded from a GGUF file."""
+    from safetensors.torch import save_model
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 class GenerateAnswerer:
