@@ -13,7 +13,8 @@ import torch
 from runtime.config import LMConfig
 from runtime.errors import ConfigError
 from runtime.models.lm.compiled_step import CompiledStep, wanted
-from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.engine import LMEngine
+from runtime.models.lm.engine_session import EngineSession
 
 WORDS = ["the", "team", "talks", "about", "budget", "for", "next", "year", "in", "morning", "meeting", "and"]
 

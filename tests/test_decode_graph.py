@@ -10,7 +10,8 @@ import torch
 
 from runtime.config import LMConfig
 from runtime.models.lm.cuda_graph import DecodeGraph
-from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.engine import LMEngine
+from runtime.models.lm.engine_session import EngineSession
 
 WORDS = ["the", "team", "talks", "about", "budget", "for", "next", "year", "in", "morning", "meeting", "and"]
 

@@ -21,7 +21,8 @@ from transformers import (
 
 from runtime.config import LMConfig
 from runtime.errors import ConfigError
-from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.engine import LMEngine
+from runtime.models.lm.engine_session import EngineSession
 from runtime.models.lm.generate_answerer import GenerateAnswerer
 from runtime.models.lm.source_tokens import SourceTokens
 

@@ -31,8 +31,9 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 from runtime.bench.shapes import qwen2_config
 from runtime.bench.timing import machine, timed
 from runtime.config import LMConfig
-from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
+from runtime.models.lm.engine_session import EngineSession
 from runtime.models.loading import configure_threads, resolve_checkpoint, torch_dtype
 
 Status = Callable[[str], None]

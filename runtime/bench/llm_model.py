@@ -31,8 +31,9 @@ from runtime.bench.llm_spec import spec_table, spec_tokens
 from runtime.bench.timing import machine
 from runtime.config import LMConfig
 from runtime.errors import UserError
-from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
+from runtime.models.lm.engine_session import EngineSession
 from runtime.models.lm.generate_answerer import transformers_model
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.transformer import Transformer

@@ -52,7 +52,8 @@ from runtime.bench.timing import machine, percentiles_ms, timed
 from runtime.config import LMConfig
 from runtime.memory.video import MemorySizes, MemorySnapshot, VideoMemory
 from runtime.metrics import rss_mb
-from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.engine import LMEngine
+from runtime.models.lm.engine_session import EngineSession
 from runtime.models.lm.pieces import Piece, Visual
 from runtime.models.loading import configure_threads, resolve_checkpoint, torch_dtype
 from runtime.models.vlm.llava_onevision import VisionEncoder

@@ -20,7 +20,8 @@ from runtime.config import LMConfig
 from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, JsonSchema, LMStream, token_limit
 from runtime.models.lm.drafter_choice import make_drafter
 from runtime.models.lm.drafters import MODEL_DRAFTERS, Drafter
-from runtime.models.lm.engine import EngineSession, LMEngine
+from runtime.models.lm.engine import LMEngine
+from runtime.models.lm.engine_session import EngineSession
 from runtime.models.lm.json_constraint import JsonGrammars
 from runtime.models.lm.layer_skip import layer_skip_view
 from runtime.models.lm.pieces import Piece
