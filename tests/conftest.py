@@ -20,15 +20,17 @@ import pytest  # noqa: E402
 from runtime.worker import DeviceWorker  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def one_torch_thread():
-    """Tiny models are latency-bound; on a loaded 2-core machine spare intra-op threads only spin."""
+    """Tiny models are latency-bound; on a loaded 2-core machine spare intra-op threads only spin. Set again for
+    every test: a test that ran a bench at 2 threads left them at 2 for every later test of its worker, and beside
+    the other worker's load those spinning threads made a test of many small tensor ops 30-40 times slower (the
+    10,000-frame video-memory test: 1.5 s alone, 61 s in CI's run)."""
     import torch
 
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
