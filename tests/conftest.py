@@ -20,15 +20,23 @@ import pytest  # noqa: E402
 from runtime.worker import DeviceWorker  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
-    """Tiny models are latency-bound; on a loaded 2-core machine spare intra-op threads only spin. Set again for
-    every test: a test that ran a bench at 2 threads left them at 2 for every later test of its worker, and beside
-    the other worker's load those spinning threads made a test of many small tensor ops 30-40 times slower (the
-    10,000-frame video-memory test: 1.5 s alone, 61 s in CI's run)."""
+    """Tiny models are latency-bound; on a loaded 2-core machine spare intra-op threads only spin. Set before any
+    fixture of any scope builds a model (a compiled step is keyed by the thread count it was built for)."""
     import torch
 
     torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread_again(one_torch_thread):
+    """And again after every test: a test that ran a bench at 2 threads left them at 2 for every later test of its
+    worker, and beside the other worker's load those spinning threads made a test of many small tensor ops 30-40
+    times slower (the 10,000-frame video-memory test: 1.5 s alone, 61 s in CI's run)."""
+    import torch
+
     yield
     torch.set_num_threads(1)
 
