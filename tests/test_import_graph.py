@@ -125,10 +125,10 @@ def test_registries_sit_above_their_backends_and_the_seams_stay_light() -> None:
         assert f"{lm}.engine" not in graph[module], f"{module} must not import the engine"
 
 
-def test_the_cuda_only_decode_graph_is_imported_lazily_by_the_engine_alone() -> None:
+def test_the_cuda_only_decode_graph_is_imported_lazily_by_the_engine_session_alone() -> None:
     graph = import_edges()
     users = {m for m, targets in graph.items() if "runtime.models.lm.cuda_graph" in targets}
-    assert users == {"runtime.models.lm.engine"}
-    engine = ast.parse((ROOT / "models/lm/engine.py").read_text())
+    assert users == {"runtime.models.lm.engine_session"}  # (the session records and runs the graph)
+    engine = ast.parse((ROOT / "models/lm/engine_session.py").read_text())
     top_level = [n for n in engine.body if isinstance(n, ast.ImportFrom) and n.module == "runtime.models.lm.cuda_graph"]
-    assert not top_level, "the engine imports cuda_graph at module level: CPU users would load CUDA-only code"
+    assert not top_level, "the engine session imports cuda_graph at module level: CPU users would load CUDA-only code"

@@ -8,19 +8,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from runtime.config import LMConfig
 from runtime.errors import PromptTooLong
+from runtime.models.lm.compiled_step import CompiledStep
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.pieces import Piece, visual_id
 from runtime.models.lm.prompt import EMPTY_CONTEXT, Messages, Tools
 from runtime.models.lm.source_tokens import SourceTokens
+from runtime.models.lm.transformer import Transformer
 
 if TYPE_CHECKING:  # imported at run time only on CUDA, by `EngineSession._decode_graph`
     from runtime.models.lm.cuda_graph import DecodeGraph
-    from runtime.models.lm.engine import LMEngine  # (engine.py imports this module)
+
+
+class SessionEngine(Protocol):
+    """What a session reads of its shared engine (`engine.LMEngine`, which opens sessions): the model and its
+    tokenizer, the cache geometry, the prompt's parts and the compiled step."""
+
+    model: Transformer
+    tokenizer: PreTrainedTokenizerBase
+    cfg: LMConfig
+    compiled: CompiledStep | None
+    head: str  # the prompt's head without tools
+    sink: int
+    window: int
+    reserve: int
+    target: int
+    chunk: int  # source tokens a prefill job runs at most
+    by_token: bool  # prefill each token as a one-token step would (bitwise the same however it was cut)
+    max_question_tokens: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_cached(self, text: str) -> list[int]: ...
+
+    def head_for(self, tools: Tools) -> str: ...
+
+    def prompt_parts(self, question: str, tools: Tools = None, after: Messages = ()) -> tuple[str, str]: ...
 
 
 @dataclass
@@ -35,7 +64,7 @@ class SessionStats:
 class EngineSession:
     """One stream: an attention-sink cache, the source token history, and the open answer (a `Target`)."""
 
-    def __init__(self, engine: LMEngine) -> None:
+    def __init__(self, engine: SessionEngine) -> None:
         a = engine.model.args
         self.engine = engine
         self.vocab_size = a.vocab_size
