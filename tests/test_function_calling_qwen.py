@@ -34,9 +34,11 @@ def engine_for(model: str, worker: DeviceWorker, system_prompt: str | None = Non
         if os.environ.get("CI"):
             pytest.fail(str(err), pytrace=False)
         pytest.skip(str(err))
+    # eager steps (`lm.compile=off`): what these tests check is the calls and answers, which the compiled decode step
+    # gives alike (tests/test_compiled_step.py holds it to the eager one); compiling cost 30-40 s a model here
     profile = load_profile("demo", overrides=[
         "pipeline.metrics_interval_s=0", "pipeline.turn_detection=none", f"lm.model=builtin:{model}",
-        "lm.weights=native", "lm.grounded=false", "lm.max_new_tokens=48",
+        "lm.weights=native", "lm.grounded=false", "lm.max_new_tokens=48", "lm.compile=off",
         *([f"lm.system_prompt={system_prompt}"] if system_prompt else [])])
     answerer = worker.call(Priority.CONTROL, load_answerer, profile.lm, device="cpu", dtype="float32")
     assert answerer.tool_format is not None and answerer.tool_format.opener == "<tool_call>"
