@@ -98,8 +98,9 @@ class GenerateAnswer:
 def transformers_model(path: Path, dtype: torch.dtype, *, keep: bool = False) -> PreTrainedModel:
     """transformers' own causal LM for a checkpoint folder or a GGUF file (which transformers dequantises).
 
-    `keep`: a GGUF file's conversion is saved once (`save_pretrained`) into the runtime's cache and read from
-    there after, keyed by the file's name, size and modification time, the dtype and the transformers version.
+    `keep`: a GGUF file's conversion is saved once (its weights and config: `_save_dequantised`) into the runtime's
+    cache and read from there after, keyed by the file's name, size and modification time, the dtype and the
+    transformers version.
     transformers dequantises in Python (about 30 s for SmolLM2-135M on 2 cores, the larger part of a peer row or
     a test that checks the engine against it); what is read back is that same conversion. The bench and the tests
     keep it; a `generate` profile does not, since an fp32 copy of a large model would fill the disk."""
