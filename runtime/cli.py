@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 import threading
@@ -189,7 +190,17 @@ def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[De
         worker.stop()
         raise
     console.status(f"models ready in {time.perf_counter() - started:.1f} s on {profile.device}/{profile.dtype}")
+    _freeze_heap()
     return worker, models
+
+
+def _freeze_heap() -> None:
+    """Take what exists now (torch's and transformers' modules, the models) out of the garbage collector's view.
+    Those objects live as long as the process, yet each full collection walked them all: about 370,000 objects, a
+    1.4 s pause holding the GIL (the event loop included) on a 2-core machine, and the same walk again at exit,
+    which made `runtime serve` take 14 s to stop after Ctrl-C. Frozen, a collection walks only what came after."""
+    gc.collect()
+    gc.freeze()
 
 
 def without_unseen_screen(profile: Profile, has_video: bool) -> Profile:
@@ -362,6 +373,7 @@ def _with_voice(models: Models, worker: DeviceWorker, console: Console) -> Model
     voice = worker.call(Priority.CONTROL, load_voice_model, console.status)
     if voice is not None:
         console.status(f"voice {voice.name} ready in {time.perf_counter() - started:.1f} s")
+        _freeze_heap()
     return replace(models, voice=voice)
 
 

@@ -1,6 +1,7 @@
 """Test-wide settings: never touch the network, and build tiny models into one temporary cache that the
 CLI subprocesses share."""
 
+import gc
 import os
 import shutil
 import tempfile
@@ -39,6 +40,14 @@ def one_torch_thread_again(one_torch_thread):
 
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def nothing_frozen_after_a_test():
+    """The CLI freezes the heap once its models are loaded (`cli._freeze_heap`): right for a process that keeps its
+    models to the end, wrong for a test worker, where whatever a CLI test froze could never be collected later."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

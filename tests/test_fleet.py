@@ -96,14 +96,17 @@ class Process:
     def tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
 
-    def stop(self) -> None:
+    def signal_stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
+
+    def stop(self) -> None:
+        self.signal_stop()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(15)
 
 
 def lm_ports(pid: int, server_port: int) -> set[int]:
@@ -201,7 +204,10 @@ class Fleet:
         return [int(m.group(1)) for m in CHAT_POST.finditer(self.lm.log()[since:])] if self.lm else []
 
     def stop(self) -> None:
-        for p in (self.proxy, *self.replicas.values()):
+        processes = (self.proxy, *self.replicas.values())
+        for p in processes:  # all signalled first: they shut down side by side
+            p.signal_stop()
+        for p in processes:
             p.stop()
 
 
