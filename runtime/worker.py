@@ -63,6 +63,7 @@ class DeviceWorker:
         self._pending = 0
         self.jobs_done: dict[str, int] = {p.name: 0 for p in Priority}
         self.busy_s = 0.0
+        self.busy_by_priority_s: dict[str, float] = {p.name: 0.0 for p in Priority}  # where the worker's time goes
         self.max_job_s: dict[str, float] = {p.name: 0.0 for p in Priority}
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class DeviceWorker:
             finally:
                 elapsed = time.perf_counter() - started
                 self.busy_s += elapsed
+                self.busy_by_priority_s[priority.name] += elapsed
                 self.jobs_done[priority.name] += 1
                 self.max_job_s[priority.name] = max(self.max_job_s[priority.name], elapsed)
 
@@ -158,6 +160,7 @@ class DeviceWorker:
             "pending": self._pending,
             "max_pending": self.max_pending,
             "busy_s": round(self.busy_s, 4),
+            "busy_by_priority_s": {k: round(v, 3) for k, v in self.busy_by_priority_s.items()},
             "jobs_done": dict(self.jobs_done),
             "max_job_ms": {k: round(v * 1000, 2) for k, v in self.max_job_s.items()},
         }

@@ -232,6 +232,9 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
                                                               "recut_tokens", "selected")},
                 "ocr_cpu_s_per_video_s": round(screen.get("read_s", 0.0) / seconds, 4) if seconds else None,
                 "cpu_s_per_video_min": round(cpu / seconds * 60, 1) if seconds else None,
+                # where that time went: the worker's seconds by kind of job, and the tokens the context prefilled
+                "worker_busy_s": metrics["worker"]["busy_by_priority_s"],
+                "prefilled_tokens": metrics["answers"]["prefilled_tokens"],
                 "context": context})  # what the last answer read: the transcript and the screens, in order
     finally:
         worker.stop()
