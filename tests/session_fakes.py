@@ -148,10 +148,8 @@ class StreamState:
     def pending(self) -> int:
         return len(self.target) - len(self.prefilled)
 
-    def prefill_step(self, at_least: int = 1) -> int:
+    def prefill_step(self) -> int:
         self.threads.add(threading.current_thread().name)
-        if self.pending() < at_least:
-            return 0
         n = min(5, self.pending())
         self.prefilled = self.target[: len(self.prefilled) + n]
         return n

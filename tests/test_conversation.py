@@ -167,17 +167,12 @@ def test_the_context_is_in_media_time_order_whichever_of_the_asr_and_the_screen_
     assert talk.previous_id("a2") == "a1"
 
 
-def test_the_settled_context_leaves_out_what_the_asr_may_revise():
+def test_an_open_turn_is_held_only_past_the_runtimes_own_lines():
     talk = Conversation()
     talk.apply(U("a1", "the board", " approve", 8.0, 9.0))
     talk.add(Item("q1", 9.2, 9.2, audio=False, stable="When?", question=True))  # a client's line after it
     talk.add_in_time(screen("s1", "Budget", 9.5))
     assert talk.context() == "[00:08.0] the board approve\n[00:09.2] User: When?\n[00:09.5] On screen: Budget"
-    # (the open line is held only past the runtime's own lines: a client's item keeps its place after it)
-    assert talk.context(settled=True) == "[00:08.0] the board\n[00:09.2] User: When?\n[00:09.5] On screen: Budget"
-    talk.apply(U("a2", "", " uh", 10.0, 10.5))  # nothing stable yet: no line at all
-    assert talk.context(settled=True).splitlines()[-1] == "[00:09.5] On screen: Budget"
-    assert talk.context().splitlines()[-1] == "[00:10.0] uh"
 
 
 def test_only_the_runtimes_own_items_move_for_a_new_spoken_one_and_the_api_order_stays():

@@ -116,9 +116,9 @@ class SlowPrefill:
     def set_context(self, *args):
         return self.stream.set_context(*args)
 
-    def prefill_step(self, at_least=1):
+    def prefill_step(self):
         time.sleep(0.02)
-        return self.stream.prefill_step(at_least)
+        return self.stream.prefill_step()
 
 
 async def _drain(session, sink):

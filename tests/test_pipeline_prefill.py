@@ -12,7 +12,6 @@ from runtime.memory.snapshot import MemorySizes
 from runtime.memory.video import VideoMemory
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.vlm.prompt import memory_pieces
-from runtime.pipeline import prefill
 from runtime.pipeline.prefill import ContextPrefiller
 from runtime.session_state import ContextChanges
 from runtime.worker import DeviceWorker
@@ -29,9 +28,7 @@ class _RecordingStream:
         self.calls.append((text, *suffix))
         self.pending = 10
 
-    def prefill_step(self, at_least: int = 1) -> int:
-        if self.pending < at_least:
-            return 0
+    def prefill_step(self) -> int:
         n = min(4, self.pending)
         self.pending -= n
         return n
@@ -104,9 +101,7 @@ class _LMStream:
         self.log.append(("set", text, *suffix))
         self._left = [3, 2, 0]
 
-    def prefill_step(self, at_least: int = 1) -> int:
-        if at_least > 1 and sum(self._left) < at_least:
-            return 0
+    def prefill_step(self) -> int:
         n = self._left.pop(0)
         self.log.append(("step", n))
         return n
@@ -188,8 +183,7 @@ async def test_prefill_rounds_never_interleave():
 
 
 @pytest.mark.asyncio
-async def test_the_prefiller_runs_a_round_per_coalesced_change(monkeypatch):
-    monkeypatch.setattr(prefill, "BATCH_TOKENS", 1)  # no round held back for a batch
+async def test_the_prefiller_runs_a_round_per_coalesced_change():
     stream, changes = _LMStream(), ContextChanges()
     with DeviceWorker() as worker:
         prefiller = ContextPrefiller(stream, worker, _transcript("x"), changes)
@@ -204,75 +198,3 @@ async def test_the_prefiller_runs_a_round_per_coalesced_change(monkeypatch):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert len(stream.log) == 4 and prefiller.prefilled_tokens == 5
-
-
-@pytest.mark.asyncio
-async def test_rounds_ahead_of_a_question_prefill_the_settled_words_and_a_question_reads_them_all():
-    stream, transcript, changes = _RecordingStream(), Conversation(), ContextChanges()
-    transcript.apply(TranscriptUpdate("item_1", "the board approved", " the bud", 8.0, 9.0))
-    with DeviceWorker() as worker:
-        prefiller = ContextPrefiller(stream, worker, transcript, changes)
-        await prefiller.catch_up()
-        assert stream.calls[-1] == ("[00:08.0] the board approved",)  # the unstable tail waits
-        await prefiller.catch_up("what was approved?")
-        assert stream.calls[-1] == ("[00:08.0] the board approved the bud",)  # the question sees every word
-        await prefiller.catch_up()  # during its answer too
-        assert stream.calls[-1] == ("[00:08.0] the board approved the bud",)
-        prefiller.end_question()
-        await prefiller.catch_up()
-        assert stream.calls[-1] == ("[00:08.0] the board approved",)
-
-
-async def _until(check, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("pending", [10, 20])
-async def test_ahead_of_a_question_a_round_waits_for_a_batch_or_for_the_text_to_stand_still(monkeypatch, pending):
-    """A prefill job costs a pass over every weight however few tokens it runs: a background round with fewer than
-    BATCH_TOKENS pending leaves them until the text stands still for IDLE_S (set far off here: 30 s)."""
-    monkeypatch.setattr(prefill, "IDLE_S", 30.0)
-    stream, transcript, changes = _RecordingStream(), Conversation(), ContextChanges()
-    transcript.apply(TranscriptUpdate("item_1", "hello there", "", 1.0, 2.0, True, "hello there"))
-    with DeviceWorker() as worker:
-        prefiller = ContextPrefiller(stream, worker, transcript, changes)
-        task = asyncio.create_task(prefiller.run())
-        def set_context(text: str, *suffix) -> None:  # update mode: the same text keeps what was prefilled
-            if not stream.calls or stream.calls[-1] != (text, *suffix):
-                stream.pending = pending
-            stream.calls.append((text, *suffix))
-
-        stream.set_context = set_context
-        changes.mark()
-        await _until(lambda: stream.calls)
-        await asyncio.sleep(0.2)
-        if pending < prefill.BATCH_TOKENS:
-            assert prefiller.prefilled_tokens == 0 and stream.pending == pending  # held
-        else:  # jobs (of 4 tokens here) run while a batch is pending; the rest is held
-            await _until(lambda: stream.pending < prefill.BATCH_TOKENS)
-            assert prefiller.prefilled_tokens == pending - stream.pending > 0
-        await prefiller.catch_up("what was said?")  # a question takes whatever is pending
-        assert prefiller.prefilled_tokens == pending and stream.pending == 0
-        task.cancel()
-
-
-@pytest.mark.asyncio
-async def test_what_a_round_held_goes_in_once_the_text_stands_still(monkeypatch):
-    monkeypatch.setattr(prefill, "IDLE_S", 0.3)
-    stream, transcript, changes = _RecordingStream(), Conversation(), ContextChanges()
-    transcript.apply(TranscriptUpdate("item_1", "hello there", "", 1.0, 2.0, True, "hello there"))
-    with DeviceWorker() as worker:
-        prefiller = ContextPrefiller(stream, worker, transcript, changes)
-        task = asyncio.create_task(prefiller.run())
-        changes.mark()
-        await _until(lambda: prefiller.prefilled_tokens == 10)  # 10 < BATCH_TOKENS: after IDLE_S
-        assert len(stream.calls) == 2  # the held round, then the one after the text stood still
-        changes.mark()  # a change and a cancel together (the session closing): the loop ends
-        await asyncio.sleep(0)
-        task.cancel()
-        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
-        assert task.cancelled()

@@ -59,23 +59,16 @@ class Item:
         return self.audio and not self.completed and self.role == "user"
 
     @property
-    def unsettled(self) -> bool:
-        """An open audio item with no stable words yet: all it shows may still change."""
-        return self.open_audio and not self.stable.strip()
-
-    @property
     def is_call(self) -> bool:
         return self.type != "message"
 
-    def line(self, settled: bool = False) -> str:
-        """`settled`: an open audio item shows its stable words alone (the unstable tail left out)."""
+    def line(self) -> str:
         if self.type == "function_call":
             return f"[{_stamp(self.start)}] Assistant called {self.name}({self.text})"
         if self.type == "function_call_output":
             return f"[{_stamp(self.start)}] Function {self.name or self.call_id} returned: {self.text}"
         label = "" if self.audio else f"{self.label or _LABEL[self.role]}: "
-        text = self.stable.strip() if settled and self.open_audio else self.text
-        return f"[{_stamp(self.start)}] {label}{text}"
+        return f"[{_stamp(self.start)}] {label}{self.text}"
 
     def to_api(self) -> dict[str, Any]:
         """The item as the Realtime API's `conversation.item.*` events carry it (no audio bytes)."""
@@ -239,7 +232,7 @@ class Conversation:
         """The function a `call_id` called, or None when no call of this conversation has that id."""
         return next((it.name for it in self.items if it.type == "function_call" and it.call_id == call_id), None)
 
-    def context(self, without: frozenset[str] = frozenset(), *, settled: bool = False) -> str:
+    def context(self, without: frozenset[str] = frozenset()) -> str:
         """One line per item: `[mm:ss.s] text` (spoken) or `[mm:ss.s] Role: text`, in order; empty items and the
         items named in `without` left out, and the assistant's messages unless `answers_in_context` (its function
         calls stay: their outputs need them).
@@ -247,21 +240,20 @@ class Conversation:
         An open audio item is shown after the screen lines that follow it (up to the next client-visible item):
         while a turn is spoken its line grows, and a slide read meanwhile would otherwise be prefilled again after
         every word (2.5x the context's tokens on the video-qa talk). When the turn completes it takes its media-time
-        place. `settled`: the open audio items without their unstable tails, the part the ASR may still revise
-        (what the context prefills ahead of a question: the tail changes with every preview)."""
+        place."""
         lines: list[str] = []
         being_said: list[Item] = []  # open audio items, held after the runtime's own lines that follow them
         for it in self.items:
-            if it.item_id in without or not self.shows(it) or (settled and it.unsettled):
+            if it.item_id in without or not self.shows(it):
                 continue
             if it.open_audio:
                 being_said.append(it)
                 continue
             if it.in_api:
-                lines.extend(held.line(settled) for held in being_said)
+                lines.extend(held.line() for held in being_said)
                 being_said.clear()
-            lines.append(it.line(settled))
-        lines.extend(held.line(settled) for held in being_said)
+            lines.append(it.line())
+        lines.extend(held.line() for held in being_said)
         return "\n".join(lines)
 
     def shows(self, item: Item) -> bool:

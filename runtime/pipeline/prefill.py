@@ -2,8 +2,7 @@
 question later costs only its own prefill (and, with video, the change of its memory selection).
 
 Whenever the transcript or the video memory changes (`ContextChanges`), the LM stream gets the newest context
-and prefills it in small worker jobs: ahead of a question the settled part (`Conversation.context(settled=True)`),
-in batches (`BATCH_TOKENS`). Changes coalesce: while a round runs, further changes only mark the
+and prefills it in small worker jobs. Changes coalesce: while a round runs, further changes only mark the
 context dirty, and the next round prefills the latest state (update mode keeps the KV up to the longest common
 prefix). A round is the unit of consistency: the background loop and a question's catch-up never interleave
 (`_round` is held across a round's jobs), so a question never sees the context half-set.
@@ -23,12 +22,6 @@ from runtime.models.lm.pieces import Piece
 from runtime.models.vlm.prompt import memory_pieces
 from runtime.session_state import ContextChanges
 from runtime.worker import DeviceWorker, Priority
-
-# A prefill job reads every weight once however few tokens it runs: on the 1.5B at one thread a job of one token
-# took 185 ms and one of 27 tokens 490 ms. Ahead of a question, a round waits for this many pending tokens (about
-# five seconds of speech) or for the text to stand still IDLE_S; a question's catch-up takes whatever is pending.
-BATCH_TOKENS = 16
-IDLE_S = 1.0
 
 TextEmbedder = Callable[[str], Tensor | None]  # text -> a vector in the memory's space (question-aware selection)
 
@@ -50,41 +43,28 @@ class ContextPrefiller:
         return self.video is not None
 
     async def run(self) -> None:
-        held = False  # whether the last round may have left fewer than a batch pending
         while True:
-            if not held:
-                await self.changes.wait()
-            else:  # what a round held back goes in once the text stands still
-                try:
-                    async with asyncio.timeout(IDLE_S):  # (not wait_for: on 3.11 it can swallow a cancel)
-                        await self.changes.wait()
-                except TimeoutError:
-                    await self.catch_up()
-                    held = False
-                    continue
-            await self.catch_up(at_least=BATCH_TOKENS)
-            held = True
+            await self.changes.wait()
+            await self.catch_up()
 
     def end_question(self) -> None:
         """The answer is done: the memory goes back to its own selection."""
         self.question = None
         self.changes.mark()
 
-    async def catch_up(self, question: str | None = None, *, at_least: int = 1) -> None:
+    async def catch_up(self, question: str | None = None) -> None:
         """Prefill the current context fully (also called right before answering, with the question, which
-        then selects the memory until `end_question`); `at_least`: unless fewer tokens than that are pending."""
+        then selects the memory until `end_question`)."""
         async with self._round:
             if question is not None:
                 self.question = question
             suffix = await self.worker.run(Priority.PREFILL, self._suffix, self.question) if self.video else None
-            # ahead of a question, the words the ASR may still revise wait: each revision cut the prefilled KV
-            # back to it (on the 1.5B, four times the context's own tokens). A question reads all of it.
-            text = self.transcript.context(settled=self.question is None)
+            text = self.transcript.context()
             if suffix is None:  # a stream without video takes the transcript alone (LMStream's contract)
                 await self.worker.run(Priority.PREFILL, self.stream.set_context, text)
             else:  # (tokenising the new context is model work too: on the worker)
                 await self.worker.run(Priority.PREFILL, self.stream.set_context, text, suffix)
-            while n := await self.worker.run(Priority.PREFILL, self.stream.prefill_step, at_least):
+            while n := await self.worker.run(Priority.PREFILL, self.stream.prefill_step):
                 self.prefilled_tokens += n
 
     def _suffix(self, question: str | None) -> list[Piece] | None:

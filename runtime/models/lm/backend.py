@@ -62,9 +62,8 @@ class LMStream(Protocol):
         cheap, safe from the event loop."""
         ...
 
-    def prefill_step(self, at_least: int = 1) -> int:
-        """Prefill one job's worth of what changed; tokens prefilled, 0 when caught up or when fewer than
-        `at_least` tokens are pending."""
+    def prefill_step(self) -> int:
+        """Prefill one job's worth of what changed; tokens prefilled, 0 when caught up."""
         ...
 
 

@@ -61,10 +61,10 @@ class StreamLM:
         if self.draft_session is not None:
             self.draft_session.set_tools(tools)
 
-    def prefill_step(self, at_least: int = 1) -> int:
-        done = self.session.prefill_step(at_least)
+    def prefill_step(self) -> int:
+        done = self.session.prefill_step()
         if self.draft_session is not None:
-            done += self.draft_session.prefill_step(at_least)
+            done += self.draft_session.prefill_step()
         return done
 
 

@@ -188,12 +188,10 @@ class EngineSession:
         return max(0, len(self._ids) - len(self._hist))
 
     @torch.inference_mode()
-    def prefill_step(self, at_least: int = 1) -> int:
-        """Prefill at most `prefill_chunk_tokens` pending source tokens; returns how many (0: nothing to do, fewer
-        than `at_least` pending, or the reserve is full during an answer and the rest waits for `end_answer`)."""
+    def prefill_step(self) -> int:
+        """Prefill at most `prefill_chunk_tokens` pending source tokens; returns how many (0: nothing to do, or
+        the reserve is full during an answer and the rest waits for `end_answer`)."""
         pending = self.pending_tokens()
-        if pending < at_least:
-            return 0
         if self._restart:  # (during an answer) the restart after it drops whatever the reserve took meanwhile
             return 0
         self._skip_evicted(pending)
