@@ -4,6 +4,7 @@ CLI subprocesses share."""
 import gc
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -81,12 +82,17 @@ def worker():
         yield w
 
 
-# `make test` runs the suite in two phases (docs/testing.md): everything but the tests marked `realtime` on both
-# cores, then those alone, one at a time, with the machine to themselves. A realtime test paces media at real time
-# under time-outs (servers, browsers, a fleet); beside another worker's load one in three runs timed out.
+# `make test` runs the suite in two phases at once (docs/testing.md): everything but the tests marked `realtime` on
+# both cores at the lowest CPU priority, and beside them those, one at a time, at normal priority. A realtime test
+# paces media at real time under time-outs (servers, browsers, a fleet); beside a worker of equal priority one in
+# three runs timed out.
 PHASE = os.environ.get("RUNTIME_TEST_PHASE", "")  # "" (every test), "parallel" or "realtime"
 if PHASE not in ("", "parallel", "realtime"):
     raise pytest.UsageError(f"RUNTIME_TEST_PHASE={PHASE!r}: expected parallel or realtime (or unset: every test)")
+if PHASE == "realtime":
+    # `make test` starts this phase as a shell's background job, which begins with SIGINT ignored: restored, the
+    # Makefile's `kill -INT` on an interrupted run stops the test under way and its fixtures stop their servers.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

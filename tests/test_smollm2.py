@@ -238,7 +238,9 @@ def test_paired_trials_put_each_ratio_beside_its_own_peer_run(path, monkeypatch)
     row = out["1t"]
     assert len(row["ours_tok_s"]) == len(row["llama_cpp_tok_s"]) == len(row["ratios"]) == 3
     for ours, peer, ratio in zip(row["ours_tok_s"], row["llama_cpp_tok_s"], row["ratios"], strict=True):
-        assert ours > 0 and peer > 0 and ratio == pytest.approx(ours / peer, rel=0.01)
+        # each tok/s is rounded to 0.1 and the ratio computed before: at a few tok/s (a loaded machine) that rounding
+        # alone moves the ratio by a percent or two
+        assert ours > 0 and peer > 0 and ratio == pytest.approx(ours / peer, rel=0.002 + 0.05 / ours + 0.05 / peer)
     assert row["median_ratio"] == pytest.approx(sorted(row["ratios"])[1], abs=0.002)
 
 
