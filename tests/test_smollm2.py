@@ -65,8 +65,8 @@ def test_logits_equal_transformers_on_the_real_file(path) -> None:
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(path) -> None:
-    engine = EngineAnswerer.load(LMConfig(backend="engine", model=REF, drafter="none"), device="cpu",
-                                 dtype="float32").engine
+    engine = EngineAnswerer.load(LMConfig(backend="engine", model=REF, drafter="none", compile="off"), device="cpu",
+                                 dtype="float32").engine  # no decode step compiled: only the prompt is read here
     head, tail = engine.prompt_parts("When is it?")
     assert head.startswith("<|im_start|>system\n") and tail.endswith("<|im_start|>assistant\n")
     assert engine.tokenizer.convert_ids_to_tokens(sorted(engine.eos_ids)) == ["<|im_end|>"]
