@@ -151,7 +151,9 @@ async def test_page_shows_live_captions_and_a_streamed_answer(tiny, tmp_path):
         # The conversation view: the typed question, then its answer, as the server ordered them.
         await wait_for(page, "document.querySelectorAll('#conversation li.assistant').length >= 1", deadline,
                        "no answer in the conversation view", problems)
-        assert (await text_of(page, "#conversation li.user .text")).strip() == "what moved?"
+        # (the page's own speech may have ended a turn first: its audio item is a user item too)
+        users = await page.eval_on_selector_all("#conversation li.user .text", "els => els.map(e => e.textContent)")
+        assert "what moved?" in [u.strip() for u in users], users
 
         # The media tracks reached the session: audio heard, frames sampled.
         (session,) = server.sessions.values()
@@ -166,8 +168,10 @@ async def test_page_shows_live_captions_and_a_streamed_answer(tiny, tmp_path):
             question.value = 'and then?'; button.click();
             question.value = 'why?'; button.click();
         }""")
-        await wait_for(page, "document.querySelectorAll('#conversation li.assistant').length >= 3", deadline,
-                       "the second and third questions were not both answered", problems)
+        # (counted by the server: a random-weight answer may be empty text, which adds no assistant item to show)
+        while session.answers.answered < 3:
+            assert deadline.ms() > 1, f"the second and third questions were not both answered: {problems}"
+            await asyncio.sleep(0.05)
         await wait_for(page, "document.getElementById('answer-status').textContent.includes('why?')"
                              " && document.getElementById('answer').textContent.trim().length > 0",
                        deadline, "no third answer", problems)

@@ -257,3 +257,32 @@ async def test_an_answer_whose_prefill_fails_is_failed_and_reports_no_segment():
     done = emitted[-1].response
     assert done["status"] == "failed" and done["video"] == {"selected_segments": []}
     assert prefiller.log == [("end",)]
+
+
+@pytest.mark.asyncio
+async def test_a_response_is_no_longer_active_when_its_done_is_sent():
+    """A client may ask again the moment it reads response.done: that request must not be refused as
+    `conversation_already_has_active_response` by the response that just ended (the browser page once waited for
+    a done that had already come)."""
+    from runtime.events import ResponseDone
+    from runtime.pipeline.response_requests import ResponseRequests
+    from runtime.session_config import SessionConfig
+    from runtime.session_state import SessionSettings
+
+    channel: BlockingChannel[Question] = BlockingChannel(2, "questions")
+    heard, activity, active_at_done = HeardClock(), AnswerActivity(), []
+    await heard.finish()
+
+    async def emit(event) -> None:
+        if isinstance(event, ResponseDone):
+            active_at_done.append(requests.active_response())
+
+    requests = ResponseRequests(channel, None, activity, heard, SessionSettings(SessionConfig()), emit)  # type: ignore[arg-type]
+    question = Question("what moved?", 1.0, 0.0)
+    assert await requests.request(question) and requests.active_response() == question.response_id
+    channel.close()
+    with DeviceWorker() as worker:
+        answers = QuestionProcessor(channel, OnWorker(_OneWordModel(), worker), emit, Conversation(), heard,
+                                    activity, ContextChanges())
+        await answers.run()
+    assert active_at_done == [None]

@@ -300,6 +300,9 @@ class QuestionProcessor:
             response["screen"] = "unseen"
         if self.prefiller is not None and self.prefiller.sees_video:
             response["video"] = {"selected_segments": [[round(a, 3), round(b, 3)] for a, b in selected]}
+        # Ended before response.done is sent: a client may send the next response.create the moment it reads it, and
+        # that must not find this one still active (conversation_already_has_active_response, with no done to come)
+        q.answered.set()
         await self.emit(ResponseDone(response=response, media_time=q.media_time))
         if output.spoken is not None and output.message is not None and q.in_conversation:
             barged = self._barge_at.get(q.response_id)

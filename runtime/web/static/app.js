@@ -185,6 +185,13 @@ function onTrack(e) {
   if (sessionLive) setSpeak();
 }
 
+// Cut off (Cancel, barge-in), the voice is silenced here at once: what the receiver's jitter buffer still holds of the
+// cut answer (more than 200 ms on a busy machine or network) is never played. The next answer's start turns it on.
+function hearVoice(on) {
+  const stream = ui.voice.srcObject;
+  if (stream) for (const track of stream.getAudioTracks()) track.enabled = on;
+}
+
 function setSpeak() {
   if (!hasVoice) return;
   send({ type: "session.update", session: { output_modalities: [ui.speak.checked ? "audio" : "text"] } });
@@ -278,7 +285,10 @@ function cancel() {
   if (responseId || !playing) {
     send(responseId ? { type: "response.cancel", response_id: responseId } : { type: "response.cancel" });
   }
-  if (playing) send({ type: "output_audio_buffer.clear" });
+  if (playing) {
+    hearVoice(false);
+    send({ type: "output_audio_buffer.clear" });
+  }
 }
 
 // ---------------------------------------------------------------- server events
@@ -365,9 +375,9 @@ const handlers = {
   },
 
   // The voice track (WebRTC): when an answer's sound starts and ends, and when barge-in or Cancel cut it off.
-  "output_audio_buffer.started": () => { playing = true; ui.speaking.textContent = "speaking"; },
+  "output_audio_buffer.started": () => { playing = true; hearVoice(true); ui.speaking.textContent = "speaking"; },
   "output_audio_buffer.stopped": () => { playing = false; ui.speaking.textContent = ""; },
-  "output_audio_buffer.cleared": () => { playing = false; ui.speaking.textContent = "interrupted"; },
+  "output_audio_buffer.cleared": () => { playing = false; hearVoice(false); ui.speaking.textContent = "interrupted"; },
 
   // Cut to what was heard (barge-in or Cancel): the answer box keeps only the words played.
   "conversation.item.truncated": (e) => { send({ type: "conversation.item.retrieve", item_id: e.item_id }); },
