@@ -128,10 +128,13 @@ def test_asr_quality_on_a_folder_splits_scores_by_engine(capsys, tmp_path):
     (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # no human clips (an empty --human): this test reads the FastConformer's report; the systems' rows on people
     # reading, which every run adds and which it does not read, cost 50 s where the clips are beside the repository
+    # and the smallest look-ahead alone (`--lookaheads-ms`): the split is checked there
     code, out, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--data", str(tmp_path), "--json",
-                             "--threads", "1", "--systems", "fastconformer", "--human", str(tmp_path / "no-clips"))
+                             "--threads", "1", "--systems", "fastconformer", "--human", str(tmp_path / "no-clips"),
+                             "--lookaheads-ms", "0")
     assert code == 0, err
     result = json.loads(out)
+    assert result["lookaheads_ms"] == [0]
     smallest = str(result["lookaheads_ms"][0])
     for decoder in ("greedy", "beam"):
         part = result[decoder]
@@ -143,3 +146,14 @@ def test_asr_quality_on_a_folder_splits_scores_by_engine(capsys, tmp_path):
         pooled = (split["espeak"]["wer"] * words[0] + split["flite"]["wer"] * words[1]) / sum(words)
         assert abs(part["streaming"][smallest]["wer"] - pooled) < 0.05
         assert set(part["by_engine"]["offline_full_context"]) == {"espeak", "flite"}
+
+
+def test_asr_quality_lookaheads_must_be_the_models_own(capsys):
+    from cli_common import one_error_line, run_cli
+
+    code, _, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--systems", "fastconformer",
+                           "--lookaheads-ms", "0,7")
+    assert code != 0 and "--lookaheads-ms 0,7: builtin:demo-fastconformer streams at 0, 40, 240, 520 ms only" in \
+        one_error_line(err)
+    code, _, err = run_cli(capsys, "bench", "llm", "--quick", "--lookaheads-ms", "0")
+    assert code != 0 and "--lookaheads-ms: llm does not take it" in one_error_line(err)

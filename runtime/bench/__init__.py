@@ -46,11 +46,17 @@ BENCHES: dict[str, tuple[str, str]] = {
               "conversations through the server (--profile)"),
 }
 # the flags that pick a checkpoint or data set, per benchmark that takes them
-CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human"),
+CHECKPOINT_FLAGS = {"asr-quality": ("model", "data", "systems", "whisper", "chunks", "adapter", "human",
+                                    "lookaheads_ms"),
                     "llm": ("model",), "answers": ("model", "data", "prompts", "profile"), "turns": ("human",),
                     "video-qa": ("profile",), "grammar": ("model",), "voice": ("profile",),
                     "remote-lm": ("lm_url", "lm_model")}
 NOT_BUILT: dict[str, str] = {}  # name -> the issue that will build it
+
+
+def _option(dest: str) -> str:
+    """The command-line spelling of an argparse destination: lm_url -> --lm-url."""
+    return "--" + dest.replace("_", "-")
 
 
 def _count(text: str) -> int:
@@ -105,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", default=None, help="asr-quality: causal Whisper chunk sizes in ms (default: "
                         "100,200,300)")
     parser.add_argument("--adapter", default=None, help="asr-quality: a LoRA folder merged into the causal Whisper")
+    parser.add_argument("--lookaheads-ms", default=None, help="asr-quality: the FastConformer look-aheads its own "
+                        "report streams at, comma-separated ms, of those the model was trained with (default: all)")
     parser.add_argument("--preview-ms", type=int, default=100, help="asr-quality: the `previewed` systems' "
                         "asr.preview_ms, for each --chunks size it divides (default: 100)")
     parser.add_argument("--refresh-ms", type=_count, default=None, help="asr-quality: the causal systems' "
@@ -147,9 +155,9 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
         return 2
     flags = list(dict.fromkeys(flag for names in CHECKPOINT_FLAGS.values() for flag in names))
     given = [flag for flag in flags if getattr(args, flag, None) is not None]
-    wrong = [f"--{flag}" for flag in given if flag not in CHECKPOINT_FLAGS.get(args.name, ())]
+    wrong = [_option(flag) for flag in given if flag not in CHECKPOINT_FLAGS.get(args.name, ())]
     if wrong:
-        takers = ", ".join(f"{name} ({', '.join('--' + f for f in fl)})" for name, fl in CHECKPOINT_FLAGS.items())
+        takers = ", ".join(f"{name} ({', '.join(map(_option, fl))})" for name, fl in CHECKPOINT_FLAGS.items())
         raise UserError(f"{' and '.join(wrong)}: {args.name} does not take it; the benchmarks that score a checkpoint "
                         f"or data set: {takers}")
     require_device(args.device)  # a missing GPU is one line here, not torch's assertion mid-benchmark

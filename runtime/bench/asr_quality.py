@@ -204,7 +204,8 @@ def fastconformer_part(args: argparse.Namespace, ref: str, folder: Path, rows: l
                               "error rates mean nothing; score a trained checkpoint")
         model, tokenizer = load_any(checkpoint)
         model.to_runtime(args.device, torch_dtype(dtype))
-    lookaheads = sorted(model.cfg.lookahead_ms(c) for c in model.cfg.att_context_sizes)
+    lookaheads = chosen_lookaheads(sorted(model.cfg.lookahead_ms(c) for c in model.cfg.att_context_sizes),
+                                   getattr(args, "lookaheads_ms", None), ref)
     status(f"offline, full context: {len(rows)} utterances ...")
     logprobs = [offline_logprobs(model, a, FULL_CONTEXT) for a in audios]
     speech, script = demo_speech(), demo_script()
@@ -250,6 +251,19 @@ def fastconformer_part(args: argparse.Namespace, ref: str, folder: Path, rows: l
     results["demo_script"] = normalize(script)
     return {"model": ref, "utterances": len(rows), "heldout_hours": round(sum(len(a) for a in audios) / SAMPLE_RATE
             / 3600, 3), "lookaheads_ms": lookaheads, "chunk_ms": CHUNK_MS, **results}
+
+
+def chosen_lookaheads(trained: list[int], asked: str | None, ref: str) -> list[int]:
+    """The look-aheads (ms) of `trained` that `--lookaheads-ms` names (None: all of them), in ascending order."""
+    if asked is None:
+        return trained
+    try:
+        picked = sorted({int(x) for x in asked.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--lookaheads-ms: expected look-aheads in ms like 0,240, got {asked!r}") from None
+    if not picked or set(picked) - set(trained):
+        raise ConfigError(f"--lookaheads-ms {asked}: {ref} streams at {', '.join(map(str, trained))} ms only")
+    return picked
 
 
 def by_engine(rows: list[dict[str, Any]], refs: list[str], hyps: list[str], wer: Callable,
