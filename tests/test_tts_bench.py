@@ -17,8 +17,9 @@ def test_the_synthesis_race_and_the_round_trip_on_a_small_set() -> None:
     lines: list[str] = []
     race = synthesis(["Yes, it is done."], 1, lines.append)
     rows = race["systems"]
-    assert set(rows) == {"runtime_1_thread", "runtime_2_threads", "onnxruntime_direct", "piper_library_defaults",
-                         "piper_command"}
+    assert set(rows) == {"runtime", "runtime_1_thread", "runtime_spinning", "onnxruntime_direct",
+                         "piper_library_defaults", "piper_command"}
+    assert rows["runtime"]["spinning"] is False and rows["runtime_spinning"]["spinning"] is True
     for name, row in rows.items():
         assert row["audio_s"] > 0.5 and 0 < row["rtf"] < 2.0, (name, row)
     assert rows["piper_command"]["startup_s"] > 0

@@ -3,8 +3,9 @@ and against the `piper` command of piper-tts on the same voice and the same text
 
 Synthesis speed (`synthesis`): each system speaks the same sentences (`SENTENCES`, one synthesis call each), and
 its real-time factor is compute seconds over seconds of audio made (below 1 is faster than real time). Systems:
-- `runtime_1_thread`: what the runtime runs (`PiperVoiceModel`: piper-tts's `PiperVoice` around our own
-  onnxruntime session with one intra-op thread); `runtime_2_threads`: the same with two;
+- `runtime`: what the runtime runs (`PiperVoiceModel`: piper-tts's `PiperVoice` around our own onnxruntime session,
+  one intra-op thread per usable core, spinning off); `runtime_1_thread`: the same on one thread (what it ran
+  until 2026-11-30); `runtime_spinning`: the same threads spinning between calls, onnxruntime's default;
 - `onnxruntime_direct`: the same session called directly on espeak-ng's phoneme ids (piper-tts still phonemises),
   skipping `PiperVoice.synthesize`: is calling onnxruntime ourselves any faster than the library's wrapper?
 - `piper_library_defaults`: `PiperVoice.load` as its README shows it (its own session, default options: every
@@ -178,19 +179,20 @@ def synthesis(texts: Sequence[str], repeats: int, status: Status) -> dict[str, A
     from runtime.models.packaged import PACKAGED, packaged_checkpoint
     from runtime.models.tts.piper_voice import PiperVoiceModel
 
-    one, two = PiperVoiceModel.load(threads=1), PiperVoiceModel.load(threads=2)
+    ours, one = PiperVoiceModel.load(), PiperVoiceModel.load(threads=1)
+    spinning = PiperVoiceModel.load(spinning=True)
     folder = packaged_checkpoint("piper-en-us-joe-medium")
     assert folder is not None
     weights = folder / PACKAGED["piper-en-us-joe-medium"].weight_file
     library = PiperVoice.load(weights, config_path=f"{weights}.json")
-    rate = one.sample_rate
-    scales = np.array([one.piper.config.noise_scale, one.length_scale, one.piper.config.noise_w_scale],
+    rate = ours.sample_rate
+    scales = np.array([ours.piper.config.noise_scale, ours.length_scale, ours.piper.config.noise_w_scale],
                       dtype=np.float32)
 
     def direct(text: str) -> int:
         samples = 0
-        for ids in one.phoneme_ids(text):
-            audio = one.piper.session.run(None, {"input": np.array([ids], dtype=np.int64),
+        for ids in ours.phoneme_ids(text):
+            audio = ours.piper.session.run(None, {"input": np.array([ids], dtype=np.int64),
                                                  "input_lengths": np.array([len(ids)], dtype=np.int64),
                                                  "scales": scales})[0].squeeze()
             audio = audio / max(float(np.abs(audio).max()), 1e-8)  # piper's normalisation, for the same work
@@ -198,8 +200,9 @@ def synthesis(texts: Sequence[str], repeats: int, status: Status) -> dict[str, A
         return samples
 
     systems: dict[str, Callable[[], tuple[float, float]]] = {
+        "runtime": lambda: _timed_calls(lambda t: len(ours.synthesize(t).samples), texts, rate),
         "runtime_1_thread": lambda: _timed_calls(lambda t: len(one.synthesize(t).samples), texts, rate),
-        "runtime_2_threads": lambda: _timed_calls(lambda t: len(two.synthesize(t).samples), texts, rate),
+        "runtime_spinning": lambda: _timed_calls(lambda t: len(spinning.synthesize(t).samples), texts, rate),
         "onnxruntime_direct": lambda: _timed_calls(direct, texts, rate),
         "piper_library_defaults": lambda: _timed_calls(
             lambda t: sum(len(c.audio_float_array) for c in library.synthesize(t)), texts, rate),
@@ -212,7 +215,7 @@ def synthesis(texts: Sequence[str], repeats: int, status: Status) -> dict[str, A
         piper = PiperCommand(command, weights, workdir)
         systems["piper_command"] = lambda: piper.speak(texts)
     # warm-up: onnxruntime's first run of a shape allocates; espeak-ng loads its dictionary once
-    for voice in (one, two):
+    for voice in (ours, one, spinning):
         voice.synthesize(texts[0])
     direct(texts[0])
     list(library.synthesize(texts[0]))
@@ -229,9 +232,10 @@ def synthesis(texts: Sequence[str], repeats: int, status: Status) -> dict[str, A
             piper.close()
         shutil.rmtree(workdir, ignore_errors=True)
     rows: dict[str, Any] = {
+        "runtime": _rtf_row(*best["runtime"], threads=ours.threads, spinning=False),
         "runtime_1_thread": _rtf_row(*best["runtime_1_thread"], threads=1),
-        "runtime_2_threads": _rtf_row(*best["runtime_2_threads"], threads=2),
-        "onnxruntime_direct": _rtf_row(*best["onnxruntime_direct"], threads=1),
+        "runtime_spinning": _rtf_row(*best["runtime_spinning"], threads=spinning.threads, spinning=True),
+        "onnxruntime_direct": _rtf_row(*best["onnxruntime_direct"], threads=ours.threads, spinning=False),
         "piper_library_defaults": _rtf_row(*best["piper_library_defaults"], threads=f"default ({ort.__version__})"),
     }
     if piper is not None:
@@ -248,7 +252,7 @@ def first_clauses(texts: Sequence[str]) -> dict[str, Any]:
     from runtime.models.tts.clauses import split_clauses
     from runtime.models.tts.piper_voice import PiperVoiceModel
 
-    voice = PiperVoiceModel.load(threads=1)
+    voice = PiperVoiceModel.load()
     voice.synthesize(texts[0])
     seconds, words = [], []
     for text in texts:
@@ -257,7 +261,7 @@ def first_clauses(texts: Sequence[str]) -> dict[str, Any]:
         voice.synthesize(clause)
         seconds.append(time.perf_counter() - started)
         words.append(len(clause.split()))
-    return {**percentiles_ms(seconds), "words_p50": float(np.median(words)), "threads": 1}
+    return {**percentiles_ms(seconds), "words_p50": float(np.median(words)), "threads": voice.threads}
 
 
 def intelligibility(texts: Sequence[str], status: Status) -> dict[str, Any]:
@@ -274,7 +278,7 @@ def intelligibility(texts: Sequence[str], status: Status) -> dict[str, Any]:
     transcribe, why = faster_whisper(folder, "")
     if transcribe is None:
         return {"missing": why}
-    voice = PiperVoiceModel.load(threads=1)
+    voice = PiperVoiceModel.load()
     hyps, audio_s = [], 0.0
     started = time.perf_counter()
     for i, text in enumerate(texts):
@@ -296,7 +300,7 @@ def encoding(texts: Sequence[str]) -> dict[str, Any]:
     from runtime.models.tts.output_audio import AudioEncoder
     from runtime.models.tts.piper_voice import PiperVoiceModel
 
-    voice = PiperVoiceModel.load(threads=1)
+    voice = PiperVoiceModel.load()
     speech = voice.synthesize(" ".join(texts[:3]))
     out: dict[str, Any] = {}
     for fmt in (AudioFormat(PCM, 24000), AudioFormat(PCMU, 8000), AudioFormat(PCMA, 8000)):
@@ -345,7 +349,7 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     result: dict[str, Any] = {"voice": DEFAULT_VOICE, "quick": quick, "profile": profile}
     result["synthesis"] = synthesis(race, QUICK_REPEATS if quick else REPEATS, status)
     rows = result["synthesis"]["systems"]
-    ours, peer = rows["runtime_1_thread"].get("rtf"), rows["piper_command"].get("rtf")
+    ours, peer = rows["runtime"].get("rtf"), rows["piper_command"].get("rtf")
     ratio = round(ours / peer, 3) if ours is not None and peer else None
     status("voice: first clauses")
     result["first_clause_ms"] = first_clauses(SENTENCES)

@@ -36,9 +36,10 @@ def check_voice(ref: str = DEFAULT_VOICE) -> None:
     import_piper()
 
 
-def load_voice(ref: str = DEFAULT_VOICE, *, threads: int = 1) -> Voice:
+def load_voice(ref: str = DEFAULT_VOICE, *, threads: int | None = None) -> Voice:
     """The voice `ref` loaded and ready; ConfigError names the known voices, CheckpointNotFound (one line) the
-    install command of a missing package. `threads`: onnxruntime's intra-op threads for one synthesis."""
+    install command of a missing package. `threads`: onnxruntime's intra-op threads for one synthesis (None: every
+    core this process may use, piper_voice.py says why)."""
     if ref != DEFAULT_VOICE:
         raise ConfigError(f"unknown voice {ref!r}; known: {', '.join(VOICES)}")
     from runtime.models.tts.piper_voice import PiperVoiceModel

@@ -7,11 +7,15 @@ Piper's lessac voice, whose recordings carry research terms.
 
 Library: `piper-tts` (the `tts` extra), for the one part that cannot be a hand table: espeak-ng's phonemes (its
 bundled `espeakbridge` and espeak-ng data), the phoneme-id map and the per-sentence VITS call. Its own
-`PiperVoice.load` builds the onnxruntime session with default options, which use every core; here the session is
-ours, with `threads` intra-op threads (1 by default), handed to `PiperVoice` in its place. Why: a session beside
-the ASR and the language model must not claim both cores, and on our 2-core machines one thread was also faster
-for this model (measured by `runtime bench voice`, which also times a direct onnxruntime call on the same
-phoneme ids against the library's wrapper: the wrapper adds nothing measurable, so the library stays).
+`PiperVoice.load` builds the onnxruntime session with default options; here the session is ours, handed to
+`PiperVoice` in its place: `threads` intra-op threads (default: every core this process may use) with onnxruntime's
+spinning off. Why: the device worker runs one job at a time, so while a clause is synthesised the language model's
+and the ASR's threads wait, and the voice may take every core; but onnxruntime's default threads spin for a while
+after each call, and beside a decode or another process those spinning threads took the cores from them. Measured
+on our 2-core machines (`runtime bench voice`'s rows, 8 sentences): quiet, real-time factor 0.045 with two threads
+without spinning against 0.072-0.075 with one; beside two busy processes 0.100 against 0.118 spinning and 0.123
+with one thread. The bench also times a direct onnxruntime call on the same phoneme ids against the library's
+wrapper: the wrapper adds nothing measurable, so the library stays.
 
 Loudness: like the `piper` command, each sentence is scaled to full scale (piper's `normalize_audio`), so
 clauses spoken one at a time come out at the same level.
@@ -20,6 +24,7 @@ clauses spoken one at a time come out at the same level.
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +52,14 @@ def import_piper() -> None:
         raise CheckpointNotFound(f"{REF} runs on {LIBRARY}, which is not installed: {INSTALL}") from None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS says it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 class PiperVoiceModel:
     """One loaded voice (one onnxruntime session); safe to call from several threads, though the runtime calls it
     from the device worker only."""
@@ -60,8 +73,11 @@ class PiperVoiceModel:
         self.length_scale = float(piper.config.length_scale)
 
     @classmethod
-    def load(cls, threads: int = 1) -> PiperVoiceModel:
-        """From the pinned package, its .onnx hash-checked; CheckpointNotFound (one line) names what to install."""
+    def load(cls, threads: int | None = None, *, spinning: bool = False) -> PiperVoiceModel:
+        """From the pinned package, its .onnx hash-checked; CheckpointNotFound (one line) names what to install.
+        `threads`: onnxruntime's intra-op threads (None: every core this process may use); `spinning`: whether they
+        spin between calls (onnxruntime's default; off here, module doc)."""
+        threads = usable_cores() if threads is None else threads
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         folder = packaged_checkpoint(NAME)
@@ -75,6 +91,7 @@ class PiperVoiceModel:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         session = ort.InferenceSession(str(weights), sess_options=options, providers=["CPUExecutionProvider"])
         return cls(PiperVoice(session=session, config=config), threads)
 
