@@ -57,6 +57,13 @@ def test_logits_equal_transformers(pair) -> None:
     assert got.shape == expected.shape
     assert (got - expected).abs().max() <= TOL
     assert (ours(ids, torch.arange(150), last_only=True)[0] - expected[-1]).abs().max() <= TOL
+    # without the head (a prefill that only fills the cache): the last layer's states, which the final norm makes
+    # transformers' last hidden state
+    hidden = ours(ids, torch.arange(150), head=False)
+    assert hidden.shape == (150, ref.config.hidden_size)
+    with torch.no_grad():
+        states = ref.model(ids).last_hidden_state[0]
+    assert (ours.model.norm.forward(hidden) - states).abs().max() <= TOL
 
 
 def test_config_is_read(tmp_path: Path) -> None:

@@ -117,6 +117,15 @@ def visual_map(session):
     return dict(session._visual)
 
 
+def assert_answer_sees_the_context(s, hf_vlm) -> None:
+    """The prefilled KV is the reference's: an answer's first logits over it equal transformers' over the same ids
+    (the prefill computes no logits of its own)."""
+    s.begin_answer("what is shown?")
+    ref = hf_logits(hf_vlm, s.answer_ids(), visual_map(s))
+    assert (s.next_logits() - ref[-1]).abs().max().item() < TOL
+    s.end_answer()
+
+
 def test_visual_suffix_prefill_is_exact_and_keeps_the_common_prefix(engine, hf_vlm):
     g = torch.Generator().manual_seed(0)
     dim = engine.model.args.hidden_size
@@ -125,10 +134,8 @@ def test_visual_suffix_prefill_is_exact_and_keeps_the_common_prefix(engine, hf_v
     s.set_context("hello there", ["\n\nVideo:", blocks[0], " [0:03]", blocks[1]])
     while s.prefill_step():
         pass
-    ids = s.source_ids()
-    assert sum(i < 0 for i in ids) == 10
-    ref = hf_logits(hf_vlm, ids, visual_map(s))
-    assert (s.source_logits - ref[-1]).abs().max().item() < TOL
+    assert sum(i < 0 for i in s.source_ids()) == 10
+    assert_answer_sees_the_context(s, hf_vlm)
 
     # a new latest frame (new key): only it is recomputed
     before = s.stats.prefilled
@@ -137,9 +144,7 @@ def test_visual_suffix_prefill_is_exact_and_keeps_the_common_prefix(engine, hf_v
     while s.prefill_step():
         pass
     assert s.stats.prefilled - before < 4 + 8  # the changed label and block, not the transcript or block 1
-    ids = s.source_ids()
-    ref = hf_logits(hf_vlm, ids, visual_map(s))
-    assert (s.source_logits - ref[-1]).abs().max().item() < TOL
+    assert_answer_sees_the_context(s, hf_vlm)
 
     # the transcript grows: the suffix after it is recomputed, and the answer sees all of it
     s.set_context("hello there, how are you", None)

@@ -72,7 +72,6 @@ class EngineSession:
                                  sink=engine.sink, window=engine.window, reserve=engine.reserve,
                                  target=engine.target, device=engine.model.device, dtype=engine.model.dtype)
         self.stats = SessionStats()
-        self.source_logits: torch.Tensor | None = None  # after the last prefilled source token
         self._wanted = ""  # the newest transcript, set from any thread
         self._wanted_suffix: tuple[Piece, ...] = ()  # the newest memory suffix, set from any thread
         self._tokens = SourceTokens(engine.tokenizer)  # the current source text's ids, kept incrementally
@@ -201,8 +200,8 @@ class EngineSession:
         start = len(self._hist)
         ids = self._ids[start : start + n]
         attend = self.cache.append_source(n)
-        self.source_logits = self._forward(ids, attend, last_only=True, embeds=self._embeds(ids),
-                                           by_token=self.engine.by_token)[0]
+        # the source's own logits are never read (an answer's tail always follows it): the cache alone is filled
+        self._forward(ids, attend, last_only=True, embeds=self._embeds(ids), by_token=self.engine.by_token, head=False)
         self._hist.extend(ids)
         self.stats.prefilled += n
         return n
@@ -238,10 +237,11 @@ class EngineSession:
         return x
 
     def _forward(self, ids: Sequence[int], attend: Attend, *, last_only: bool,
-                 embeds: torch.Tensor | None = None, by_token: bool = False) -> torch.Tensor:
+                 embeds: torch.Tensor | None = None, by_token: bool = False, head: bool = True) -> torch.Tensor:
         tokens = torch.tensor([max(t, 0) for t in ids], dtype=torch.long, device=self.cache.k.device)
         return self.engine.model(tokens, attend.q_pos, attend.k_pos, attend.mask, cache=self.cache.buffers,
-                                 slot=attend.slot, last_only=last_only, embeds=embeds, by_token=by_token)
+                                 slot=attend.slot, last_only=last_only, embeds=embeds, by_token=by_token,
+                                 head=head)
 
     # -- target group (the open answer) -------------------------------------------------------------------
 

@@ -299,8 +299,11 @@ class Transformer(nn.Module):
         last_only: bool = False,
         embeds: Tensor | None = None,
         by_token: bool = False,
+        head: bool = True,
     ) -> Tensor:
-        """Logits (float32) [n, vocab] for `tokens` [n] (or [1, n]), or [1, vocab] with `last_only`.
+        """Logits (float32) [n, vocab] for `tokens` [n] (or [1, n]), or [1, vocab] with `last_only`; without
+        `head`, the last layer's hidden states [n, hidden] (or [1, hidden]) instead: a prefill that only fills the
+        cache skips the vocabulary projection, a fifth of a small forward's cost at 1.5B (151,936 x 1,536).
 
         `q_pos` [n]: the new tokens' RoPE positions. With a cache (`kv_cache.SinkKVCache.buffers`: K, V and
         rotated-K buffers [layers, 1, kv_heads, slots, d] and the positions [slots] the rotated keys were made
@@ -338,6 +341,8 @@ class Transformer(nn.Module):
             x = layer.forward(x, rope_q, attend, layer_cache, slot, rotate)
         if last_only:
             x = x[-1:]
+        if not head:
+            return x
         return linear(self.model.norm.forward(x), self.lm_head).float()
 
     @torch.inference_mode()
