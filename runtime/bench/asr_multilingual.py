@@ -5,8 +5,9 @@ The speech is espeak-ng's (installed with the project's synthetic-speech tools, 
 sentences below, written for this bench and never tuned to what the models make of them, each said by one of
 espeak-ng's voice variants of its language at 140 words a minute (`VARIANTS`, in turn). espeak-ng is formant
 synthesis: robotic, far from human speech, so the absolute error rates say little of a person speaking; the
-rows compare systems on the same audio. `--quick` keeps the first `QUICK_SENTENCES` of each language and leaves the
-`QUICK_SKIP` systems to the full run (a row with the reason).
+rows compare systems on the same audio. The full run says the first `FULL_SENTENCES` of each language (within
+its 20 minutes), `--quick` the first `QUICK_SENTENCES`, and quick leaves the `QUICK_SKIP` systems to the full run (a
+row with the reason).
 
 Systems (Whisper base, `builtin:whisper-base`, for every one):
 - `whisper-base-profile`: the `whisper-base` profile's stream as a session runs it per turn (block-causal at 300 ms
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 WHISPER_BASE = "builtin:whisper-base"
 QUICK_SENTENCES = 1
+FULL_SENTENCES = 3  # the full run: the first 3 of each language (the buffered peer alone took 5-8 s an audio second)
 # left out of --quick, which must stay within 3 minutes on 2 cores: measured on a loaded 2-core machine, the buffered
 # peer cost 5-8 s of compute per audio second on this speech, offline base in float32 torch 2.5, the given-language row
 # as much as the profile's; the quick rows (the profile, faster-whisper) took 66 s with offline base, about 30 s
@@ -91,9 +93,9 @@ def speak(text: str, voice: str) -> np.ndarray:
 
 
 def clips(quick: bool) -> dict[str, list[tuple[np.ndarray, str]]]:
-    """Language -> [(audio, text)] of its sentences (`QUICK_SENTENCES` of each with `quick`)."""
+    """Language -> [(audio, text)] of its first `FULL_SENTENCES` sentences (`QUICK_SENTENCES` with `quick`)."""
     return {lang: [(speak(text, lang + VARIANTS[i % len(VARIANTS)]), text)
-                   for i, text in enumerate(texts[:QUICK_SENTENCES] if quick else texts)]
+                   for i, text in enumerate(texts[:QUICK_SENTENCES if quick else FULL_SENTENCES])]
             for lang, texts in SENTENCES.items()}
 
 
