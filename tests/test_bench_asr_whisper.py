@@ -205,6 +205,20 @@ def test_missing_faster_whisper_and_human_set_are_rows_with_reasons(capsys, tmp_
     assert result["targets"]["causal_300ms_human_wer_within_1.25x_offline"]["met"] is False
 
 
+
+def test_the_causal_rows_stream_with_the_profiles_adapter_unless_told_otherwise() -> None:
+    """As a session streams tiny.en (the whisper-tiny-en profile's adapter); `--adapter none` scores the bare stream,
+    and another Whisper has no adapter trained for it."""
+    shipped = "builtin:causal-whisper-tiny.en"
+
+    def adapter(ref: str = asr_systems.WHISPER, **flag: str) -> str:
+        return asr_systems.stream_adapter(argparse.Namespace(**flag), ref, shipped)
+
+    assert adapter() == shipped
+    assert adapter(adapter="none") == adapter(adapter="") == ""
+    assert adapter(adapter="/tmp/my-lora") == "/tmp/my-lora"
+    assert adapter("builtin:whisper-base") == ""
+
 def _never_read(path: object) -> np.ndarray:
     raise AssertionError(f"a missing set reads no audio ({path})")
 

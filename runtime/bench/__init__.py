@@ -110,7 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "builtin:whisper-tiny.en)")
     parser.add_argument("--chunks", default=None, help="asr-quality: causal Whisper chunk sizes in ms (default: "
                         "100,200,300)")
-    parser.add_argument("--adapter", default=None, help="asr-quality: a LoRA folder merged into the causal Whisper")
+    parser.add_argument("--adapter", default=None, help="asr-quality: a LoRA folder merged into the causal Whisper "
+                        "(default: the whisper-tiny-en profile's, builtin:causal-whisper-tiny.en, when scoring its "
+                        "Whisper, as a session streams it; none: the bare block-causal Whisper)")
     parser.add_argument("--lookaheads-ms", default=None, help="asr-quality: the FastConformer look-aheads its own "
                         "report streams at, comma-separated ms, of those the model was trained with (default: all)")
     parser.add_argument("--preview-ms", type=int, default=100, help="asr-quality: the `previewed` systems' "

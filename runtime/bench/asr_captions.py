@@ -250,7 +250,7 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
     `--adapter` and `--graph-runtime` as for the systems). `shared`: models `asr_systems.build` loaded (reused)."""
     from dataclasses import replace
 
-    from runtime.bench.asr_systems import OFFLINE_TOKENS, faster_whisper
+    from runtime.bench.asr_systems import OFFLINE_TOKENS, faster_whisper, stream_adapter
     from runtime.config import ASRConfig, load_profile
     from runtime.errors import CheckpointNotFound
     from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
@@ -269,7 +269,7 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
     shared = shared or {}
     profile = load_profile("whisper-tiny-en").asr
     cfg = replace(profile, model=ref, chunk_ms=300, preview_ms=0, final_pass="offline",
-                  adapter=getattr(args, "adapter", None) or profile.adapter,
+                  adapter=stream_adapter(args, ref, profile.adapter),
                   graph_runtime=getattr(args, "graph_runtime", None) or profile.graph_runtime)
     if "causal" in shared and "pass" in shared:  # the systems' stream and offline pass, as the two-pass rows run
         first, (second, search) = shared["causal"], shared["pass"]

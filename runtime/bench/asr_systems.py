@@ -61,6 +61,16 @@ FW_THREADS = 2
 OFFLINE_TOKENS = 224  # openai-whisper's sample length: half the decoder's 448 positions
 
 
+def stream_adapter(args: argparse.Namespace, ref: str, profile_adapter: str) -> str:
+    """The adapter the causal stream of `ref` runs with: `--adapter` (`none`: the bare block-causal Whisper), else
+    the whisper-tiny-en profile's (`profile_adapter`) when `ref` is the profile's Whisper, as a session runs it; a
+    different Whisper has no adapter trained for it."""
+    asked = getattr(args, "adapter", None)
+    if asked is not None:
+        return "" if asked.strip().lower() in ("", "none") else asked
+    return profile_adapter if ref == WHISPER else ""
+
+
 def causal_id(ms: int, final_pass: str = "", preview: int = 0) -> str:
     return f"causal-whisper-{ms}ms" + (f"-preview{preview}ms" if preview else "") + (
         f"+{final_pass}" if final_pass else "")
@@ -236,7 +246,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
         profile = load_profile("whisper-tiny-en").asr
         profile = replace(profile, graph_runtime=getattr(args, "graph_runtime", None) or profile.graph_runtime)
         refresh = getattr(args, "refresh_ms", None)
-        cfg = replace(profile, model=ref, chunk_ms=chunks[0], adapter=getattr(args, "adapter", None) or "",
+        cfg = replace(profile, model=ref, chunk_ms=chunks[0], adapter=stream_adapter(args, ref, profile.adapter),
                       preview_ms=0, final_pass="none", refresh_ms=profile.refresh_ms if refresh is None else refresh)
         first = load_asr(cfg, device=device, dtype=dtype, progress=status)
         shared["causal"] = first
