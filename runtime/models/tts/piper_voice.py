@@ -12,9 +12,9 @@ bundled `espeakbridge` and espeak-ng data), the phoneme-id map and the per-sente
 spinning off. Why: the device worker runs one job at a time, so while a clause is synthesised the language model's
 and the ASR's threads wait, and the voice may take every core; but onnxruntime's default threads spin for a while
 after each call, and beside a decode or another process those spinning threads took the cores from them. Measured
-on our 2-core machines (`runtime bench voice`'s rows, 8 sentences): quiet, real-time factor 0.045 with two threads
-without spinning against 0.072-0.075 with one; beside two busy processes 0.100 against 0.118 spinning and 0.123
-with one thread. The bench also times a direct onnxruntime call on the same phoneme ids against the library's
+on our 2-core machines (8 sentences, docs/model_card_piper_joe.md): quiet, real-time factor 0.044 with two threads
+without spinning against 0.070 with one (0.041 spinning); beside two busy processes 0.084 against 0.110 spinning and
+0.107 with one thread. The bench also times a direct onnxruntime call on the same phoneme ids against the library's
 wrapper: the wrapper adds nothing measurable, so the library stays.
 
 Loudness: like the `piper` command, each sentence is scaled to full scale (piper's `normalize_audio`), so
