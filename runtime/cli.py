@@ -389,7 +389,12 @@ def run(args: argparse.Namespace) -> int:
         if args.command in ("bench", "train"):
             console.quiet_libraries()
         if args.command == "bench":
-            return bench.run(args, console.status)
+            started = time.perf_counter()  # each status line says how far in it is: long benches show their stages
+
+            def timed(line: str) -> None:
+                console.status(f"[{time.perf_counter() - started:5.0f} s] {line}")
+
+            return bench.run(args, timed)
         if args.command == "train":
             return train.run(args)
         if args.command == "profiles":

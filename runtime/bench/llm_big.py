@@ -57,16 +57,20 @@ ROWS = {"native": ("native", "runtime", True), "int4": ("int4", "runtime", True)
 
 @dataclass(frozen=True)
 class Plan:
-    """How much each row measures: `decode_tokens` per decode run, a `prefill_tokens` transcript, `trials` pairs
-    per thread count (`avx2_trials` in the AVX2 child), think-while-reading after each of `ttft_tokens`, the
+    """How much each row measures: `decode_tokens` per decode run, a `prefill_tokens` transcript in the paired
+    prefill (`format_prefill_tokens` in each format's own row: a rate, and the pairs measure the long one), `trials`
+    pairs per thread count (`avx2_trials` decode and `avx2_prefill_trials` prefill pairs in the AVX2 child, whose
+    1,000-token prefills at 1 thread are its longest runs), think-while-reading after each of `ttft_tokens`, the
     speculative table's answers (`spec_tokens`, `spec_prompts` per task, at `spec_threads`: the quick table's
     prompts prefill twice as fast on both cores), and whether steps compile. Decode rows
     answer a question about the first `context_lines` lines of the meeting (a shorter prompt to prefill first)."""
     decode_tokens: int
     context_lines: int
     prefill_tokens: int
+    format_prefill_tokens: int
     trials: int
     avx2_trials: int
+    avx2_prefill_trials: int
     ttft_tokens: tuple[int, ...]
     spec_tokens: int
     spec_prompts: int
@@ -74,10 +78,11 @@ class Plan:
     compile: bool
 
 
-QUICK = Plan(decode_tokens=12, context_lines=1, prefill_tokens=64, trials=2, avx2_trials=1, ttft_tokens=(256,),
-             spec_tokens=12, spec_prompts=1, spec_threads=2, compile=False)
-FULL = Plan(decode_tokens=64, context_lines=3, prefill_tokens=1000, trials=3, avx2_trials=2, ttft_tokens=(2048, 4096),
-            spec_tokens=48, spec_prompts=2, spec_threads=1, compile=True)
+QUICK = Plan(decode_tokens=12, context_lines=1, prefill_tokens=64, format_prefill_tokens=64, trials=2, avx2_trials=1,
+             avx2_prefill_trials=1, ttft_tokens=(256,), spec_tokens=12, spec_prompts=1, spec_threads=2, compile=False)
+FULL = Plan(decode_tokens=64, context_lines=3, prefill_tokens=1000, format_prefill_tokens=256, trials=3,
+            avx2_trials=2, avx2_prefill_trials=1, ttft_tokens=(2048, 4096), spec_tokens=48, spec_prompts=2,
+            spec_threads=1, compile=True)
 
 
 def decode_context(plan: Plan) -> str:
@@ -145,12 +150,12 @@ def format_rows(ref: str, plan: Plan, file: Path | None, status: Status,
     rows: dict[str, Any] = {}
     kept: dict[str, EngineAnswerer] = {}
     peer_logits: torch.Tensor | None = None
-    n, prefill = plan.decode_tokens, plan.prefill_tokens
+    n, prefill = plan.decode_tokens, plan.format_prefill_tokens
     for name, (fmt, kernels, compiles) in ROWS.items():
         status(f"{name}: loading")
         cfg = LMConfig(backend="engine", model=ref, weights=fmt, kernels=kernels, drafter="none",
                        max_new_tokens=max(n + 8, plan.spec_tokens), compile=_compile(plan, compiles),
-                       window_tokens=max(2048, prefill + 512))
+                       window_tokens=max(2048, plan.prefill_tokens + 512))
         answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=status)
         engine = answerer.engine
         row: dict[str, Any] = {"weights": fmt, "kernels": kernel_path(kernels, "cpu"),
@@ -160,9 +165,7 @@ def format_rows(ref: str, plan: Plan, file: Path | None, status: Status,
         for threads in THREADS:
             torch.set_num_threads(threads)
             status(f"{name}: decode and prefill at {threads} thread(s)")
-            runs = 1 if plan is QUICK else 2
-            row[f"decode_tok_s_{threads}t"] = round(max(decode_tok_s(answerer, n, decode_context(plan))
-                                                        for _ in range(runs)), 2)
+            row[f"decode_tok_s_{threads}t"] = round(decode_tok_s(answerer, n, decode_context(plan)), 2)
             row[f"prefill_tok_s_{threads}t"] = round(engine_prefill_tok_s(engine, ids), 1)
         torch.set_num_threads(2)
         if file is not None and has_llama_cpp():
@@ -244,10 +247,18 @@ def avx2_child(ref: str, fmt: str, plan: Plan, status: Status) -> dict[str, Any]
     status("AVX2 forced: the paired rows again in a child process (loads" + (" and compiles" if plan.compile else "")
            + " anew)")
     cmd = [sys.executable, "-m", "runtime.bench.llm_big", ref, fmt, "quick" if plan is QUICK else "full"]
-    done = subprocess.run(cmd, env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        return {"skipped": f"the AVX2 child failed: {done.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(done.stdout)
+    child = subprocess.Popen(cmd, env={**os.environ, **AVX2_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    assert child.stderr is not None and child.stdout is not None
+    last = ""
+    for line in child.stderr:  # its progress (and, should it fail, its error) as ours; its JSON is one short line
+        if line.strip():
+            last = line.strip()
+            status(f"AVX2 child: {last}")
+    out, code = child.stdout.read(), child.wait()
+    if code != 0:
+        return {"skipped": f"the AVX2 child failed: {last}"}
+    return json.loads(out)
 
 
 def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
@@ -313,22 +324,22 @@ def _child(ref: str, fmt: str, plan: Plan) -> dict[str, Any]:
     """The AVX2 child: the paired decode and prefill rows of format `fmt` (`plan.avx2_trials` each), as JSON."""
     from runtime.models.lm import cpu_kernels
 
-    def quiet(_: str) -> None:
-        pass
+    def progress(line: str) -> None:  # to the parent, which shows it as its own status
+        print(line, file=sys.stderr, flush=True)
 
     file = gguf_file(resolve_checkpoint(ref, role="lm"))
     assert file is not None
     n, trials, context = plan.decode_tokens, plan.avx2_trials, decode_context(plan)
     cfg = LMConfig(backend="engine", model=ref, weights=fmt, kernels="runtime", drafter="none",
                    max_new_tokens=n + 8, compile=_compile(plan, True))
-    answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
+    answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32", progress=progress)
     prompt = list(answerer.start(context, QUESTION, stream=answerer.open_stream()).prompt_ids)
     ids = transcript_ids(answerer.engine, plan.prefill_tokens)
     return {"kernels": f"runtime {cpu_kernels.isa()}", "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "env": AVX2_ENV,
-            "paired_decode": paired_vs_llama_cpp(ref, fmt, file, prompt, n, trials, quiet, answerer=answerer,
+            "paired_decode": paired_vs_llama_cpp(ref, fmt, file, prompt, n, trials, progress, answerer=answerer,
                                                  context=context),
-            "paired_prefill": paired_prefill(answerer.engine, file, ids, trials, quiet)}
+            "paired_prefill": paired_prefill(answerer.engine, file, ids, plan.avx2_prefill_trials, progress)}
 
 
 if __name__ == "__main__":
