@@ -10,7 +10,7 @@ from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.pipeline.audio import AudioProcessor, BufferEnd, IdleTimeout, TurnEvent
+from runtime.pipeline.audio import FINAL_TAIL_S, AudioProcessor, BufferEnd, IdleTimeout, TurnEvent
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker
 
@@ -42,11 +42,15 @@ class _Turns:
     `flip_after` (as a session.update between two chunks would); `speech`: the VAD's seconds of speech heard."""
 
     def __init__(self, by_chunk: dict[int, list[TurnEvent | IdleTimeout]], on: bool = True,
-                 flip_after: tuple[int, ...] = (), speech: float = 1.0) -> None:
+                 flip_after: tuple[int, ...] = (), speech: float = 1.0,
+                 pauses: dict[int, int | None] | None = None) -> None:
+        """`pauses`: after chunk i, where the current pause began (None: speaking), until the next entry."""
         self.by_chunk, self.on, self.flip_after, self.speech = by_chunk, on, flip_after, speech
+        self.pauses, self.pause = pauses or {}, None
 
     def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:
         index = chunk.start_sample // STEP
+        self.pause = self.pauses.get(index, self.pause)
         if index in self.flip_after:
             self.on = not self.on
         return self.by_chunk.get(index, [])
@@ -59,6 +63,9 @@ class _Turns:
 
     def speech_s(self) -> float:
         return self.speech
+
+    def pause_start(self) -> int | None:
+        return self.pause
 
 
 def _you(i: int) -> list[TranscriptUpdate]:
@@ -320,3 +327,58 @@ def test_turn_taking_counts_the_speech_the_vad_heard_since_the_buffer_began():
     assert turns.speech_s() == 0.0
     turns.detect(AudioChunk(np.zeros(2048, np.float32), 2048))
     assert turns.speech_s() == pytest.approx(2 * 512 / SAMPLE_RATE)
+
+
+class _EndingStream(_Stream):
+    """A stream told where the speech ended (`SpeechEnds`): records each point and the audio it had by then."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.ends: list[tuple[int | None, int]] = []
+        self.heard_to = 0
+
+    def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
+        self.heard_to = chunk.end_sample
+        return super().accept(chunk)
+
+    def end_speech(self, until_sample: int | None) -> None:
+        self.ends.append((until_sample, self.heard_to))
+
+
+TAIL = round(FINAL_TAIL_S * SAMPLE_RATE)
+
+
+@pytest.mark.asyncio
+async def test_a_pause_prepares_the_final_pass_and_speech_that_goes_on_undoes_it():
+    final = [TranscriptUpdate("a0", "", "", 0.0, 1.0, True, "hi there")]
+    # a pause from chunk 2 that speech ends at chunk 5; one from chunk 7 that the rule ends at chunk 12
+    stream = _EndingStream({}, final)
+    turns = _Turns({0: [TurnEvent(True, 0)], 12: [TurnEvent(False, 7 * STEP)]},
+                   pauses={2: 2 * STEP, 5: None, 7: 7 * STEP, 12: None})
+    out, conversation = await _run(list(range(14)), stream, turns)
+    assert stream.ends == [(2 * STEP + TAIL, 4 * STEP), (None, 6 * STEP), (7 * STEP + TAIL, 9 * STEP)]
+    assert _completed(out) == ["hi there"]  # the commit found its point given: nothing given twice
+
+
+@pytest.mark.asyncio
+async def test_a_commit_by_turn_detection_gives_the_speech_end_first_when_the_pause_did_not():
+    """The pause never seen between two chunks (as when chunks are as long as the rule's silence): the commit gives
+    the point itself, the same the pause would have, before the final pass; a rule shorter than the tail gives the
+    end of the audio heard."""
+    stream = _EndingStream({}, [TranscriptUpdate("a0", "", "", 0.0, 1.0, True, "hi")])
+    turns = _Turns({0: [TurnEvent(True, 0)], 6: [TurnEvent(False, 2 * STEP + 50)]})
+    out, _ = await _run(list(range(8)), stream, turns)
+    assert stream.ends == [(2 * STEP + 50 + TAIL, 7 * STEP)]
+    assert _completed(out) == ["hi"]
+    stream = _EndingStream({}, [TranscriptUpdate("a0", "", "", 0.0, 1.0, True, "hi")])
+    turns = _Turns({0: [TurnEvent(True, 0)], 3: [TurnEvent(False, 3 * STEP + 50)]})
+    await _run(list(range(5)), stream, turns)
+    assert stream.ends == [(4 * STEP, 4 * STEP)]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_without_the_capability_finishes_on_all_its_audio():
+    stream = _Stream({}, [TranscriptUpdate("a0", "", "", 0.0, 1.0, True, "hi")])
+    turns = _Turns({0: [TurnEvent(True, 0)], 8: [TurnEvent(False, 2 * STEP)]}, pauses={2: 2 * STEP, 8: None})
+    out, _ = await _run(list(range(10)), stream, turns)
+    assert _completed(out) == ["hi"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_causal_whisper_decoder import chunk_sizes, make_audio, run_stream
 
+from runtime.chunks import AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.asr import FRAME_SAMPLES, CausalWhisperASR
@@ -165,3 +166,71 @@ def test_a_pass_that_does_not_loop_is_searched_once(base: CausalWhisperASR) -> N
     recorder.beams = 5  # a pass that searched with 5 beams already keeps the stream's text at once
     final = OfflinePass(recorder)
     assert final.revise(item_with(base, [4]), make_audio(1.0)) == [4] and recorder.searches == [5]
+
+
+def _searching(recorder: Recorder):
+    """A greedy search run beside the recorder's decoder (as the ONNX graph's is), recorded the same way."""
+    def search(encoded: Encoded, previous: Sequence[int], sot: Sequence[int]) -> list[int]:
+        return recorder.decode(encoded, previous=previous, sot=sot)
+    return search
+
+
+def test_a_pass_prepared_during_the_pause_is_the_unprepared_pass_computed_sooner(base: CausalWhisperASR) -> None:
+    audio = make_audio(1.0)
+    recorder = Recorder(SENTENCE, words=WORDS)
+    final = OfflinePass(recorder, _searching(recorder))
+    item = item_with(base, [3, 4])
+    final.prepare(item, audio)
+    assert len(recorder.heard) == 1 and recorder.searches == [1]  # encoded and searched in the pause
+    item.tokens = [Token(i, 1.0, 0) for i in [3, 4, 5]]  # the stream wrote on meanwhile: its words are read now
+    assert final.revise(item, audio) == SENTENCE and final.prepared_used == 1
+    assert len(recorder.heard) == 1 and recorder.searches == [1]  # nothing computed twice
+    unprepared = Recorder(SENTENCE, words=WORDS)
+    assert OfflinePass(unprepared, _searching(unprepared)).revise(item, audio) == SENTENCE
+    # other audio (speech went on), or the same audio after another revision: computed again, never reused
+    final.prepare(item, audio)
+    assert final.revise(item, audio[:-1]) == SENTENCE and final.prepared_used == 1
+    np.testing.assert_array_equal(recorder.heard[-1], audio[:-1])
+    assert final.revise(item, audio) == SENTENCE and final.prepared_used == 1 and len(recorder.heard) == 4
+
+
+def test_a_prepared_pass_that_loops_still_retries_with_beams(base: CausalWhisperASR) -> None:
+    recorder = Recorder(LOOP, by_beams={5: SENTENCE}, words=WORDS)
+    final = OfflinePass(recorder, _searching(recorder))
+    final.prepare(item_with(base, [4]), make_audio(1.0))
+    assert final.revise(item_with(base, [4]), make_audio(1.0)) == SENTENCE
+    assert recorder.searches == [1, 5] and final.prepared_used == 1 and final.retried == 1
+
+
+def test_the_final_pass_reads_the_turn_up_to_the_speech_end_it_was_given(base: CausalWhisperASR) -> None:
+    """`end_speech` during the pause prepares the pass on the audio up to that point; more audio (the rest of the
+    rule's silence) does not change what it reads; the same point given only at the commit gives the same
+    transcript; `end_speech(None)` (speech went on) reads everything again."""
+    audio = make_audio(2.4)
+    until = 16_000 * 2  # the speech end plus its tail, 0.4 s before the commit
+
+    def finished(prepare_at: int | None, point: int | None) -> tuple[str, Recorder, OfflinePass]:
+        recorder = Recorder(base.tokenizer(" a revised ending", add_special_tokens=False).input_ids)
+        final = OfflinePass(recorder, _searching(recorder))
+        asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="offline", reset_s=30.0), final_pass=final)
+        stream, updates, pos = asr.open_stream(), [], 0
+        for size in chunk_sizes(len(audio), "ragged"):
+            updates += stream.accept(AudioChunk(audio[pos: pos + size], pos))
+            pos += size
+            if prepare_at is not None and pos >= prepare_at:
+                stream.end_speech(point)
+                prepare_at = None
+        if prepare_at is not None:  # given at the commit
+            stream.end_speech(point)
+        done = [u for u in updates + stream.finish() if u.completed]
+        return "".join(u.transcript for u in done), recorder, final
+
+    early, recorder, final = finished(until, until)
+    np.testing.assert_array_equal(recorder.heard[-1], audio[:until])
+    assert len(recorder.heard) == 1 and final.prepared_used == 1  # prepared once, read at the commit
+    late, recorder, final = finished(len(audio) + 1, until)
+    assert late == early and final.prepared_used == 1
+    np.testing.assert_array_equal(recorder.heard[-1], audio[:until])
+    _, recorder, final = finished(until, None)
+    np.testing.assert_array_equal(recorder.heard[-1], audio)
+    assert final.prepared_used == 0

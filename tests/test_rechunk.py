@@ -90,3 +90,23 @@ def test_to_mono_float32() -> None:
     assert to_mono_float32(np.zeros(3, np.float64)).dtype == np.float32
     with pytest.raises(ValueError):
         to_mono_float32(np.zeros((1, 2, 3)))
+
+
+def test_a_chunk_a_few_samples_short_is_sent_at_once_with_short_by():
+    """A client's 100 ms messages after the resampler's look-ahead (1583 samples, then 1600 each): each goes out as
+    it arrives, every sample once, in order; without `short_by` each waited for the next message."""
+    audio = np.arange(1583 + 3 * 1600 + 700, dtype=np.float32)
+    pieces = [1583, 1600, 1600, 1600, 700]
+    held, sent = AudioRechunker(1600), AudioRechunker(1600, short_by=64)
+    out_held, out_sent, pos = [], [], 0
+    for n in pieces:
+        out_held.append(held.push(audio[pos : pos + n]))
+        out_sent.append(sent.push(audio[pos : pos + n]))
+        pos += n
+    assert [len(c) for c in out_held] == [0, 1, 1, 1, 1]  # each message's chunk out only with the next one
+    assert [[len(ch.samples) for ch in c] for c in out_sent] == [[1583], [1600], [1600], [1600], []]
+    chunks = [ch for c in out_sent for ch in c] + sent.flush()
+    assert [ch.start_sample for ch in chunks] == [0, 1583, 3183, 4783, 6383]
+    np.testing.assert_array_equal(np.concatenate([ch.samples for ch in chunks]), audio)
+    with pytest.raises(ValueError):
+        AudioRechunker(16, short_by=16)

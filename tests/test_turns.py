@@ -139,6 +139,17 @@ def test_stop_comes_once_the_silence_lasted_and_points_where_it_began():
     assert not detector.speaking and detector.push(_probs((0, 50)), 26) == []
 
 
+def test_the_pause_being_timed_is_known_while_it_lasts():
+    detector = TurnDetector(VADSettings(silence_duration_ms=500))
+    assert detector.pause_start is None
+    detector.push(_probs((1, 10), (0, 5)), 0)
+    assert detector.pause_start == 10 * W  # where the silence began, before the rule has decided
+    detector.push([1.0], 15)
+    assert detector.pause_start is None  # speech went on
+    detector.push(_probs((0, 16)), 16)
+    assert not detector.speaking and detector.pause_start is None  # the rule ended the turn
+
+
 def test_hysteresis():
     detector = TurnDetector(VADSettings(threshold=0.5, silence_duration_ms=500))
     assert detector.push(_probs((0.45, 30)), 0) == []  # below the threshold never starts

@@ -36,6 +36,10 @@ import numpy as np
 
 from runtime.chunks import SAMPLE_RATE
 
+# the most samples (at 16 kHz) a decoder here holds back at once: G.711's start-up (above); what the websocket's
+# rechunker sends without waiting for (rechunk.AudioRechunker's `short_by`)
+MAX_HELD_SAMPLES = 64
+
 PCM = "audio/pcm"
 PCMU = "audio/pcmu"
 PCMA = "audio/pcma"

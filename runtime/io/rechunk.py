@@ -33,13 +33,21 @@ def to_mono_float32(samples: np.ndarray, *, channels_last: bool = False) -> np.n
 
 class AudioRechunker:
     """Accumulates float32 mono samples and returns chunks of exactly `chunk_samples`, numbered from
-    `start_sample` on; `flush()` returns the final partial chunk. Output arrays never alias the input."""
+    `start_sample` on; `flush()` returns the final partial chunk. Output arrays never alias the input.
 
-    def __init__(self, chunk_samples: int, start_sample: int = 0) -> None:
+    `short_by`: a remainder that many samples short of a chunk, or less, is returned at once as a chunk of its own
+    (0: never). For live audio that passed a resampler: it holds back the few samples its filter looks ahead at
+    (`audio_formats.MAX_HELD_SAMPLES`), so a client's 100 ms message decodes to 17 samples short of a 100 ms chunk,
+    and without this the chunk would wait for the next message: 100 ms added to every turn's end."""
+
+    def __init__(self, chunk_samples: int, start_sample: int = 0, *, short_by: int = 0) -> None:
         if chunk_samples <= 0:
             raise ValueError(f"chunk_samples must be > 0, got {chunk_samples}")
         if start_sample < 0:
             raise ValueError(f"start_sample must be >= 0, got {start_sample}")
+        if not 0 <= short_by < chunk_samples:
+            raise ValueError(f"short_by must be in [0, {chunk_samples}), got {short_by}")
+        self.short_by = short_by
         self.chunk_samples = chunk_samples
         self.next_sample = start_sample  # index of the first sample not yet returned in a chunk
         self._pending: list[np.ndarray] = []
@@ -58,12 +66,15 @@ class AudioRechunker:
             return []
         self._pending.append(array.copy())
         self._pending_len += len(array)
-        if self._pending_len < self.chunk_samples:
+        if self._pending_len < self.chunk_samples - self.short_by:
             return []
         buffer = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
         full = len(buffer) // self.chunk_samples * self.chunk_samples
         chunks = [self._chunk(buffer[i : i + self.chunk_samples]) for i in range(0, full, self.chunk_samples)]
         rest = buffer[full:]
+        if self.short_by and len(rest) >= self.chunk_samples - self.short_by:
+            chunks.append(self._chunk(rest.copy()))
+            rest = rest[:0]
         self._pending = [rest.copy()] if len(rest) else []
         self._pending_len = len(rest)
         return chunks

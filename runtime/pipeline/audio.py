@@ -23,6 +23,14 @@ What waited is kept as one update (its text joined, constant memory however long
 stream spans the whole buffer). Once a buffer's words flow (speech heard, or turn detection off when they
 came) the gate never closes on it again. Without turn detection nothing is gated.
 
+The final pass prepared during the pause: the 500 ms of silence that end a turn are mostly waiting, and the final
+pass (0.2-0.4 s on 2 cores) used to start only after them. With turn detection, once a pause has lasted
+`FINAL_TAIL_S` the stream is told where the speech ended (`SpeechEnds.end_speech`): its final pass reads the turn's
+audio up to the pause's start plus that tail, and the offline pass computes its costly parts right then, so the
+commit that comes when the rule's silence is complete finds them done. Speech that resumes undoes it. A commit that
+turn detection makes always gives the stream that point first, so a turn's final transcript does not depend on
+whether the preparation was in time; a client's commit in a pause keeps it (what followed was silence).
+
 One chunk is one worker job at ASR priority (the highest after control: captions are the latency budget), so
 the loop never runs the model.
 """
@@ -54,7 +62,7 @@ from runtime.events import (
     new_id,
 )
 from runtime.memory.conversation import Conversation, Item
-from runtime.models.asr.base import ASRStream, Speech, TranscriptUpdate
+from runtime.models.asr.base import ASRStream, Speech, SpeechEnds, TranscriptUpdate
 from runtime.pipeline import Emit
 from runtime.pipeline.input_buffer import BufferTranscript
 from runtime.session_config import SessionConfig
@@ -66,6 +74,9 @@ log = logging.getLogger(__name__)
 MIN_COMMIT_S = 0.1  # the API refuses to commit less audio than this
 MIN_SPEECH_S = 0.25  # the gate opens once the VAD heard this much speech in a buffer (Silero's min_speech_duration_ms)
 CONTEXT_CHARS = 4000  # committed text kept as the next turns' context: more than Whisper's 223-token prompt holds
+# the audio after a speech end that the final pass still reads (module doc): past the VAD's own tail (its probability
+# falls 20-90 ms after the last word), short enough that the pass is prepared well inside server_vad's 500 ms
+FINAL_TAIL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,10 @@ class Turns(Protocol):
 
     def speech_s(self) -> float:
         """Seconds of VAD windows at the turn rule's threshold since the buffer's start (the last `reset`)."""
+        ...
+
+    def pause_start(self) -> int | None:
+        """The sample where the speaker's current pause began; None while speaking or before any speech."""
         ...
 
 
@@ -164,6 +179,7 @@ class AudioProcessor:
         self.vocabulary = vocabulary
         self.speech = speech
         self._said: deque[str] = deque()  # the committed buffers' transcripts, the most recent CONTEXT_CHARS
+        self._speech_end: int | None = None  # the open buffer's speech end given to its stream (`end_speech`)
         self._said_chars = 0
 
     async def run(self) -> None:
@@ -210,6 +226,7 @@ class AudioProcessor:
                 await self._turn(turn)
             if self._turn_began and not self.heard_speech:
                 await self._open_gate()
+            await self._follow_pause(chunk.end_sample)
         await self.heard.advance(chunk.end)
 
     def context(self) -> str:
@@ -290,9 +307,41 @@ class AudioProcessor:
             self.speaking = False
             item_id = self.buffer.item_id
             await self.emit(SpeechStopped(item_id=item_id, audio_end_ms=at_ms, media_time=turn.sample / SAMPLE_RATE))
+            if isinstance(self.stream, SpeechEnds):  # the same point whether or not the pause prepared it in time
+                heard_to = round(self.audio_end * SAMPLE_RATE)
+                until = min(turn.sample + round(FINAL_TAIL_S * SAMPLE_RATE), heard_to)
+                if self._speech_end != until:
+                    await self._end_speech(until, heard_to)
             await self._end(BufferEnd())
             if self.sink is not None:
                 await self.sink.turn_ended(item_id, self.audio_end, turn.settings)
+
+    async def _follow_pause(self, heard_to: int) -> None:
+        """Prepare the final pass once the open buffer's pause has lasted `FINAL_TAIL_S`; undo it when speech goes
+        on (module doc)."""
+        assert self.turns is not None
+        if not isinstance(self.stream, SpeechEnds):
+            return
+        pause = self.turns.pause_start()
+        if pause is None:
+            if self._speech_end is not None:
+                await self._end_speech(None, heard_to)
+            return
+        until = pause + round(FINAL_TAIL_S * SAMPLE_RATE)
+        if until <= heard_to and self._speech_end != until:
+            await self._end_speech(until, heard_to)
+
+    async def _end_speech(self, until: int | None, heard_to: int) -> None:
+        """Tell the open stream where its speech ended (None: that it went on); a failure is reported and costs only
+        the early start: the commit's final pass runs as it would have."""
+        assert isinstance(self.stream, SpeechEnds)
+        self._speech_end = until
+        try:
+            await self.worker.run(Priority.ASR, self.stream.end_speech, until)
+        except Exception as err:
+            log.exception("preparing the final pass failed")
+            await self.emit(error_event(f"speech recognition failed: {err}", code="asr_failed", type="server_error",
+                                        media_time=heard_to / SAMPLE_RATE))
 
     def _speech_from(self, at: float) -> None:
         """The open buffer's speech began at `at`: its transcript starts there (`BufferTranscript`), and so does
@@ -399,6 +448,7 @@ class AudioProcessor:
 
     async def _close_buffer(self, at: float) -> None:
         stream, self.stream, self.buffer, self.buffer_samples, self.speaking = self.stream, None, None, 0, False
+        self._speech_end = None
         self.heard_speech, self._held, self._flowing, self._turn_began = False, None, False, False
         if stream is not None:
             with contextlib.suppress(Exception):

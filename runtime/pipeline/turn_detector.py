@@ -100,6 +100,11 @@ class TurnDetector:
         self.speaking = False
         self._pause_start = None
 
+    @property
+    def pause_start(self) -> int | None:
+        """While speaking: the sample where the current pause began (None: no pause, or not speaking)."""
+        return self._pause_start if self.speaking else None
+
     def push(self, probs: Sequence[float], first_window: int) -> list[TurnEvent]:
         """The events that the speech probabilities of windows first_window, first_window + 1, ... cause."""
         threshold = self.settings.threshold

@@ -58,6 +58,11 @@ class TurnTaking:
     def listening(self) -> bool:
         return self.settings.config.turn_detection is not None
 
+    def pause_start(self) -> int | None:
+        """The sample where the speaker's current pause began (None: speaking, or no speech since the buffer's
+        start): the audio processor prepares the final pass while the pause is timed (pipeline/audio.py)."""
+        return self._detector.pause_start if self._detector is not None else None
+
     def speech_s(self) -> float:
         """Seconds of VAD windows at the turn rule's threshold since the buffer's start: the speech gate's evidence
         (pipeline/audio.py), so one loud window does not count as speech."""

@@ -22,7 +22,7 @@ from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile
 from runtime.events import Event, error_event
 from runtime.function_tools import ToolError, ToolUse, checked
-from runtime.io.audio_formats import AudioDecoder
+from runtime.io.audio_formats import MAX_HELD_SAMPLES, AudioDecoder
 from runtime.io.rechunk import AudioRechunker
 from runtime.pipeline.audio import MIN_COMMIT_S
 from runtime.session import BufferTooSmall, Session
@@ -72,7 +72,9 @@ class SessionDriver:
         asked for the beta protocol (`OpenAI-Beta: realtime=v1`); it is told at once that this is the GA one."""
         self.session, self.profile, self.observe = session, profile, observe
         self.beta_client = beta_client
-        self.rechunker = AudioRechunker(SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000)
+        # a chunk the resampler left a few samples short is sent as it is, not a client's message later
+        chunk = SAMPLE_RATE * profile.pipeline.audio_chunk_ms // 1000
+        self.rechunker = AudioRechunker(chunk, short_by=min(MAX_HELD_SAMPLES, chunk // 2))
         self.limits = SessionLimits(profile.serve, counts=stats.rate_limited)
         self.decoder = AudioDecoder(session.settings.config.input_format)
         self.finishing: asyncio.Task[None] | None = None

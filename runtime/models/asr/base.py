@@ -11,7 +11,7 @@ pipeline opens it with the text of the turns before (`set_context`), so a speake
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from runtime.chunks import AudioChunk
 from runtime.errors import ConfigError
@@ -70,6 +70,17 @@ class ASRStream(Protocol):
 
     def close(self) -> None:
         """Release per-session state."""
+        ...
+
+
+@runtime_checkable
+class SpeechEnds(Protocol):
+    """A stream whose final pass can be told where the speech ended, and prepared during the pause that follows
+    (pipeline/audio.py); streams without it finish on all their audio when committed."""
+
+    def end_speech(self, until_sample: int | None) -> None:
+        """The final pass reads the audio up to `until_sample` (what follows is silence), computed now where it can
+        be; None: speech went on, and the pass reads all the audio again."""
         ...
 
 

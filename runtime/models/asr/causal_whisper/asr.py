@@ -352,6 +352,7 @@ class CausalWhisperStream:
     def __init__(self, asr: CausalWhisperASR) -> None:
         self._asr = asr
         self._next_sample: int | None = None  # where the next chunk must start
+        self._speech_until: int | None = None  # the final pass's last sample, once turn detection heard the speech end
         self._history: list[Token] = []
         self._state = "open"
         self._item_start = 0.0
@@ -492,10 +493,28 @@ class CausalWhisperStream:
         if final is not None:
             final.last_language = ""  # set again only if the pass runs on this item (one worker thread runs both)
         speech = Speech(self._speech.language, self._speech.task)
-        ids = self._asr.final_ids(self._item, self._audio.view(self._item_from), speech)
+        ids = self._asr.final_ids(self._item, self._final_audio(), speech)
         if final is not None and final.last_language:
             self._language = final.last_language
         return [self._complete(ids, end_frame=None, revisable=self._asr.final_pass is not None)]
+
+    def end_speech(self, until_sample: int | None) -> None:
+        """Turn detection heard the speech end: the final pass is to read the item's audio up to `until_sample` (the
+        speech end plus a tail; what follows is silence), and with the offline pass its costly parts are computed now,
+        during the pause (`OfflinePass.prepare`). None: speech went on, and the pass reads all the audio again."""
+        self._speech_until = until_sample
+        final = self._asr.final_pass
+        if until_sample is None or self._state != "open" or self._next_sample is None:
+            return
+        if isinstance(final, OfflinePass):
+            final.prepare(self._item, self._final_audio(), Speech(self._speech.language, self._speech.task))
+
+    def _final_audio(self) -> np.ndarray:
+        """The open item's audio the final pass reads: all of it, or up to the speech end `end_speech` gave."""
+        if self._speech_until is None:
+            return self._audio.view(self._item_from)
+        stop = min(self._audio.size, self._speech_until - self._seg_start)
+        return self._audio.view(self._item_from, max(self._item_from, stop))
 
     def close(self) -> None:
         self._state = "closed"

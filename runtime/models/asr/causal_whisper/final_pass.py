@@ -45,13 +45,23 @@ pass's witness: where the pass with previous text shares fewer than half the wor
 (`agrees`), it decodes once more without previous text, and keeps whichever transcript shares more words with the
 stream's (a tie keeps the one with context). A stream that wrote nothing is no witness: given "... Fail better.
 1." before it, the stream wrote nothing for the human turn "two" that the pass with context hears.
+
+Prepared during the pause (`OfflinePass.prepare`): with turn detection the pass reads a turn's audio up to its speech
+end plus `FINAL_TAIL_S` (pipeline/audio.py), audio that is all there while the pause is still being timed, so its
+costly parts (the encoding, the language, the greedy search and the no-speech judgement) are computed then, and the
+commit finds them. They are pure functions of the audio, the previous text and the language asked for, and are kept
+under exactly those (a digest of the samples): a `revise` whose inputs differ computes them again, so a prepared
+pass gives the same transcript as an unprepared one, only sooner. What depends on the stream's own words (the loop
+fallback, the witness check, a beam search's draft) is decided at the commit, on the words the stream has then.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -154,6 +164,23 @@ class DecoderPass:
         return [t.id for t in item.tokens]
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """The offline pass's pure parts, computed for `key` (audio digest, previous text, speech) before the commit."""
+
+    key: tuple[object, ...]
+    encoded: Encoded
+    sot: list[int]
+    language: str
+    ids: list[int] | None  # the greedy search's (None: the pass searches with beams, which read the stream's words)
+    no_speech: float | None  # the judgement of `ids` with the previous text
+
+
+def _key(audio: np.ndarray, previous: Sequence[int], speech: Speech | None) -> tuple[object, ...]:
+    digest = hashlib.blake2b(np.ascontiguousarray(audio, np.float32).tobytes(), digest_size=16).digest()
+    return len(audio), digest, tuple(previous), speech
+
+
 class OfflinePass:
     name = "offline"
     judges_speech = True
@@ -169,16 +196,34 @@ class OfflinePass:
         self.redecoded = 0  # items decoded again without previous text (the stream disagreed with the pass)
         self.last_no_speech = 0.0  # the no-speech probability of the last item revised
         self.last_language = ""  # the language the last item was decoded in (detected over it when not given)
+        self.prepared_used = 0  # revisions that found their pure parts prepared (module doc)
+        self._prepared: _Prepared | None = None
+
+    def prepare(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> None:
+        """Compute what a `revise` of `audio` for `item` will need, ahead of it (module doc); keeps only the
+        newest preparation (one stream per worker job; a stream's next turn replaces it)."""
+        offline, previous = self.offline, item.previous
+        encoded = offline.encode(audio)
+        sot, language = offline.sot_for(encoded, speech)
+        ids = self.search(encoded, previous, sot) if self.search is not None and offline.beams == 1 else None
+        no_speech = offline.judge(encoded, ids, previous, sot)[0] if ids is not None else None
+        self._prepared = _Prepared(_key(audio, previous, speech), encoded, sot, language, ids, no_speech)
 
     def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
         """As `FinalPass.revise`; a language `speech` does not give is detected over the item's audio (its first 30 s
         window: Whisper's own language identification), which may differ from what the stream detected early."""
         offline, previous = self.offline, item.previous
-        encoded = offline.encode(audio)
-        sot, self.last_language = offline.sot_for(encoded, speech)
+        ready, self._prepared = self._prepared, None
+        if ready is not None and ready.key != _key(audio, previous, speech):
+            ready = None
+        self.prepared_used += ready is not None
+        encoded = ready.encoded if ready is not None else offline.encode(audio)
+        sot, self.last_language = (ready.sot, ready.language) if ready is not None else offline.sot_for(encoded,
+                                                                                                         speech)
         draft = [t.id for t in item.tokens]  # the stream's words: on human speech most are right
         greedy = self.search is not None and offline.beams == 1
-        ids = (self.search(encoded, previous, sot) if greedy
+        ids = (ready.ids if ready is not None and ready.ids is not None
+               else self.search(encoded, previous, sot) if greedy  # type: ignore[misc]
                else offline.decode(encoded, draft=draft, previous=previous, sot=sot))
         looped = loops(offline.text(ids))
         if looped and offline.beams < RETRY_BEAMS:
@@ -195,7 +240,10 @@ class OfflinePass:
             if not loops(offline.text(plain)) and (shared_words(stream, offline.text(plain))
                                                    > shared_words(stream, offline.text(ids))):
                 ids, previous = plain, []
-        self.last_no_speech, _ = offline.judge(encoded, ids, previous, sot)
+        if ready is not None and ready.no_speech is not None and ids == ready.ids and previous == item.previous:
+            self.last_no_speech = ready.no_speech
+        else:
+            self.last_no_speech, _ = offline.judge(encoded, ids, previous, sot)
         if self.last_no_speech > self.no_speech:
             self.silent += 1
             return []
