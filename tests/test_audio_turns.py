@@ -73,7 +73,7 @@ def _you(i: int) -> list[TranscriptUpdate]:
 
 
 async def _run(entries: list[int | BufferEnd], stream: _Stream, turns: _Turns, *, gate: bool = True,
-               conversation: Conversation | None = None):
+               conversation: Conversation | None = None, sink=None):
     channel: BlockingChannel[AudioChunk | BufferEnd] = BlockingChannel(len(entries), "audio")
     for entry in entries:
         await channel.put(entry if isinstance(entry, BufferEnd)
@@ -86,7 +86,7 @@ async def _run(entries: list[int | BufferEnd], stream: _Stream, turns: _Turns, *
 
     with DeviceWorker() as worker:
         await AudioProcessor(channel, lambda: stream, worker, emit, conversation, HeardClock(), ContextChanges(),
-                             first_stream=stream, turns=turns, speech_gate=gate).run()
+                             first_stream=stream, turns=turns, sink=sink, speech_gate=gate).run()
     return emitted, conversation
 
 
@@ -341,8 +341,31 @@ class _EndingStream(_Stream):
         self.heard_to = chunk.end_sample
         return super().accept(chunk)
 
-    def end_speech(self, until_sample: int | None) -> None:
+    def end_speech(self, until_sample: int | None) -> str | None:
         self.ends.append((until_sample, self.heard_to))
+        return None if until_sample is None else f" hi at {until_sample}"
+
+
+class _PausingSink:
+    """Records what the pauses told it (the `TurnSink` calls a pause makes) and the turns that ended."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    async def turn_ended(self, item_id, at, settings) -> None:
+        self.log.append(("ended", item_id))
+
+    async def idle_timeout(self, item_id, at, settings) -> None:
+        pass
+
+    def speech_started(self) -> None:
+        pass
+
+    def turn_may_end(self, item_id: str, transcript: str) -> None:
+        self.log.append(("may end", item_id, transcript))
+
+    def turn_goes_on(self) -> None:
+        self.log.append(("goes on",))
 
 
 TAIL = round(FINAL_TAIL_S * SAMPLE_RATE)
@@ -355,9 +378,13 @@ async def test_a_pause_prepares_the_final_pass_and_speech_that_goes_on_undoes_it
     stream = _EndingStream({}, final)
     turns = _Turns({0: [TurnEvent(True, 0)], 12: [TurnEvent(False, 7 * STEP)]},
                    pauses={2: 2 * STEP, 5: None, 7: 7 * STEP, 12: None})
-    out, conversation = await _run(list(range(14)), stream, turns)
+    sink = _PausingSink()
+    out, conversation = await _run(list(range(14)), stream, turns, sink=sink)
     assert stream.ends == [(2 * STEP + TAIL, 4 * STEP), (None, 6 * STEP), (7 * STEP + TAIL, 9 * STEP)]
     assert _completed(out) == ["hi there"]  # the commit found its point given: nothing given twice
+    item = out[0].item_id
+    assert sink.log == [("may end", item, f"hi at {2 * STEP + TAIL}"), ("goes on",),
+                        ("may end", item, f"hi at {7 * STEP + TAIL}"), ("ended", item)]
 
 
 @pytest.mark.asyncio
@@ -367,8 +394,10 @@ async def test_a_commit_by_turn_detection_gives_the_speech_end_first_when_the_pa
     end of the audio heard."""
     stream = _EndingStream({}, [TranscriptUpdate("a0", "", "", 0.0, 1.0, True, "hi")])
     turns = _Turns({0: [TurnEvent(True, 0)], 6: [TurnEvent(False, 2 * STEP + 50)]})
-    out, _ = await _run(list(range(8)), stream, turns)
+    sink = _PausingSink()
+    out, _ = await _run(list(range(8)), stream, turns, sink=sink)
     assert stream.ends == [(2 * STEP + 50 + TAIL, 7 * STEP)]
+    assert sink.log == [("ended", out[0].item_id)]  # the turn ends anyway: nothing to prepare
     assert _completed(out) == ["hi"]
     stream = _EndingStream({}, [TranscriptUpdate("a0", "", "", 0.0, 1.0, True, "hi")])
     turns = _Turns({0: [TurnEvent(True, 0)], 3: [TurnEvent(False, 3 * STEP + 50)]})

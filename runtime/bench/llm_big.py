@@ -59,16 +59,17 @@ ROWS = {"native": ("native", "runtime", True), "int4": ("int4", "runtime", True)
 class Plan:
     """How much each row measures: `decode_tokens` per decode run, a `prefill_tokens` transcript in the paired
     prefill (`format_prefill_tokens` in each format's own row: a rate, and the pairs measure the long one), `trials`
-    pairs per thread count (`avx2_trials` decode and `avx2_prefill_trials` prefill pairs in the AVX2 child, whose
-    1,000-token prefills at 1 thread are its longest runs), think-while-reading after each of `ttft_tokens`, the
-    speculative table's answers (`spec_tokens`, `spec_prompts` per task, at `spec_threads`: the quick table's
-    prompts prefill twice as fast on both cores), and whether steps compile. Decode rows
-    answer a question about the first `context_lines` lines of the meeting (a shorter prompt to prefill first)."""
+    decode pairs and `prefill_trials` prefill pairs per thread count (`avx2_trials` and `avx2_prefill_trials` in the
+    AVX2 child, whose 1,000-token prefills at 1 thread are its longest runs), think-while-reading after each of
+    `ttft_tokens`, the speculative table's answers (`spec_tokens`, `spec_prompts` per task, at `spec_threads`: the
+    quick table's prompts prefill twice as fast on both cores), and whether steps compile. Decode rows answer a
+    question about the first `context_lines` lines of the meeting (a shorter prompt to prefill first)."""
     decode_tokens: int
     context_lines: int
     prefill_tokens: int
     format_prefill_tokens: int
     trials: int
+    prefill_trials: int
     avx2_trials: int
     avx2_prefill_trials: int
     ttft_tokens: tuple[int, ...]
@@ -78,11 +79,12 @@ class Plan:
     compile: bool
 
 
-QUICK = Plan(decode_tokens=12, context_lines=1, prefill_tokens=64, format_prefill_tokens=64, trials=2, avx2_trials=1,
-             avx2_prefill_trials=1, ttft_tokens=(256,), spec_tokens=12, spec_prompts=1, spec_threads=2, compile=False)
+QUICK = Plan(decode_tokens=12, context_lines=1, prefill_tokens=64, format_prefill_tokens=64, trials=2,
+             prefill_trials=2, avx2_trials=1, avx2_prefill_trials=1, ttft_tokens=(256,), spec_tokens=12,
+             spec_prompts=1, spec_threads=2, compile=False)
 FULL = Plan(decode_tokens=64, context_lines=3, prefill_tokens=1000, format_prefill_tokens=256, trials=3,
-            avx2_trials=2, avx2_prefill_trials=1, ttft_tokens=(2048, 4096), spec_tokens=48, spec_prompts=2,
-            spec_threads=1, compile=True)
+            prefill_trials=2, avx2_trials=2, avx2_prefill_trials=1, ttft_tokens=(2048, 4096), spec_tokens=48,
+            spec_prompts=2, spec_threads=1, compile=True)
 
 
 def decode_context(plan: Plan) -> str:
@@ -286,7 +288,7 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         assert file is not None
         out["paired_decode"] = paired_vs_llama_cpp(ref, best, file, prompt, n, trials, status,
                                                    answerer=answerers[best], context=context)
-        out["paired_prefill"] = paired_prefill(engine, file, ids, trials, status)
+        out["paired_prefill"] = paired_prefill(engine, file, ids, plan.prefill_trials, status)
         out["llama_cpp"] = llama_rows(out["paired_decode"], out["paired_prefill"])
         out["avx2_forced"] = avx2_child(ref, best, plan, status)
     out["think_while_reading"] = think_while_reading(ref, engine, file, list(plan.ttft_tokens), status)

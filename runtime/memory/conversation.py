@@ -17,7 +17,7 @@ line landing before it cuts the KV back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from runtime.memory.spoken import SpokenTrack
@@ -115,6 +115,13 @@ class Conversation:
             item.stable += update.delta
             item.unstable = update.unstable
         return item
+
+    def as_if_completed(self, item_id: str, transcript: str) -> Conversation:
+        """This conversation were spoken item `item_id` completed now with `transcript`: a copy that shares every
+        other item (read it, never change it); unchanged when there is no such open item."""
+        items = [replace(it, stable=transcript, unstable="", completed=True, status="completed")
+                 if it.item_id == item_id and it.open_audio else it for it in self.items]
+        return Conversation(items, answers_in_context=self.answers_in_context)
 
     def add(self, item: Item, *, after: str | None = None) -> str | None:
         """Insert `item` after the item `after` (None: at the end; "root": first, as the API says); returns the

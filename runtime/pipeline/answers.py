@@ -37,7 +37,15 @@ from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item
 from runtime.memory.grounding import Grounding, not_known_answer
 from runtime.memory.screen_questions import CANNOT_SEE_SCREEN, NOTHING_READ_YET, asks_about_screen
-from runtime.models.lm.answering import Answering, AnswerRequest, PastCall, RunningAnswer, Step, TextAnswer
+from runtime.models.lm.answering import (
+    Answering,
+    AnswerRequest,
+    PastCall,
+    Preparing,
+    RunningAnswer,
+    Step,
+    TextAnswer,
+)
 from runtime.models.lm.backend import DecodingStats
 from runtime.models.lm.remote_answerer import RemoteError
 from runtime.pipeline import Emit
@@ -143,6 +151,30 @@ class QuestionProcessor:
                 self._truncating.add(task)
                 task.add_done_callback(self._truncating.discard)
 
+    def prepare(self, q: Question, item_id: str, transcript: str) -> None:
+        """Start on the answer a turn would get were it to end now with `transcript` as its item's final text, while
+        the turn rule still times the pause: the request is built as `_answer` builds it, from the conversation as
+        it would then be (`Conversation.as_if_completed`), and the answerer prepares it (`Preparing`). The answer
+        after the commit uses it when its request is the same (the transcript as expected, nothing else said or
+        shown meanwhile); otherwise it is dropped. Only in the plain case, where `_answer` asks the model at once:
+        no answer in progress, no tools or calls, no grounding, video memory or screen question (those decide
+        more before the model is asked)."""
+        answering = self.answering
+        if self.current is not None or not isinstance(answering, Preparing) or q.tools.tools:
+            return
+        if self.grounding is not None or (self.prefiller is not None and self.prefiller.sees_video):
+            return
+        conversation = self.conversation.as_if_completed(item_id, transcript)
+        question = " ".join(it.text for it in conversation.pending_user_items())
+        if not question.strip() or conversation.calls_since_user() or asks_about_screen(question):
+            return
+        answering.prepare(_request(q, question, [], conversation))
+
+    def drop_prepared(self) -> None:
+        """What `prepare` started no longer holds (the user spoke on)."""
+        if isinstance(self.answering, Preparing):
+            self.answering.drop_prepared()
+
     async def _truncate(self, item: Item, audio_end_ms: int) -> None:
         """Cut a spoken assistant message to `audio_end_ms` (the server's own truncation, at a barge-in)."""
         if item.spoken is None or self.conversation.get(item.item_id) is None:
@@ -152,6 +184,12 @@ class QuestionProcessor:
         await self.emit(ItemTruncated(item_id=item.item_id, audio_end_ms=audio_end_ms, media_time=self.heard.until))
 
     async def run(self) -> None:
+        try:
+            await self._answer_all()
+        finally:
+            self.drop_prepared()
+
+    async def _answer_all(self) -> None:
         async for question in self.channel:
             self.current = question
             try:
@@ -218,10 +256,7 @@ class QuestionProcessor:
             if self.prefiller is not None and given is None:
                 await self.prefiller.catch_up(question)
                 selected = list(self.prefiller.selected)
-            request = AnswerRequest(self.conversation.context(), q.prompt(question), q.max_tokens, q.tools,
-                                    context_before_calls=self.conversation.context(
-                                        without=frozenset(it.item_id for it in calls)),
-                                    calls=past_calls(calls))
+            request = _request(q, question, calls, self.conversation)
             if given is not None:  # the model is not asked: it would guess
                 answer = TextAnswer(given)
             else:
@@ -362,6 +397,13 @@ def _retrieved(future: asyncio.Future[object]) -> None:
     """A dropped step's outcome is read, so an error it ended with is not reported as never retrieved."""
     if not future.cancelled():
         future.exception()
+
+
+def _request(q: Question, question: str, calls: list[Item], conversation: Conversation) -> AnswerRequest:
+    """What the model is asked for `q`: `question` about `conversation`, continuing `calls`."""
+    return AnswerRequest(conversation.context(), q.prompt(question), q.max_tokens, q.tools,
+                         context_before_calls=conversation.context(without=frozenset(it.item_id for it in calls)),
+                         calls=past_calls(calls))
 
 
 def past_calls(items: list[Item]) -> tuple[PastCall, ...]:

@@ -29,7 +29,9 @@ pass (0.2-0.4 s on 2 cores) used to start only after them. With turn detection, 
 audio up to the pause's start plus that tail, and the offline pass computes its costly parts right then, so the
 commit that comes when the rule's silence is complete finds them done. Speech that resumes undoes it. A commit that
 turn detection makes always gives the stream that point first, so a turn's final transcript does not depend on
-whether the preparation was in time; a client's commit in a pause keeps it (what followed was silence).
+whether the preparation was in time; a client's commit in a pause keeps it (what followed was silence). The
+transcript the prepared pass will likely give goes to the `TurnSink` (`turn_may_end`), which may start on the answer
+before the rule has decided (`QuestionProcessor.prepare`); speech that resumes takes it back (`turn_goes_on`).
 
 One chunk is one worker job at ASR priority (the highest after control: captions are the latency budget), so
 the loop never runs the model.
@@ -136,6 +138,14 @@ class TurnSink(Protocol):
     async def idle_timeout(self, item_id: str, at: float, settings: SessionConfig | None) -> None: ...
 
     def speech_started(self) -> None: ...
+
+    def turn_may_end(self, item_id: str, transcript: str) -> None:
+        """The user paused: if the turn ends here, `transcript` will likely be its final text (module doc)."""
+        ...
+
+    def turn_goes_on(self) -> None:
+        """The paused user spoke again: what `turn_may_end` said no longer holds."""
+        ...
 
 
 def transcript_event(update: TranscriptUpdate) -> Event:
@@ -311,7 +321,7 @@ class AudioProcessor:
                 heard_to = round(self.audio_end * SAMPLE_RATE)
                 until = min(turn.sample + round(FINAL_TAIL_S * SAMPLE_RATE), heard_to)
                 if self._speech_end != until:
-                    await self._end_speech(until, heard_to)
+                    await self._end_speech(until, heard_to, commit=True)
             await self._end(BufferEnd())
             if self.sink is not None:
                 await self.sink.turn_ended(item_id, self.audio_end, turn.settings)
@@ -331,17 +341,25 @@ class AudioProcessor:
         if until <= heard_to and self._speech_end != until:
             await self._end_speech(until, heard_to)
 
-    async def _end_speech(self, until: int | None, heard_to: int) -> None:
-        """Tell the open stream where its speech ended (None: that it went on); a failure is reported and costs only
-        the early start: the commit's final pass runs as it would have."""
-        assert isinstance(self.stream, SpeechEnds)
+    async def _end_speech(self, until: int | None, heard_to: int, *, commit: bool = False) -> None:
+        """Tell the open stream where its speech ended (None: that it went on), and the sink what the turn would
+        likely say were it to end there (not at a `commit`: the turn ends anyway); a failure is reported and costs
+        only the early start: the commit's final pass runs as it would have."""
+        assert isinstance(self.stream, SpeechEnds) and self.buffer is not None
         self._speech_end = until
         try:
-            await self.worker.run(Priority.ASR, self.stream.end_speech, until)
+            final = await self.worker.run(Priority.ASR, self.stream.end_speech, until)
         except Exception as err:
             log.exception("preparing the final pass failed")
             await self.emit(error_event(f"speech recognition failed: {err}", code="asr_failed", type="server_error",
                                         media_time=heard_to / SAMPLE_RATE))
+            final = None
+        if self.sink is None or commit or self.buffer is None:
+            return
+        if until is None:
+            self.sink.turn_goes_on()
+        elif final is not None and not self._gated():
+            self.sink.turn_may_end(self.buffer.item_id, self.buffer.text_if_final(final))
 
     def _speech_from(self, at: float) -> None:
         """The open buffer's speech began at `at`: its transcript starts there (`BufferTranscript`), and so does

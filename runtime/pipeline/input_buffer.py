@@ -65,6 +65,10 @@ class BufferTranscript:
             return " " + text
         return text
 
+    def text_if_final(self, final: str) -> str:
+        """The buffer's completed transcript were the backend's open item to end with `final` as its text."""
+        return " ".join([*self._done, final.strip()]).strip()
+
     def complete(self, end: float) -> TranscriptUpdate:
         """The buffer's item, completed at `end` (where its audio ended): call after the backend's `finish()`
         updates were folded."""

@@ -55,9 +55,25 @@ class ResponseRequests:
         config = settings or self.settings.config
         detection = config.turn_detection
         if detection is not None and detection.create_response:
-            await self.request(Question(None, at, at, commits=self.heard.commits, instructions=config.instructions,
-                                        max_tokens=config.max_output_tokens, tools=config.tools,
-                                        speech=config.speech()))
+            await self.request(self._turn_question(at, config))
+
+    def turn_may_end(self, item_id: str, transcript: str) -> None:
+        """The user paused and the turn would likely read `transcript`: the answer it would get starts now, when
+        nothing else is being answered (`QuestionProcessor.prepare`: kept only if the turn ends as expected)."""
+        config = self.settings.config
+        detection = config.turn_detection
+        if detection is None or not detection.create_response or self.active_response() or len(self.questions):
+            return
+        at = self.heard.until
+        self.answers.prepare(self._turn_question(at, config), item_id, transcript)
+
+    def turn_goes_on(self) -> None:
+        self.answers.drop_prepared()
+
+    def _turn_question(self, at: float, config: SessionConfig) -> Question:
+        """The response a turn that turn detection ended asks for, under the session's settings `config`."""
+        return Question(None, at, at, commits=self.heard.commits, instructions=config.instructions,
+                        max_tokens=config.max_output_tokens, tools=config.tools, speech=config.speech())
 
     async def idle_timeout(self, item_id: str, at: float, settings: SessionConfig | None = None) -> None:
         """Nobody spoke for `idle_timeout_ms` after the last answer: the model speaks up (as the API's does), as

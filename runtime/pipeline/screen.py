@@ -29,7 +29,7 @@ from runtime.events import ScreenText as ScreenTextEvent
 from runtime.events import error_event
 from runtime.memory.screen_notes import ScreenNotes
 from runtime.memory.screen_text import Screen, ScreenText
-from runtime.models.lm.answering import Answering, AnswerRequest, RunningAnswer
+from runtime.models.lm.answering import Answering, AnswerRequest, Preparing, RunningAnswer
 from runtime.models.ocr.reader import TextReader
 from runtime.pipeline import Emit
 from runtime.pipeline.screen_change import ChangeDetector
@@ -96,4 +96,16 @@ class NotesWithQuestion:
         self.inner, self.notes = inner, notes
 
     async def start(self, request: AnswerRequest) -> RunningAnswer:
-        return await self.inner.start(replace(request, question=self.notes.with_question(request.question)))
+        return await self.inner.start(self._with_notes(request))
+
+    def prepare(self, request: AnswerRequest) -> None:
+        """As the inner answerer prepares (`Preparing`; a remote one does not): the request as `start` makes it."""
+        if isinstance(self.inner, Preparing):
+            self.inner.prepare(self._with_notes(request))
+
+    def drop_prepared(self) -> None:
+        if isinstance(self.inner, Preparing):
+            self.inner.drop_prepared()
+
+    def _with_notes(self, request: AnswerRequest) -> AnswerRequest:
+        return replace(request, question=self.notes.with_question(request.question))

@@ -78,9 +78,10 @@ class SpeechEnds(Protocol):
     """A stream whose final pass can be told where the speech ended, and prepared during the pause that follows
     (pipeline/audio.py); streams without it finish on all their audio when committed."""
 
-    def end_speech(self, until_sample: int | None) -> None:
+    def end_speech(self, until_sample: int | None) -> str | None:
         """The final pass reads the audio up to `until_sample` (what follows is silence), computed now where it can
-        be; None: speech went on, and the pass reads all the audio again."""
+        be; None: speech went on, and the pass reads all the audio again. Returns the open item's final transcript
+        as it will likely be (the commit may still differ), or None when the stream cannot tell."""
         ...
 
 

@@ -10,7 +10,7 @@ function call's arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from runtime.function_tools import ToolUse
 from runtime.models.lm.backend import DecodingStats
@@ -71,6 +71,16 @@ class RunningAnswer(Protocol):
 
 class Answering(Protocol):
     async def start(self, request: AnswerRequest) -> RunningAnswer: ...
+
+
+@runtime_checkable
+class Preparing(Protocol):
+    """An `Answering` that can start on an answer before it is asked for (while the user's pause is timed): a
+    `start` with the very request it prepared gets that answer, as started then; any other request drops it."""
+
+    def prepare(self, request: AnswerRequest) -> None: ...
+
+    def drop_prepared(self) -> None: ...
 
 
 class TextAnswer:

@@ -498,16 +498,19 @@ class CausalWhisperStream:
             self._language = final.last_language
         return [self._complete(ids, end_frame=None, revisable=self._asr.final_pass is not None)]
 
-    def end_speech(self, until_sample: int | None) -> None:
+    def end_speech(self, until_sample: int | None) -> str | None:
         """Turn detection heard the speech end: the final pass is to read the item's audio up to `until_sample` (the
         speech end plus a tail; what follows is silence), and with the offline pass its costly parts are computed now,
-        during the pause (`OfflinePass.prepare`). None: speech went on, and the pass reads all the audio again."""
+        during the pause (`OfflinePass.prepare`), which returns the open item's likely final transcript. None: speech
+        went on, and the pass reads all the audio again."""
         self._speech_until = until_sample
         final = self._asr.final_pass
         if until_sample is None or self._state != "open" or self._next_sample is None:
-            return
-        if isinstance(final, OfflinePass):
-            final.prepare(self._item, self._final_audio(), Speech(self._speech.language, self._speech.task))
+            return None
+        if not isinstance(final, OfflinePass):
+            return None
+        ids = final.prepare(self._item, self._final_audio(), Speech(self._speech.language, self._speech.task))
+        return None if ids is None else self._asr.text(ids)
 
     def _final_audio(self) -> np.ndarray:
         """The open item's audio the final pass reads: all of it, or up to the speech end `end_speech` gave."""

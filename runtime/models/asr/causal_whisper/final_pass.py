@@ -199,15 +199,20 @@ class OfflinePass:
         self.prepared_used = 0  # revisions that found their pure parts prepared (module doc)
         self._prepared: _Prepared | None = None
 
-    def prepare(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> None:
+    def prepare(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int] | None:
         """Compute what a `revise` of `audio` for `item` will need, ahead of it (module doc); keeps only the
-        newest preparation (one stream per worker job; a stream's next turn replaces it)."""
+        newest preparation (one stream per worker job; a stream's next turn replaces it). Returns the ids the
+        revision will give unless the stream's words at the commit overrule them (a loop, the witness check), or
+        None when that cannot be told yet (a beam search reads the stream's words)."""
         offline, previous = self.offline, item.previous
         encoded = offline.encode(audio)
         sot, language = offline.sot_for(encoded, speech)
         ids = self.search(encoded, previous, sot) if self.search is not None and offline.beams == 1 else None
         no_speech = offline.judge(encoded, ids, previous, sot)[0] if ids is not None else None
         self._prepared = _Prepared(_key(audio, previous, speech), encoded, sot, language, ids, no_speech)
+        if ids is None or no_speech is None:
+            return None
+        return [] if no_speech > self.no_speech else list(ids)
 
     def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
         """As `FinalPass.revise`; a language `speech` does not give is detected over the item's audio (its first 30 s

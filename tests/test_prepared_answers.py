@@ -1,0 +1,165 @@
+"""An answer prepared while the user's pause is timed (`OnWorker.prepare`, `QuestionProcessor.prepare`): the
+request prepared from the conversation as the turn would leave it equals the one the turn's answer makes after the
+commit; a start with that request gets the prepared answer, any other request (or the user speaking on) releases
+it before anything else starts on the stream."""
+
+import pytest
+from session_fakes import TwoStepAnswer
+
+from runtime.channels import BlockingChannel
+from runtime.function_tools import ToolUse, parse_tools
+from runtime.memory.conversation import Conversation, Item
+from runtime.memory.screen_notes import ScreenNotes
+from runtime.models.asr.base import TranscriptUpdate
+from runtime.models.lm.answering import AnswerRequest, Preparing, TextAnswer
+from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.local_answers import OnWorker
+from runtime.pipeline.screen import NotesWithQuestion
+from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
+from runtime.worker import DeviceWorker
+
+
+class _Backend:
+    """Logs each start (its context and question) and each release, in the order the worker ran them."""
+
+    name = "logging"
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None) -> TwoStepAnswer:
+        self.log.append(("start", question))
+        answer = TwoStepAnswer([])
+        answer.release = lambda: self.log.append(("release", question))  # type: ignore[method-assign]
+        return answer
+
+
+def _request(question: str, **kw) -> AnswerRequest:
+    return AnswerRequest("[00:01.0] what is the plan", question, 32, **kw)
+
+
+@pytest.mark.asyncio
+async def test_a_start_with_the_prepared_request_gets_the_prepared_answer():
+    backend = _Backend()
+    with DeviceWorker() as worker:
+        answering = OnWorker(backend, worker)
+        answering.prepare(_request("what is the plan"))
+        running = await answering.start(_request("what is the plan"))
+        assert backend.log == [("start", "what is the plan")] and answering.prepared_used == 1
+        assert (await running.step()).text == "a "
+        await running.close()
+    assert backend.log[-1] == ("release", "what is the plan")
+
+
+@pytest.mark.asyncio
+async def test_another_request_or_speech_that_goes_on_releases_it_before_the_next_start():
+    backend = _Backend()
+    with DeviceWorker() as worker:
+        answering = OnWorker(backend, worker)
+        answering.prepare(_request("what is the plan"))
+        running = await answering.start(_request("what is the plan today"))  # the turn said more
+        await running.close()
+        answering.prepare(_request("hello"))
+        answering.drop_prepared()
+        running = await answering.start(_request("hello again"))
+        await running.close()
+    assert backend.log == [("start", "what is the plan"), ("release", "what is the plan"),
+                           ("start", "what is the plan today"), ("release", "what is the plan today"),
+                           ("start", "hello"), ("release", "hello"), ("start", "hello again"),
+                           ("release", "hello again")]
+    assert answering.prepared_used == 0 and answering.prepared_dropped == 2
+
+
+@pytest.mark.asyncio
+async def test_a_request_with_tools_is_not_prepared():
+    backend = _Backend()
+    with DeviceWorker() as worker:
+        answering = OnWorker(backend, worker)
+        tools = ToolUse(parse_tools([{"type": "function", "name": "f", "parameters": {"type": "object"}}], "tools"))
+        answering.prepare(_request("what is the plan", tools=tools))
+        running = await answering.start(_request("what is the plan"))
+        await running.close()
+    assert backend.log == [("start", "what is the plan"), ("release", "what is the plan")]
+
+
+class _Recording:
+    """An answerer that can prepare: records what it was asked to prepare and to start."""
+
+    def __init__(self) -> None:
+        self.prepared: list[AnswerRequest] = []
+        self.started: list[AnswerRequest] = []
+        self.dropped = 0
+
+    def prepare(self, request: AnswerRequest) -> None:
+        self.prepared.append(request)
+
+    def drop_prepared(self) -> None:
+        self.dropped += 1
+
+    async def start(self, request: AnswerRequest) -> TextAnswer:
+        self.started.append(request)
+        return TextAnswer("ok")
+
+
+def _turn(instructions: str = "Be brief.") -> Question:
+    return Question(None, 4.0, 4.0, instructions=instructions, max_tokens=32)
+
+
+async def _answer_turn(conversation: Conversation, answering: _Recording, prepare: tuple[str, str]) -> None:
+    """Prepare the turn as the pause would, complete the item as the commit does, then answer the turn."""
+    channel: BlockingChannel[Question] = BlockingChannel(2, "questions")
+    heard, activity = HeardClock(), AnswerActivity()
+    await heard.finish()
+
+    async def emit(event) -> None:
+        pass
+
+    with DeviceWorker():
+        answers = QuestionProcessor(channel, answering, emit, conversation, heard, activity, ContextChanges())
+        answers.prepare(_turn(), *prepare)
+        conversation.apply(TranscriptUpdate("u1", "", "", 1.0, 3.0, completed=True, transcript=prepare[1]))
+        activity.asked()
+        await channel.put(_turn())
+        channel.close()
+        await answers.run()
+
+
+def _talk() -> Conversation:
+    """Earlier talk, a user turn being spoken, and a screen line read while it was spoken (which the context shows
+    after the open turn, and before it once the turn completes)."""
+    conversation = Conversation()
+    conversation.add(Item("u0", 0.0, 0.5, stable="Hello.", completed=True))
+    conversation.apply(TranscriptUpdate("u1", "What is the", " plan", 1.0, 2.5))
+    conversation.add(Item("s1", 2.0, 2.0, audio=False, role="system", label="On screen", stable="Plan: ship it",
+                          in_api=False))
+    return conversation
+
+
+@pytest.mark.asyncio
+async def test_the_prepared_request_is_the_one_the_turn_asks_after_the_commit():
+    answering = _Recording()
+    await _answer_turn(_talk(), answering, ("u1", "What is the plan?"))
+    assert len(answering.prepared) == 1 and answering.started == answering.prepared
+    assert "What is the plan?" in answering.started[0].question and "Be brief." in answering.started[0].question
+    assert answering.started[0].context.index("What is the plan?") < answering.started[0].context.index("ship it")
+
+
+@pytest.mark.asyncio
+async def test_a_screen_question_is_not_prepared():
+    answering = _Recording()
+    await _answer_turn(_talk(), answering, ("u1", "What is on the screen?"))
+    assert answering.prepared == [] and len(answering.started) == 1
+
+
+@pytest.mark.asyncio
+async def test_the_screen_notes_wrapper_prepares_the_request_its_start_makes():
+    backend = _Backend()
+    with DeviceWorker() as worker:
+        notes = ScreenNotes(Conversation(), max_tokens=0, selected_tokens=64, count=lambda text: len(text.split()))
+        answering = NotesWithQuestion(OnWorker(backend, worker), notes)
+        assert isinstance(answering, Preparing)
+        answering.prepare(_request("what is the plan"))
+        running = await answering.start(_request("what is the plan"))
+        await running.close()
+        assert answering.inner.prepared_used == 1  # type: ignore[attr-defined]
+    assert backend.log == [("start", "what is the plan"), ("release", "what is the plan")]
