@@ -10,7 +10,8 @@ from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.pipeline.audio import FINAL_TAIL_S, AudioProcessor, BufferEnd, IdleTimeout, TurnEvent
+from runtime.pipeline.audio import FINAL_TAIL_S, AudioProcessor, BufferEnd
+from runtime.pipeline.turn_signals import IdleTimeout, TurnEvent
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker
 

@@ -10,8 +10,8 @@ import numpy as np
 from weights_common import packaged_or_skip
 
 from runtime.bench import turns
-from runtime.pipeline.audio import TurnEvent
 from runtime.pipeline.turn_detector import SpeechStarted, TurnDetector, VADSettings
+from runtime.pipeline.turn_signals import TurnEvent
 
 W = 512  # samples per VAD window
 CHUNK = 1600  # 100 ms

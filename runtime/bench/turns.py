@@ -61,7 +61,7 @@ import numpy as np
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.models.turns.silero_vad import SileroVAD
 from runtime.models.turns.smart_turn import SmartTurn
-from runtime.pipeline.audio import Turns
+from runtime.pipeline.turn_signals import Turns
 from runtime.pipeline.turn_taking import TurnModels, TurnTaking
 from runtime.session_config import SessionConfig, TurnDetection
 from runtime.session_state import AnswerActivity, SessionSettings

@@ -44,7 +44,6 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
@@ -67,7 +66,7 @@ from runtime.memory.conversation import Conversation, Item
 from runtime.models.asr.base import ASRStream, Speech, SpeechEnds, TranscriptUpdate
 from runtime.pipeline import Emit
 from runtime.pipeline.input_buffer import BufferTranscript
-from runtime.session_config import SessionConfig
+from runtime.pipeline.turn_signals import IdleTimeout, TurnEvent, Turns, TurnSink
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker, Priority
 
@@ -87,65 +86,6 @@ class BufferEnd:
 
     clear: bool = False
     client_event_id: str | None = None
-
-
-@dataclass(frozen=True)
-class TurnEvent:
-    """What turn detection found in a chunk: speech began (`started`) or ended, at a sample of the session.
-    `settings`: at an end, the session's settings when it was found, which decide what follows the turn (a
-    `session.update` that lands while the turn is being committed applies to the next one)."""
-
-    started: bool
-    sample: int
-    settings: SessionConfig | None = None
-
-
-@dataclass(frozen=True)
-class IdleTimeout:
-    """No speech from `start` (the last answer's end, or the buffer's start) to `end` (samples): `idle_timeout_ms`.
-    `settings`: the session's settings when it fired (as `TurnEvent.settings`)."""
-
-    start: int
-    end: int
-    settings: SessionConfig | None = None
-
-
-class Turns(Protocol):
-    """Turn detection as the audio processor sees it (`turn_taking.TurnTaking`): `detect` runs on the worker."""
-
-    def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]: ...
-
-    def reset(self, at_sample: int) -> None: ...
-
-    def listening(self) -> bool:
-        """Whether a turn rule is on now (it reports where speech starts); a session.update may change it."""
-        ...
-
-    def speech_s(self) -> float:
-        """Seconds of VAD windows at the turn rule's threshold since the buffer's start (the last `reset`)."""
-        ...
-
-    def pause_start(self) -> int | None:
-        """The sample where the speaker's current pause began; None while speaking or before any speech."""
-        ...
-
-
-class TurnSink(Protocol):
-    """What follows a turn (the session's `ResponseRequests`): a response, or cancelling one on barge-in."""
-
-    async def turn_ended(self, item_id: str, at: float, settings: SessionConfig | None) -> None: ...
-
-    async def idle_timeout(self, item_id: str, at: float, settings: SessionConfig | None) -> None: ...
-
-    def speech_started(self) -> None: ...
-
-    def turn_may_end(self, item_id: str, transcript: str) -> None:
-        """The user paused: if the turn ends here, `transcript` will likely be its final text (module doc)."""
-        ...
-
-    def turn_goes_on(self) -> None:
-        """The paused user spoke again: what `turn_may_end` said no longer holds."""
-        ...
 
 
 def transcript_event(update: TranscriptUpdate) -> Event:

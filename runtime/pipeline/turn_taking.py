@@ -17,8 +17,8 @@ import numpy as np
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.models.turns.silero_vad import WINDOW_SAMPLES, SileroVAD
 from runtime.models.turns.smart_turn import SmartTurn
-from runtime.pipeline.audio import IdleTimeout, TurnEvent
 from runtime.pipeline.turn_detector import SpeechStarted, TurnDetector, VADSettings
+from runtime.pipeline.turn_signals import IdleTimeout, TurnEvent
 from runtime.session_config import TurnDetection
 from runtime.session_state import AnswerActivity, SessionSettings
 
