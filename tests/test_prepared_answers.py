@@ -163,3 +163,45 @@ async def test_the_screen_notes_wrapper_prepares_the_request_its_start_makes():
         await running.close()
         assert answering.inner.prepared_used == 1  # type: ignore[attr-defined]
     assert backend.log == [("start", "what is the plan"), ("release", "what is the plan")]
+
+
+@pytest.mark.asyncio
+async def test_a_prepared_engine_answer_says_what_an_answer_started_after_the_commit_says():
+    """The real engine (the tiny checkpoint): an answer prepared on the context the commit will leave, while the
+    stream's context goes on changing as the prefiller sets it (the streamed words, then the final ones), gives the
+    very tokens of an answer started afresh at the end."""
+    from runtime.config import LMConfig
+    from runtime.models.lm.engine_answerer import EngineAnswerer
+    from runtime.worker import Priority
+
+    answerer = EngineAnswerer.load(LMConfig(max_new_tokens=12, prefill_chunk_tokens=16), device="cpu",
+                                   dtype="float32")
+    final = "[00:00.5] Hello there.\n[00:01.0] What is the plan for the launch?"
+    streamed = "[00:00.5] Hello there.\n[00:01.0] What is the plan for the lunch"
+    request = AnswerRequest(final, "What is the plan for the launch?", 12)
+
+    async def prefill(stream, context: str) -> None:  # as the prefiller does
+        await worker.run(Priority.PREFILL, stream.set_context, context)
+        while await worker.run(Priority.PREFILL, stream.prefill_step):
+            pass
+
+    async def words(running) -> list[str]:
+        out = []
+        while not (step := await running.step()).done:
+            out.append(step.text)
+        await running.close()
+        return [*out, step.text]
+
+    with DeviceWorker() as worker:
+        stream = answerer.open_stream()
+        answering = OnWorker(answerer, worker, stream)
+        await prefill(stream, streamed)
+        answering.prepare(request)
+        await prefill(stream, streamed + " and")  # the stream wrote on during the pause
+        await prefill(stream, final)  # the commit
+        prepared = await words(await answering.start(request))
+        assert answering.prepared_used == 1
+        fresh_stream = answerer.open_stream()
+        await prefill(fresh_stream, final)
+        fresh = await words(await OnWorker(answerer, worker, fresh_stream).start(request))
+    assert prepared == fresh and "".join(fresh).strip()
