@@ -16,6 +16,12 @@ the model is asked to open the conversation, when nothing was said yet (an agent
 from it. A turn that turn detection ended with nothing heard in it is not answered that way: it is an error, as
 before, so noise never makes the agent talk.
 
+A turn's answer may be started before the turn has ended (`prepare`): while the turn rule times the user's pause,
+the audio processor knows the turn's likely final words, and the request the answer will make is built from the
+conversation as the commit will leave it and handed to an answerer that can prepare (`Preparing`); the answer after
+the commit gets that start when its request is the very same. Voice-to-voice latency is why: the prefill of the
+question then happens inside the 500 ms of silence instead of after it.
+
 Spoken answers (`speech`, with the session's `Speaker`) and barge-in: `barge_in` (speech started while the agent
 speaks) cancels the answer in progress and, once it has ended, truncates its spoken message to what the client had
 played (`spoken_output.SpokenAudio.heard_ms`), with `conversation.item.truncated`; an answer that already ended but
