@@ -145,8 +145,9 @@ class LMConfig:
     # engine on CUDA: one-token decode steps replayed as a CUDA graph per session (models/lm/cuda_graph.py)
     cuda_graphs: bool = True
     # engine on CPU: one-token decode steps compiled by torch.compile (models/lm/compiled_step.py), once per model
-    # at load (about a minute cold, 14 s from inductor's disk cache): on | off | auto (int8 and int4 weights decoded
-    # plainly, drafter = none: a drafter's verify steps stay eager)
+    # at load (about a minute cold, 14 s from inductor's disk cache), and with a drafter its verifications too (int8
+    # and int4 weights on the runtime's kernels): on | off | auto (int8 and int4 weights decoded plainly, drafter =
+    # none; a drafter's steps then run eagerly: `on` decodes drafted answers fastest, for a longer load)
     compile: str = "auto"
 
 

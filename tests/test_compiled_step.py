@@ -97,15 +97,27 @@ def test_greedy_decoding_is_token_identical(engines):
     assert engines[1].compiled.runs >= 40
 
 
-def test_trees_and_masked_steps_stay_eager(engines):
-    _, compiled = engines
-    s = session(compiled)
-    runs = compiled.compiled.runs
-    s.score([5, 6, 7], [-1, 0, 0])  # a drafted tree: verification stays eager
-    s.commit([0])
-    assert compiled.compiled.runs == runs
-    assert not CompiledStep.fits(s.cache.score_tree([-1, 0]))
-    s.cache.commit([])
+def test_trees_compile_where_attention_runs_on_the_kernel_and_equal_the_eager_verification(engines):
+    eager, compiled = engines
+    step = compiled.compiled
+    a, b = session(eager), session(compiled)
+    runs, trees = step.runs, step.tree_runs
+    tokens, parents = [5, 6, 7, 9, 11], [-1, 0, 0, 1, 3]  # a drafted tree: two branches, depth 3
+    want, got = a.score(tokens, parents), b.score(tokens, parents)
+    assert step.runs == runs and not CompiledStep.fits(b.cache.score_tree(parents))  # not the one-token step's
+    b.score(tokens, parents)
+    if not compiled.model.kernel_attention:  # fp32: torch's SDPA a token at a time, eagerly
+        assert step.tree_runs == trees and close(got, want, "fp32")
+        return
+    assert step.tree_runs == trees + 2  # the tree scored twice
+    assert torch.equal(got, want)
+    # each node's logits are the one-token step's at its place: commit the path 0-1-3 and step it plainly
+    a.commit([0, 1, 3])
+    c = session(compiled)
+    for node, token in ((0, 5), (1, 6), (3, 9)):
+        assert torch.equal(c.score([token], [-1])[0], got[node])
+        c.commit([0])
+    assert torch.equal(c.score([11], [-1])[0], got[4])
 
 
 def test_which_models_compile():
@@ -196,3 +208,8 @@ def test_inputs_outside_the_compiled_form_never_reach_the_unguarded_step(engines
         torch.set_num_threads(before)
     assert step.runs == runs  # eager
     assert close(got, want, compiled.model.weights)
+    if step._tree_traced is not None:  # the verification step, unguarded too: a tree over too few slots
+        attend = cache.score_tree([-1, 0])
+        with pytest.raises(ValueError, match="compiled verification"):
+            step.run_tree([1, 2], replace(attend, mask=attend.mask[:, :2]), cache)
+        cache.commit([])

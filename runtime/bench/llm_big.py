@@ -17,7 +17,8 @@ model is served in, each side by side with llama.cpp on the same file in the sam
 `--quick` keeps every row on less (`QUICK`, about 3 minutes on 2 cores): 12 decoded tokens a run, a 64-token
 prefill, 2 trials (1 in the AVX2 child), a 256-token think-while-reading, one prompt per task at 2 threads, and
 eager steps (compiling a format costs 16-19 s here and gains about a tenth of decode speed at 1 thread; the full
-run compiles, as `lm.compile = auto` serves a plain decode). Its ratios are noisier than the full run's.
+run compiles, as `lm.compile = auto` serves a plain decode, and its speculative rows as `lm.compile = on` serves a
+drafted one, verifications included). Its ratios are noisier than the full run's.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class Plan:
     prefill (`format_prefill_tokens` in each format's own row: a rate, and the pairs measure the long one), `trials`
     decode pairs and `prefill_trials` prefill pairs per thread count (`avx2_trials` and `avx2_prefill_trials` in the
     AVX2 child, whose 1,000-token prefills at 1 thread are its longest runs), think-while-reading after each of
-    `ttft_tokens`, the speculative table's answers (`spec_tokens`, `spec_prompts` per task, at `spec_threads`: the
-    quick table's prompts prefill twice as fast on both cores), and whether steps compile. Decode rows answer a
+    `ttft_tokens`, the speculative table's answers (`spec_tokens`, `spec_prompts` per task, at `spec_threads`: both
+    cores, as a 2-core machine serves), and whether steps compile (the speculative rows with `lm.compile = on`:
+    their verifications too). Decode rows answer a
     question about the first `context_lines` lines of the meeting (a shorter prompt to prefill first)."""
     decode_tokens: int
     context_lines: int
@@ -82,9 +84,9 @@ class Plan:
 QUICK = Plan(decode_tokens=12, context_lines=1, prefill_tokens=64, format_prefill_tokens=64, trials=2,
              prefill_trials=2, avx2_trials=1, avx2_prefill_trials=1, ttft_tokens=(256,), spec_tokens=12,
              spec_prompts=1, spec_threads=2, compile=False)
-FULL = Plan(decode_tokens=64, context_lines=3, prefill_tokens=1000, format_prefill_tokens=256, trials=3,
+FULL = Plan(decode_tokens=64, context_lines=3, prefill_tokens=1000, format_prefill_tokens=256, trials=2,
             prefill_trials=2, avx2_trials=2, avx2_prefill_trials=1, ttft_tokens=(2048, 4096), spec_tokens=48,
-            spec_prompts=2, spec_threads=1, compile=True)
+            spec_prompts=2, spec_threads=2, compile=True)
 
 
 def decode_context(plan: Plan) -> str:
@@ -296,7 +298,8 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     torch.set_num_threads(plan.spec_threads)
     out["speculative"] = spec_table(ref, best, quick=quick, status=status, loaded=engine, draft_model=draft,
                                     tokens=plan.spec_tokens, prompts_per_task=plan.spec_prompts,
-                                    compile_mode=_compile(plan, True), llama_file=file if peer else None)
+                                    compile_mode="on" if plan.compile else "off",  # verifications compiled too
+                                    llama_file=file if peer else None)
     out["speculative"]["threads"] = plan.spec_threads
     torch.set_num_threads(1)
     out["targets"] = _targets(out)

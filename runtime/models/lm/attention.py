@@ -1,5 +1,6 @@
 """Which cache slots each new token attends to, and attention computed token by token (verification, and the
-context's prefill with int8/int4 weights).
+context's prefill with int8/int4 weights): by one SDPA call a token here, or in one call a layer by the runtime's
+kernel where the model's linears run on the runtime's kernels (`KernelKeys`, cpu_kernels/attention.cpp).
 
 Why token by token: torch's CPU SDPA kernel rounds differently with a call's shape (the other queries in the
 call, the masked keys), so one masked forward over k draft tokens gave logits up to 0.6 away from k one-token
@@ -30,8 +31,18 @@ class TokenKeys:
     size: int
 
 
-# Which cache slots the new tokens see: a boolean mask [n, S]; S for all of [0, S); or per token (`token_keys`)
-Mask = Tensor | int | TokenKeys
+@dataclass(frozen=True)
+class KernelKeys:
+    """The mask [n, S] of a cached forward whose attention runs on the runtime's kernel (`cpu_kernels.attend`),
+    which computes each token alone from the slots its row lets it see: the exactness of `attention_by_token` in
+    one call a layer (a model whose linears run on the runtime's kernels: `Transformer.kernel_attention`)."""
+
+    mask: Tensor
+
+
+# Which cache slots the new tokens see: a boolean mask [n, S]; S for all of [0, S); per token (`token_keys`); or
+# the mask for the kernel (`KernelKeys`)
+Mask = Tensor | int | TokenKeys | KernelKeys
 
 
 def token_keys(mask: Tensor) -> TokenKeys:

@@ -19,9 +19,12 @@ RMSNorm's sum of squares, is exact in float64 in both paths (`transformer.RMSNor
 token-identical; in float32 they agree to rounding (the fused kernel's reduction order).
 
 Where it is used: `EngineSession.score` for a one-token tree when `lm.compile` is on (`wanted`), the cache is
-on the CPU and the token sees every live slot (the plain decode step). Everything else (prefill, verification
-of drafted trees, source tokens arriving during an answer) stays eager. Keys that moved (eviction) are
-re-rotated eagerly first (`Transformer.rerotate`).
+on the CPU and the token sees every live slot (the plain decode step); and, with a drafter, for the verification
+of a drafted tree (`tree_step`) on a model whose attention runs on the runtime's kernel (int8/int4 weights on the
+runtime's kernels, `Transformer.kernel_attention`): one compile for every tree size and attended length. On the
+1.5B at 2 threads a 4-token verification eagerly cost 1.37 plain steps, compiled 1.15 (docs/llm.md). Everything
+else (prefill, source tokens arriving during an answer) stays eager. Keys that moved (eviction) are re-rotated
+eagerly first (`Transformer.rerotate`).
 
 Called without dynamo's guards: a guarded call of this step evaluated some 3,500 guards (every module and
 parameter of the model, the marks on every input) before the compiled code ran: about 1.3 ms of a 9 ms step at
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.errors import ConfigError
+from runtime.models.lm import cpu_kernels
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.transformer import Transformer, apply_rope, linear
 from runtime.models.lm.weight_formats import QUANTIZED
@@ -60,10 +64,11 @@ OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True, "size_asserts":
 
 
 def wanted(mode: str, model: Transformer, drafter: str = "none") -> bool:
-    """Whether `lm.compile = mode` compiles this model's decode step: `on` on any CPU model; `auto` on a CPU
-    model with int8 or int4 weights that decodes plainly (`lm.drafter = none`: with a drafter most steps verify
-    a drafted tree, which stays eager, so the compile would cost its load time for a few steps); `off` never;
-    never on other devices (CUDA has `lm.cuda_graphs`)."""
+    """Whether `lm.compile = mode` compiles this model's decode step: `on` on any CPU model (with a drafter, its
+    verification too where `tree_step` serves the model); `auto` on a CPU model with int8 or int4 weights that
+    decodes plainly (`lm.drafter = none`: with a drafter, compiling both steps costs about twice the load time, 1.7
+    minutes cold on the 1.5B, which the default profile's start-up and tests would pay; `on` is the choice for
+    drafted decoding at its fastest); `off` never; never on other devices (CUDA has `lm.cuda_graphs`)."""
     if mode not in COMPILE_MODES:
         raise ConfigError(f"lm.compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if model.device.type != "cpu" or mode == "off":
@@ -89,9 +94,41 @@ def decode_step(model: Transformer, token: Tensor, cos: Tensor, sin: Tensor, k: 
         k.index_put_(where, qkv[0, h : h + kv])
         v.index_put_(where, qkv[0, h + kv :])
         kr.index_put_(where, qk[h:, 0])
-        q = qk[:h].reshape(kv, -1, d)  # [kv_heads, group, d], as Attention.forward folds the group
-        out = F.scaled_dot_product_attention(q[None], kr[i, :, :, :live], v[i, :, :, :live], scale=attn.scale)[0]
-        x = x + linear(out.reshape(h, 1, d).transpose(0, 1).reshape(1, attn.q_size), attn.o_proj)
+        if model.kernel_attention:  # the kernel Attention.forward calls (`KernelKeys`), over every live slot
+            out = cpu_kernels.attend(qk[:h].transpose(0, 1), kr[i, 0, :, :live], v[i, 0, :, :live], None, attn.scale)
+            x = x + linear(out.reshape(1, attn.q_size), attn.o_proj)
+        else:
+            q = qk[:h].reshape(kv, -1, d)  # [kv_heads, group, d], as Attention.forward folds the group
+            out = F.scaled_dot_product_attention(q[None], kr[i, :, :, :live], v[i, :, :, :live], scale=attn.scale)[0]
+            x = x + linear(out.reshape(h, 1, d).transpose(0, 1).reshape(1, attn.q_size), attn.o_proj)
+        x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+    return linear(model.model.norm.forward(x), model.lm_head).float()
+
+
+def tree_step(model: Transformer, tokens: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor,
+              slots: Tensor, mask: Tensor) -> Tensor:
+    """`Transformer.forward` for the n >= 2 tokens of a drafted tree (a verification) on a model whose attention
+    runs on the runtime's kernel (`Transformer.kernel_attention`): tokens [n] at RoPE cos/sin [n, 1, d], their K/V
+    written at `slots` [n] of the whole buffers, token i attending over the slots of [0, S) that row i of `mask`
+    [n, S] marks. Logits [n, vocab] float32. Each token's row is computed as the one-token step computes it (the
+    kernels are row-independent), so a verified draft gets the plain step's logits bitwise."""
+    first = model.model.layers[0].self_attn
+    h, kv, d = first.n_heads, first.n_kv, first.head_dim
+    n, live = tokens.shape[0], mask.shape[1]
+    heads = torch.arange(kv, device=k.device)[None].expand(n, kv)
+    zero = torch.zeros(n, kv, dtype=torch.long, device=k.device)
+    at = slots[:, None].expand(n, kv)
+    x = model.model.embed_tokens(tokens)
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        qkv = linear(layer.input_layernorm.forward(x), attn.qkv_proj).view(n, h + 2 * kv, d)
+        qk = apply_rope(qkv[:, : h + kv], cos, sin)  # [n, heads + kv_heads, d]
+        where = (torch.full((n, kv), i, dtype=torch.long, device=k.device), zero, heads, at)
+        k.index_put_(where, qkv[:, h : h + kv])
+        v.index_put_(where, qkv[:, h + kv :])
+        kr.index_put_(where, qk[:, h:])
+        out = cpu_kernels.attend(qk[:, :h], kr[i, 0, :, :live], v[i, 0, :, :live], mask, attn.scale)
+        x = x + linear(out.reshape(n, attn.q_size), attn.o_proj)
         x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
     return linear(model.model.norm.forward(x), model.lm_head).float()
 
@@ -104,7 +141,12 @@ class CompiledStep:
         self._traced = torch.compile(partial(decode_step, model), fullgraph=True, dynamic=True, options=OPTIONS)
         # key (`_key`) -> the step compiled for it, called without guards; None: it did not compile (eager)
         self._steps: dict[tuple[object, ...], Callable[..., Tensor] | None] = {}
+        # the verification of drafted trees, where the attention runs on the runtime's kernel (`tree_step`)
+        self._tree_traced = (torch.compile(partial(tree_step, model), fullgraph=True, dynamic=True, options=OPTIONS)
+                             if model.kernel_attention else None)
+        self._trees: dict[tuple[object, ...], Callable[..., Tensor] | None] = {}
         self.runs = 0
+        self.tree_runs = 0
 
     @staticmethod
     def fits(attend: Attend) -> bool:
@@ -123,6 +165,56 @@ class CompiledStep:
                             attend.mask.shape[-1])
         self.runs += logits is not None
         return logits
+
+    def fits_tree(self, attend: Attend) -> bool:
+        """Whether `tree_step` can verify these tokens: two or more, on a model with kernel attention."""
+        return self._tree_traced is not None and attend.q_pos.shape[0] >= 2 and attend.mask.shape[-1] >= 2
+
+    @torch.inference_mode()
+    def run_tree(self, tokens: list[int], attend: Attend, cache: SinkKVCache) -> Tensor | None:
+        """Logits [n, vocab] of a drafted tree's `tokens` placed as `attend` says (`fits_tree`); None when no
+        compiled step can run these inputs: the caller runs them eagerly."""
+        model, n, live = self.model, len(tokens), attend.mask.shape[-1]
+        if not 2 <= n < live <= cache.k.shape[3]:  # the compiled form, called without guards: never outside it
+            raise ValueError(f"the compiled verification takes 2 or more tokens attending over more slots, at most "
+                             f"{cache.k.shape[3]}; asked for {n} over {live}")
+        model.rerotate(cache.buffers, attend.q_pos, attend.k_pos, attend.slot)
+        cos, sin = model.rope(attend.q_pos)
+        slots = torch.arange(attend.slot, attend.slot + n, device=cache.k.device)
+        logits = self._tree(torch.tensor(tokens, dtype=torch.long, device=cache.k.device), cos[:, None],
+                            sin[:, None], cache.k, cache.v, cache.kr, slots, attend.mask)
+        self.tree_runs += logits is not None
+        return logits
+
+    def _tree(self, tokens: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor, slots: Tensor,
+              mask: Tensor, *, strict: bool = False) -> Tensor | None:
+        key = _key(k, v, kr) + (cos.dtype,)
+        if key not in self._trees:
+            try:
+                self._trees[key] = self._compile_tree((tokens, cos, sin, k, v, kr, slots, mask))
+            except Exception as err:  # a later compile (a changed thread count): that key verifies eagerly
+                if strict:
+                    raise
+                log.warning("lm.compile: the verification step did not compile for %s (%s); verifying eagerly",
+                            key, err)
+                self._trees[key] = None
+        step = self._trees[key]
+        return None if step is None else step(tokens, cos, sin, k, v, kr, slots, mask)
+
+    def _compile_tree(self, args: tuple[Tensor, ...]) -> Callable[..., Tensor]:
+        """`tree_step` compiled once for every tree size and attended length (dynamic), the cache static."""
+        assert self._tree_traced is not None
+        for t in args[3:6]:
+            torch._dynamo.mark_static(t)
+        for t in (*args[:3], args[6], args[7]):
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(args[7], 1)
+        if not hasattr(self._tree_traced, "aot_compile"):
+            return self._tree_traced
+        with torch._dynamo.config.patch(specialize_float=True):
+            step = self._tree_traced.aot_compile((args, {}))
+        step.disable_guard_check()
+        return step
 
     def _step(self, token: int, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor, slot: int,
               live: int, *, strict: bool = False) -> Tensor | None:
@@ -161,13 +253,20 @@ class CompiledStep:
         return step
 
     @torch.inference_mode()
-    def warm_up(self, layers: int, kv_heads: int, capacity: int, head_dim: int) -> None:
-        """Compile now, on a scratch cache of the sessions' geometry."""
+    def warm_up(self, layers: int, kv_heads: int, capacity: int, head_dim: int, *, trees: bool = False) -> None:
+        """Compile now, on a scratch cache of the sessions' geometry: the one-token step, and with `trees` (a
+        drafter's engine) the verification step where the model has one (`tree_step`)."""
         model = self.model
         shape = (layers, 1, kv_heads, capacity, head_dim)
         k, v, kr = (torch.zeros(shape, device=model.device, dtype=model.dtype) for _ in range(3))
         cos, sin = model.rope(torch.tensor([2], device=model.device))
         self._step(0, cos[:, None], sin[:, None], k, v, kr, 2, 3, strict=True)
+        if trees and self._tree_traced is not None:
+            n, live = 5, 37  # sizes unlike any other (a size seen twice is traced as one symbol)
+            cos, sin = model.rope(torch.arange(live - n, live, device=model.device))
+            mask = torch.ones(n, live, dtype=torch.bool, device=model.device).tril(live - n)
+            self._tree(torch.zeros(n, dtype=torch.long, device=model.device), cos[:, None], sin[:, None], k, v, kr,
+                       torch.arange(live - n, live, device=model.device), mask, strict=True)
 
 
 def _key(*tensors: Tensor) -> tuple[object, ...]:

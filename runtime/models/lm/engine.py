@@ -87,7 +87,8 @@ class LMEngine:
             a = model.args
             try:
                 self.compiled = compiled if compiled is not None and compiled.model is model else CompiledStep(model)
-                self.compiled.warm_up(a.num_layers, a.num_kv_heads, self.capacity(), a.head_dim)
+                self.compiled.warm_up(a.num_layers, a.num_kv_heads, self.capacity(), a.head_dim,
+                                      trees=cfg.drafter != "none")
             except Exception as err:  # no C++ compiler, an unwritable cache, ...: `auto` decodes eagerly instead
                 if cfg.compile == "on":
                     raise ConfigError(f"lm.compile = on, but the decode step did not compile: "

@@ -291,6 +291,7 @@ class EngineSession:
         one = len(tokens) == 1 and tokens[0] >= 0
         graph = self._decode_graph() if one else None
         compiled = self.engine.compiled if one and graph is None else None
+        tree = self.engine.compiled if len(tokens) > 1 else None  # a drafted tree: its compiled verification
         # by token on CPU: each node's logits are exactly what a plain decode step there computes (lossless
         # greedy with row-independent matmuls: int8/int4; the compiled step computes them bitwise too). On CUDA
         # the decode step is the fixed-form graph, a different call anyway, and a call per node would make wide
@@ -301,6 +302,8 @@ class EngineSession:
             logits = graph.run(tokens[0], attend)
         elif compiled and compiled.fits(attend):
             logits = compiled.run(tokens[0], attend, self.cache)  # None: no compiled step for these inputs
+        elif tree and tree.fits_tree(attend) and min(tokens) >= 0:
+            logits = tree.run_tree(list(tokens), attend, self.cache)
         if logits is None:
             logits = self._forward(tokens, attend, last_only=False, by_token=by_token)
         self._tree = (list(tokens), logits)

@@ -50,6 +50,12 @@ def kernel_path(choice: str, device: torch.device | str) -> str:
     return f"runtime {cpu_kernels.isa()}"
 
 
+def on_runtime_kernels(model: nn.Module) -> bool:
+    """Whether a model's linears run on the runtime's kernels: then its cached attention runs on the runtime's
+    kernel too (`attention.KernelKeys`), the library being loaded already."""
+    return any(isinstance(m, Q4Linear | Q8Linear) for m in model.modules())
+
+
 def _load() -> None:
     """The kernels' ops registered with torch (built once per machine): a layer is never made without them."""
     from runtime.models.lm import cpu_kernels

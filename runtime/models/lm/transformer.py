@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.errors import CheckpointNotFound
-from runtime.models.lm.attention import Mask, TokenKeys, attention_by_token, token_keys
+from runtime.models.lm import cpu_kernels
+from runtime.models.lm.attention import KernelKeys, Mask, TokenKeys, attention_by_token, token_keys
 from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
+from runtime.models.lm.kernel_linears import on_runtime_kernels
 from runtime.models.lm.weight_formats import (
     QUANTIZED,
     Block8Source,
@@ -158,8 +160,12 @@ class Attention(nn.Module):
                 cv.narrow(1, slot, n).copy_(v)
                 kr.narrow(1, slot, n).copy_(k)
             rotate_keys(ck, kr, rotate)
-            size = mask if isinstance(mask, int) else mask.size if isinstance(mask, TokenKeys) else mask.shape[-1]
+            size = (mask if isinstance(mask, int) else mask.size if isinstance(mask, TokenKeys)
+                    else mask.mask.shape[-1] if isinstance(mask, KernelKeys) else mask.shape[-1])
             k, v = kr.narrow(1, 0, size), cv.narrow(1, 0, size)
+            if isinstance(mask, KernelKeys):  # every token alone, in one call: [n, heads, d]
+                out = cpu_kernels.attend(q.transpose(0, 1), k, v, mask.mask, self.scale)
+                return linear(out.reshape(n, self.q_size), self.o_proj)
         q = q.reshape(kv, -1, self.head_dim)  # [kv_heads, group * n, d]: a view when n == 1
         if isinstance(mask, TokenKeys):  # verification: each token as its own decode step would see it
             out = attention_by_token(q, k, v, mask, self.scale)
@@ -247,6 +253,9 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self._rope_table: Rope | None = None  # cos/sin for positions [0, len), grown on demand
         self.weights = "auto"  # the format its projections were built in (weight_formats.WEIGHT_FORMATS)
+        # cached attention on the runtime's kernel (`KernelKeys`): set at load where its linears run on the runtime's
+        # kernels (the library is built and loaded then), on the CPU
+        self.kernel_attention = False
 
     @property
     def device(self) -> torch.device:
@@ -328,7 +337,9 @@ class Transformer(nn.Module):
         else:
             rotate = self._rotation(cache[3], q_pos, k_pos, slot)
         attend: Mask = mask
-        if cache is not None and n == 1 and bool(mask.all()):  # a decode step that sees every slot: no mask
+        if cache is not None and self.kernel_attention:  # each token alone in one call: no host sync for a mask
+            attend = KernelKeys(mask)
+        elif cache is not None and n == 1 and bool(mask.all()):  # a decode step that sees every slot: no mask
             attend = mask.shape[-1]
         elif cache is not None and by_token:
             attend = token_keys(mask)
@@ -399,6 +410,7 @@ class Transformer(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args)
         model.weights = weights
+        model.kernel_attention = on_runtime_kernels(model)
         return model.eval().requires_grad_(False)
 
     @classmethod
@@ -436,4 +448,5 @@ class Transformer(nn.Module):
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             raise ValueError(f"lm checkpoint {where}: weights left unread after building the {weights} format")
         model.weights = weights
+        model.kernel_attention = on_runtime_kernels(model)
         return model.eval().requires_grad_(False)

@@ -1,5 +1,6 @@
 """Weight-only quantised linear layers on int8 activations for x86 CPUs: torch ops `runtime_kernels::q4_linear`
-and `runtime_kernels::q8_linear` (kernels.cpp).
+and `runtime_kernels::q8_linear` (kernels.cpp); and attention over a KV cache a token at a time in one call,
+`runtime_kernels::attend` (attention.cpp: why is written there).
 
 Why: decoding reads every weight once a token, so a CPU decodes only as fast as its matmul kernel reads weights.
 torch's int4 and int8 kernels dequantise to float and read about 8.6 and 6.8 GB/s at one thread here (a plain sum
@@ -38,8 +39,8 @@ from torch import Tensor
 from runtime.models.lm.cpu_kernels.build import KernelBuildError, load_library
 from runtime.models.lm.cpu_kernels.packing import dequantize, pack_q4, pack_q8, unpack_q4, unpack_q8
 
-__all__ = ["ISAS", "KernelBuildError", "available", "best_isa", "dequantize", "isa", "load", "pack_q4", "pack_q8",
-           "q4_linear", "q8_linear", "set_isa", "unpack_q4", "unpack_q8", "using_isa"]
+__all__ = ["ISAS", "KernelBuildError", "attend", "available", "best_isa", "dequantize", "isa", "load", "pack_q4",
+           "pack_q8", "q4_linear", "q8_linear", "set_isa", "unpack_q4", "unpack_q8", "using_isa"]
 
 log = logging.getLogger(__name__)
 ISAS = ("scalar", "avx2", "avx512-vnni")  # the paths, by the code kernels.cpp numbers them with
@@ -92,6 +93,16 @@ def q8_linear(x: Tensor, packed: Tensor, n: int, out_dtype: torch.dtype | None =
     if _state is not True:
         load()
     return torch.ops.runtime_kernels.q8_linear(x, packed, n, out_dtype)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """Attention of each new token over the cache slots it sees, computed token by token in one call
+    (attention.cpp): q [n, H, d], k/v [KV, S, d] (one layer's cache), `mask` bool [n, S] (None: every token sees
+    all S slots); out [n, H, d] in q's dtype. A token's output depends only on its query and the keys it sees, so
+    a verified draft's tokens get bitwise what one-token steps get."""
+    if _state is not True:
+        load()
+    return torch.ops.runtime_kernels.attend(q, k, v, mask, scale)
 
 
 def isa() -> str:
@@ -155,3 +166,7 @@ def _register_fakes() -> None:
 
     for op in ("q4_linear", "q8_linear"):
         torch.library.register_fake(f"runtime_kernels::{op}")(fake)
+
+    @torch.library.register_fake("runtime_kernels::attend")
+    def fake_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+        return q.new_empty(q.shape).contiguous()

@@ -27,7 +27,7 @@ import torch
 from runtime.errors import UserError
 from runtime.models.loading import cache_dir
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = (Path(__file__).with_name("kernels.cpp"), Path(__file__).with_name("attention.cpp"))
 # -ffp-contract=off: no fused multiply-adds the source did not ask for, so every path rounds alike
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
@@ -75,7 +75,7 @@ def _build(name: str, folder: Path) -> None:
     print(f"runtime: building the CPU kernels for this machine (once, about a minute) in {folder}",
           file=sys.stderr, flush=True)
     try:
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                            build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as err:  # a compiler error, a missing header: the caller falls back to torch's kernels
         detail = str(err).strip().splitlines()
@@ -84,7 +84,7 @@ def _build(name: str, folder: Path) -> None:
 
 def _key() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
                  _compiler_version().encode(), _cpu_flags().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
