@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,17 +45,20 @@ TASKS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-def _run(answerer: EngineAnswerer, prompts: list[tuple[str, str]]) -> tuple[list[list[int]], float, int, int]:
+def _run(answerer: EngineAnswerer, prompts: list[tuple[str, str]], n: int,
+         ) -> tuple[list[list[int]], float, int, int]:
+    """Each prompt answered to its end or its first `n` tokens (a drafted step may pass n: its tokens count in
+    the time, and outputs compare on the first n)."""
     outputs, seconds, steps, emitted = [], 0.0, 0, 0
     for context, question in prompts:
         state = answerer.start(context, question, stream=answerer.open_stream())
         t = time.perf_counter()
-        while not state.step().done:
+        while not state.step().done and len(state.generated) < n:
             pass
         seconds += time.perf_counter() - t
         stats = state.decoder.stats
         steps, emitted = steps + stats.steps, emitted + stats.emitted
-        outputs.append(list(state.generated))
+        outputs.append(list(state.generated)[:n])
     return outputs, seconds, steps, emitted
 
 
@@ -81,6 +85,9 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
     for d in drafters:
         cfg = LMConfig(backend="engine", model=ref, weights=weights, drafter=d, max_new_tokens=n,
                        draft_model=draft_model if d == "draft-model" else "", compile=compile_mode)
+        if loaded is not None:  # the loaded engine's cache geometry, so that its compiled steps serve every row
+            cfg = replace(loaded.cfg, drafter=d, draft_model=cfg.draft_model, compile=compile_mode,
+                          max_new_tokens=max(n, loaded.cfg.max_new_tokens))
         answerers[d] = (EngineAnswerer.load(cfg, device="cpu", dtype="float32") if loaded is None
                         else EngineAnswerer.sharing(loaded, cfg))
     prompt_ids: dict[str, list[list[int]]] = {}
@@ -90,7 +97,7 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
         plain, base_s, _, _ = (None, 0.0, 0, 0)
         for drafter in drafters:
             status(f"speculative: {task} with drafter {drafter}")
-            outs, seconds, steps, emitted = _run(answerers[drafter], prompts)
+            outs, seconds, steps, emitted = _run(answerers[drafter], prompts, n)
             if drafter == "none":
                 plain, base_s = outs, seconds
             rows[drafter] = {"tokens_per_step": round(emitted / max(1, steps), 3), "tokens": emitted,

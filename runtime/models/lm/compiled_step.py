@@ -167,8 +167,10 @@ class CompiledStep:
         return logits
 
     def fits_tree(self, attend: Attend) -> bool:
-        """Whether `tree_step` can verify these tokens: two or more, on a model with kernel attention."""
-        return self._tree_traced is not None and attend.q_pos.shape[0] >= 2 and attend.mask.shape[-1] >= 2
+        """Whether `tree_step` verifies these tokens: two or more, on a model with kernel attention, once an engine
+        with a drafter has compiled it (`warm_up(trees=True)`). Never compiled on first use: a draft engine's
+        own multi-token catch-ups would pay a minute's compile inside an answer."""
+        return bool(self._trees) and attend.q_pos.shape[0] >= 2 and attend.mask.shape[-1] >= 2
 
     @torch.inference_mode()
     def run_tree(self, tokens: list[int], attend: Attend, cache: SinkKVCache) -> Tensor | None:
