@@ -240,8 +240,16 @@ async def test_a_request_the_server_refuses_fails_the_response_not_the_session(w
     # llama-cpp-python answers 200 and ends the stream empty where vLLM answers 400: both are a clear failure
     assert re.search(r"refused the request \(400\)|ended the answer's stream without finishing", error.error["message"])
     assert done_of(events)["status"] == "failed"
-    rid = await session.create_response(text="Say hello.")
-    done = done_of(await until_done(session, rid, timeout_s=180.0))
+    # llama-cpp-python's server, after the exception it raised inside the refused stream, once dropped the next
+    # stream mid-answer (2026-11-30, CI: its log says "Disconnected from client" while the client saw "Connection
+    # error"): a failure of the peer's that the session reports as such and survives. So the next answer may fail
+    # that way, once; the one after must be answered.
+    for attempt in range(2):
+        rid = await session.create_response(text="Say hello.")
+        done = done_of(await until_done(session, rid, timeout_s=180.0))
+        if done["status"] in ("completed", "incomplete") or attempt == 1:
+            break
+        assert "went away mid-answer" in str(done.get("status_details")), done.get("status_details")
     assert done["status"] in ("completed", "incomplete"), done.get("status_details")
     await session.stop()
 
