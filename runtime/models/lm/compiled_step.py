@@ -211,12 +211,7 @@ class CompiledStep:
         for t in (*args[:3], args[6], args[7]):
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(args[7], 1)
-        if not hasattr(self._tree_traced, "aot_compile"):
-            return self._tree_traced
-        with torch._dynamo.config.patch(specialize_float=True):
-            step = self._tree_traced.aot_compile((args, {}))
-        step.disable_guard_check()
-        return step
+        return _unguarded(self._tree_traced, args)
 
     def _step(self, token: int, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor, slot: int,
               live: int, *, strict: bool = False) -> Tensor | None:
@@ -247,12 +242,7 @@ class CompiledStep:
         for t in args:
             if isinstance(t, Tensor):
                 torch._dynamo.mark_static(t)  # fixed sizes: only `live` stays dynamic
-        if not hasattr(self._traced, "aot_compile"):
-            return self._traced
-        with torch._dynamo.config.patch(specialize_float=True):  # the norms' eps and the scale: constants
-            step = self._traced.aot_compile((args, {}))
-        step.disable_guard_check()
-        return step
+        return _unguarded(self._traced, args)
 
     @torch.inference_mode()
     def warm_up(self, layers: int, kv_heads: int, capacity: int, head_dim: int, *, trees: bool = False) -> None:
@@ -269,6 +259,17 @@ class CompiledStep:
             mask = torch.ones(n, live, dtype=torch.bool, device=model.device).tril(live - n)
             self._tree(torch.zeros(n, dtype=torch.long, device=model.device), cos[:, None], sin[:, None], k, v, kr,
                        torch.arange(live - n, live, device=model.device), mask, strict=True)
+
+
+def _unguarded(traced: Callable[..., Tensor], args: tuple[Tensor | int, ...]) -> Callable[..., Tensor]:
+    """`traced` compiled ahead for `args` (marked static or dynamic by the caller) with its guard check off; with a
+    torch that has no `aot_compile`, the guarded `traced` itself."""
+    if not hasattr(traced, "aot_compile"):
+        return traced
+    with torch._dynamo.config.patch(specialize_float=True):  # the norms' eps and the scale: constants
+        step = traced.aot_compile((args, {}))
+    step.disable_guard_check()
+    return step
 
 
 def _key(*tensors: Tensor) -> tuple[object, ...]:
