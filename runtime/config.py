@@ -137,10 +137,10 @@ class LMConfig:
     sink_tokens: int = 4
     window_tokens: int = 2048
     prefill_chunk_tokens: int = 256  # streamed context is prefilled in jobs of at most this many tokens
-    # engine: lossless speculative decoding. drafter: none | ngram | recycling | trigram | draft-model | swift
-    # (the model through a subset of its layers) | auto
+    # engine: lossless speculative decoding. drafter: none | ngram | recycling | trigram | draft-model | dyspec
+    # (the draft model's tree grown where it is sure) | swift (the model through a subset of its layers) | auto
     drafter: str = "auto"
-    draft_model: str = ""  # a smaller model sharing the tokenizer, for drafter = draft-model
+    draft_model: str = ""  # a smaller model sharing the tokenizer, for drafter = draft-model or dyspec
     max_draft_tokens: int = 8  # the upper bound; the engine adapts below it from measured acceptance and cost
     # engine on CUDA: one-token decode steps replayed as a CUDA graph per session (models/lm/cuda_graph.py)
     cuda_graphs: bool = True

@@ -157,3 +157,22 @@ def test_asr_quality_lookaheads_must_be_the_models_own(capsys):
         one_error_line(err)
     code, _, err = run_cli(capsys, "bench", "llm", "--quick", "--lookaheads-ms", "0")
     assert code != 0 and "--lookaheads-ms: llm does not take it" in one_error_line(err)
+
+
+def test_spec_table_repeats_the_rows_auto_is_judged_by_and_keeps_their_fastest():
+    """The full table runs plain, the copy, the tri-gram table and `auto` twice on the target's tasks (in turns,
+    the faster kept) and everything else once; every row stays token-identical to plain, every round checked."""
+    from runtime.bench.llm_spec import REPEATED, REPEATED_TASKS, ROUNDS, TASKS, spec_table
+
+    statuses: list[str] = []
+    table = spec_table("tiny:qwen2", "fp32", quick=False, status=statuses.append, draft_model="tiny:qwen2",
+                       tokens=4, prompts_per_task=1)
+    for task in TASKS:
+        rows = table[task]
+        assert {"draft-model", "dyspec", "auto"} <= set(rows)
+        for drafter, row in rows.items():
+            assert row["identical"], (task, drafter)
+            want = ROUNDS if task in REPEATED_TASKS and drafter in REPEATED else 1
+            assert row["rounds"] == want, (task, drafter)
+        assert rows["none"]["speedup"] == 1.0
+    assert any("(round 2)" in s for s in statuses)

@@ -1,5 +1,6 @@
 """Drafters propose what their method says: n-gram copies, the recycling adjacency walk, a draft model's chain
-(kept in sync with what the target accepted), and `make_drafter` maps the config to them."""
+(kept in sync with what the target accepted), DySpec's tree grown best first, and `make_drafter` maps the config
+to them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from runtime.models.lm.drafters import (
     TrigramDrafter,
     static_tree,
 )
+from runtime.models.lm.dynamic_tree import DynamicTreeDrafter
 from runtime.models.lm.reference_target import RecomputeTarget
 from runtime.models.lm.speculative import SpeculativeDecoder
 
@@ -158,6 +160,65 @@ def test_draft_model_reports_q_only_when_sampling():
         assert (q == 0).any()  # top_p 0.7 cut the tail off
 
 
+# -- DySpec: a dynamic tree ------------------------------------------------------------------------------------
+
+
+class ShiftTarget:
+    """A model-free draft target: after token t it gives t+1, t+2 and t+3 the probabilities `probs`."""
+
+    vocab_size = 24
+
+    def __init__(self, committed: list[int], probs: tuple[float, float, float] = (0.6, 0.3, 0.1)) -> None:
+        self.ids, self.forwards, self._tree, self.probs = list(committed), 0, ([], []), probs
+
+    def score(self, tokens, parents) -> torch.Tensor:
+        self.forwards += 1
+        self._tree = (list(tokens), list(parents))
+        rows = torch.full((len(tokens), self.vocab_size), -1e9)
+        for i, t in enumerate(tokens):
+            for step, p in enumerate(self.probs, start=1):
+                rows[i, (t + step) % self.vocab_size] = torch.tensor(p).log()
+        return rows
+
+    def commit(self, nodes) -> None:
+        self.ids += [self._tree[0][i] for i in nodes]
+
+    def committed_tokens(self) -> int:
+        return len(self.ids)
+
+
+def test_dyspec_grows_the_most_probable_paths_first():
+    draft = ShiftTarget([5])
+    tree = DynamicTreeDrafter(draft, fed=[5], per_round=2, children=2).propose([5], 0, 3)
+    # round 1: 1 (0.6) and 2 (0.3) below the pending 0; round 2: 2 (0.36) and 3 (0.18) below node 0 (1), where 3
+    # (0.18) below node 1 (2) ties and was found later; round 3: 3 (0.216) below node 2, then the tie's other half
+    assert tree.tokens == [1, 2, 2, 3, 3, 3]
+    assert tree.parents == [-1, -1, 0, 0, 2, 1]
+    assert tree.q is None  # chosen deterministically
+    assert draft.forwards == 3 and draft.ids == [5, 0]  # a forward a level; only the pending token is committed
+    one = DynamicTreeDrafter(ShiftTarget([5]), fed=[5], per_round=1, children=2).propose([5], 0, 4)
+    assert one.tokens == [1, 2, 2, 3] and one.parents == [-1, 0, -1, 1]  # 0.36, then the root's 0.3 over 0.216
+    sure = ShiftTarget([5], probs=(0.9, 0.08, 0.02))
+    deep = DynamicTreeDrafter(sure, fed=[5], per_round=1, children=2).propose([5], 0, 4)
+    assert deep.tokens == [1, 2, 3, 4] and deep.parents == [-1, 0, 1, 2]  # sure enough to stay a chain
+    assert DynamicTreeDrafter(ShiftTarget([5]), fed=[5]).propose([5], 0, 0).tokens == []
+
+
+def test_dyspec_verified_answers_equal_plain_greedy():
+    target_lm, draft_lm = tiny_lm(seed=0), tiny_lm(seed=1)
+    prompt = [3, 1, 4, 1, 5]
+    want = SpeculativeDecoder(RecomputeTarget(target_lm, prompt), None, adapt=False)
+    got = SpeculativeDecoder(RecomputeTarget(target_lm, prompt),
+                             DynamicTreeDrafter(RecomputeTarget(draft_lm, prompt), fed=prompt), max_draft_tokens=4)
+    outs = []
+    for dec in (want, got):
+        out = [dec.start(dec.target.next_logits(), prompt)]
+        while len(out) < 16:
+            out += dec.step(16 - len(out))
+        outs.append(out)
+    assert outs[0] == outs[1]
+
+
 # -- auto and the factory --------------------------------------------------------------------------------------
 
 
@@ -212,6 +273,9 @@ def test_make_drafter_follows_the_config():
     made = make_drafter(LMConfig(drafter="draft-model", temperature=0.5), vocab_size=32, draft_target=target,
                         draft_fed=[1])
     assert isinstance(made, DraftModelDrafter) and made.temperature == 0.5
+    tree = make_drafter(LMConfig(drafter="dyspec"), vocab_size=32, draft_target=RecomputeTarget(tiny_lm(), [1]),
+                        draft_fed=[1])
+    assert isinstance(tree, DynamicTreeDrafter)
     with pytest.raises(ConfigError):
         make_drafter(LMConfig(drafter="draft-model"), vocab_size=10)
     with pytest.raises(ConfigError):

@@ -16,13 +16,13 @@ from runtime.models.lm import AnswerStep, load_answerer
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
 
-DRAFTERS = ["none", "ngram", "recycling", "auto", "draft-model"]
+DRAFTERS = ["none", "ngram", "recycling", "auto", "draft-model", "dyspec"]
 
 
 def make(drafter: str, **cfg) -> EngineAnswerer:
     """The draft model is the tiny model itself: drafts are then always right, so acceptance is exercised."""
     lm = LMConfig(backend="engine", max_new_tokens=N, prefill_chunk_tokens=16, drafter=drafter,
-                  draft_model="tiny:qwen2" if drafter == "draft-model" else "", **cfg)
+                  draft_model="tiny:qwen2" if drafter in ("draft-model", "dyspec") else "", **cfg)
     answerer = load_answerer(lm, device="cpu", dtype="float32")
     assert isinstance(answerer, EngineAnswerer)
     return answerer
@@ -42,7 +42,7 @@ def test_greedy_equals_generate_for_every_drafter(drafter: str, hf: PreTrainedMo
         assert state.step() == AnswerStep("", True, "length", 0)
         steps_total, tokens_total = steps_total + len(steps), tokens_total + len(expected)
         accepted += state.stats()["accepted"]
-    if drafter == "draft-model":  # always-right drafts were verified and kept (how many: the adaptive depth
+    if drafter in ("draft-model", "dyspec"):  # always-right drafts were verified and kept (how many: the adaptive depth
         assert accepted > 0  # follows measured cost, and a same-size draft model costs as much as the target)
     elif drafter == "none":
         assert steps_total == tokens_total

@@ -20,6 +20,7 @@ from runtime.models.lm.drafters import (
     TokenRecyclingDrafter,
     chain,
 )
+from runtime.models.lm.dynamic_tree import DynamicTreeDrafter
 from runtime.models.lm.reference_target import CachedHFTarget, RecomputeTarget
 from runtime.models.lm.speculative import SpeculativeDecoder
 
@@ -84,6 +85,8 @@ DRAFTERS = {
     "auto": lambda lm, dlm, p: AutoDrafter(VOCAB),
     "draft-same": lambda lm, dlm, p: DraftModelDrafter(RecomputeTarget(lm, p), fed=p),
     "draft-perturbed": lambda lm, dlm, p: DraftModelDrafter(RecomputeTarget(dlm, p), fed=p),
+    "dyspec-same": lambda lm, dlm, p: DynamicTreeDrafter(RecomputeTarget(lm, p), fed=p),
+    "dyspec-perturbed": lambda lm, dlm, p: DynamicTreeDrafter(RecomputeTarget(dlm, p), fed=p),
 }
 
 
@@ -107,6 +110,8 @@ def test_greedy_is_token_identical_to_generate(lm, draft_lm, name, target_kind):
         assert accepted > 0 and steps < len(PROMPTS) * 2 * (n - 1)
     if name == "draft-same":
         assert accepted >= len(PROMPTS) * 2 * (n - 1) * 0.5
+    if name == "dyspec-same":  # a tree spends nodes on siblings where the draft is unsure: shallower than a chain
+        assert accepted >= len(PROMPTS) * 2 * (n - 1) * 0.3
 
 
 def test_stop_token_inside_an_accepted_draft_is_not_committed(lm):
@@ -246,6 +251,8 @@ def sample_pairs(small_models, kind: str, n: int, temperature: float, top_p: flo
         if kind == "draft-model":
             drafter = DraftModelDrafter(RecomputeTarget(draft_lm, SPROMPT, memo=dmemo), fed=SPROMPT,
                                         temperature=temperature, top_p=top_p, generator=gen)
+        elif kind == "dyspec":  # a deterministic tree of the draft's top tokens: q = None at any temperature
+            drafter = DynamicTreeDrafter(RecomputeTarget(draft_lm, SPROMPT, memo=dmemo), fed=SPROMPT)
         else:
             drafter = recycling if kind == "recycling" else NgramDrafter()
         dec = SpeculativeDecoder(target, drafter, temperature=temperature, top_p=top_p, max_draft_tokens=3,
@@ -261,7 +268,7 @@ def sample_pairs(small_models, kind: str, n: int, temperature: float, top_p: flo
 @pytest.mark.parametrize(
     ("kind", "temperature", "top_p", "n"),
     [("draft-model", 1.0, 1.0, 4000), ("draft-model", 0.7, 0.8, 3000), ("recycling", 1.0, 1.0, 4000),
-     ("ngram", 1.0, 1.0, 3000)],
+     ("ngram", 1.0, 1.0, 3000), ("dyspec", 0.7, 0.8, 3000)],
 )
 def test_sampled_tokens_follow_the_target_distribution(small_models, kind, temperature, top_p, n):
     counts = sample_pairs(small_models, kind, n, temperature, top_p)
@@ -363,6 +370,21 @@ def test_draft_depth_settles_where_acceptance_ends():
     _, ks = run_counting(right=3)
     tail = ks[-30:]
     assert set(tail) <= {3, 4} and tail.count(3) >= 26  # depth 4 is re-probed now and then, rarely
+
+
+def test_a_plain_step_is_tried_after_a_costly_tree():
+    """A first step that drafted deep with a draft model (16 nodes verified in 116 ms, 209 ms of drafting, 3 of 8
+    accepted) must not price a plain step at that tree's cost: smaller sizes are priced optimistically until
+    measured, and a plain step measured at 37 ms then stays the choice."""
+    from runtime.models.lm.speculative import DraftController
+
+    ctl = DraftController(8)
+    ctl.record_cost(8, 16, 0.116, 0.209)
+    ctl.record_acceptance(3, True)
+    assert ctl.choose(8) == 0
+    ctl.record_cost(0, 0, 0.037, 0.0)
+    assert ctl.choose(8) == 0
+    assert ctl.step_cost(1) < ctl.step_cost(8)  # priced between what was measured, not at the deep tree's cost
 
 
 def test_fixed_depth_without_adaptation():

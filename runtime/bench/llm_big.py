@@ -51,6 +51,7 @@ from runtime.models.lm.weights import ModelArgs
 from runtime.models.loading import resolve_checkpoint
 
 THREADS = (1, 2)
+AUTO_CANDIDATES = ("ngram", "trigram")  # what `auto` chooses among on a CPU (`drafter_choice.AutoDrafter`)
 # name: (lm.weights, lm.kernels, compiled in the full run)
 ROWS = {"native": ("native", "runtime", True), "int4": ("int4", "runtime", True),
         "int4-torch-kernels": ("int4", "torch", False)}
@@ -317,6 +318,15 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
             avx2 = out.get("avx2_forced", {}).get(key, {}).get(f"{threads}t", {}).get("median_ratio")
             t[f"{label}_vs_llama_cpp_{threads}t_avx2"] = {"ratio": avx2, "target": ">= 1.0",
                                                           "met": avx2 is not None and avx2 >= 1.0}
+    spec = out.get("speculative", {})
+    for task in ("transcript_qa", "summarise"):
+        rows = spec.get(task, {})
+        if "auto" not in rows:
+            continue
+        auto, best = rows["auto"]["speedup"], max(rows[d]["speedup"] for d in AUTO_CANDIDATES if d in rows)
+        t[f"speculative_{task}"] = {"auto": auto, "target": ">= 1.6", "met": auto >= 1.6}
+        t[f"auto_vs_best_candidate_{task}"] = {"ratio": round(auto / best, 3), "target": ">= 1.0",
+                                               "met": auto >= best}
     return t
 
 

@@ -31,6 +31,7 @@ from runtime.models.lm.drafters import (
     TokenRecyclingDrafter,
     TrigramDrafter,
 )
+from runtime.models.lm.dynamic_tree import DynamicTreeDrafter
 from runtime.models.lm.target import Target
 
 OUTSTANDING = 64  # proposals per candidate waiting for the decoded tokens that score them (bounded)
@@ -173,10 +174,12 @@ def make_drafter(
         return TrigramDrafter()
     if kind == "auto":
         return AutoDrafter(vocab_size, wide_trees=wide_trees)
-    if kind in ("draft-model", "swift"):
+    if kind in ("draft-model", "dyspec", "swift"):
         if draft_target is None:
             raise ConfigError(f"lm.drafter = {kind} needs a draft session: lm.draft_model (a smaller model, same "
-                              "tokenizer) for draft-model; the engine builds the layer-skip view for swift")
+                              "tokenizer) for draft-model and dyspec; the engine builds the layer-skip view for swift")
+        if kind == "dyspec":
+            return DynamicTreeDrafter(draft_target, fed=draft_fed)
         return DraftModelDrafter(
             draft_target, fed=draft_fed, temperature=cfg.temperature, top_p=cfg.top_p, generator=generator
         )

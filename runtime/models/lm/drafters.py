@@ -24,8 +24,9 @@ import torch
 from runtime.models.lm.sampling import Sampler, draw, greedy_token
 from runtime.models.lm.target import Target
 
-DRAFTERS = ("none", "ngram", "recycling", "trigram", "draft-model", "swift", "auto")
-MODEL_DRAFTERS = ("draft-model", "swift")  # drafters that decode a model (another one, or the target's own layers)
+DRAFTERS = ("none", "ngram", "recycling", "trigram", "draft-model", "dyspec", "swift", "auto")
+# drafters that decode a model (another one, or the target's own layers)
+MODEL_DRAFTERS = ("draft-model", "dyspec", "swift")
 
 
 class Draft(NamedTuple):
@@ -287,20 +288,25 @@ class DraftModelDrafter:
         q = self.sampler.probs(logits)
         return draw(q, self.generator), q
 
-    @torch.inference_mode()
-    def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
+    def _feed(self, context: Sequence[int], pending: int) -> torch.Tensor:
+        """Commit what the draft has not seen (the tokens accepted since the last propose, and the pending token,
+        which the main target always commits: safe to keep) and return its logits after the pending token."""
         n = len(self.fed)
-        if budget <= 0:
-            return EMPTY
         if len(context) < n or list(context[:n]) != self.fed:
             raise RuntimeError("draft model out of sync: the context does not extend what it was fed")
-        new = [*context[n:], pending]  # accepted since the last propose, and the pending token
+        new = [*context[n:], pending]
         logits = self.draft.score(new, chain(new))
-        self.draft.commit(list(range(len(new))))  # the main target always commits these: safe to keep
+        self.draft.commit(list(range(len(new))))
         self.fed.extend(new)
+        return logits[-1]
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
+        if budget <= 0:
+            return EMPTY
+        row = self._feed(context, pending)
         tokens: list[int] = []
         qs: list[torch.Tensor | None] = []
-        row = logits[-1]
         while True:
             tok, q = self._pick(row)
             tokens.append(tok)

@@ -136,9 +136,11 @@ class EngineAnswerer:
         return cls(engine, cls._draft(engine, cfg, device=device, dtype=dtype, seed=seed, progress=progress))
 
     @classmethod
-    def sharing(cls, engine: LMEngine, cfg: LMConfig, *, seed: int = 0) -> EngineAnswerer:
+    def sharing(cls, engine: LMEngine, cfg: LMConfig, *, seed: int = 0,
+                draft_engine: LMEngine | None = None) -> EngineAnswerer:
         """An answerer under `cfg` (its drafter, token limits, window) on the weights `engine` has loaded: no second
-        load of the model (the benchmarks' rows; a draft model, `cfg.draft_model`, is loaded). Its decode step
+        load of the model (the benchmarks' rows; a draft model, `cfg.draft_model`, is loaded unless `draft_engine`,
+        another answerer's, is given). Its decode step
         compiles anew if `cfg` wants one for a cache geometry or thread count that `engine`'s step has not compiled.
         `cfg` names the same model and format."""
         if (cfg.model, cfg.weights) != (engine.cfg.model, engine.cfg.weights):
@@ -146,16 +148,18 @@ class EngineAnswerer:
                              f"{cfg.model} ({cfg.weights}, drafter {cfg.drafter})")
         target = LMEngine(engine.model, engine.tokenizer, cfg, name=engine.name, seed=seed, eos_ids=engine.eos_ids,
                           compiled=engine.compiled)
-        return cls(target, cls._draft(target, cfg, device=engine.model.device.type, dtype="float32", seed=seed,
-                                      progress=None))
+        if draft_engine is None:
+            draft_engine = cls._draft(target, cfg, device=engine.model.device.type, dtype="float32", seed=seed,
+                                      progress=None)
+        return cls(target, draft_engine)
 
     @staticmethod
     def _draft(engine: LMEngine, cfg: LMConfig, *, device: str, dtype: str, seed: int,
                progress: Callable[[str], None] | None) -> LMEngine | None:
-        """The draft engine `cfg.drafter` decodes with (draft-model: another model, loaded; swift: `engine`'s own
-        layers), or None."""
+        """The draft engine `cfg.drafter` decodes with (draft-model and dyspec: another model, loaded; swift:
+        `engine`'s own layers), or None."""
         draft = None
-        if cfg.drafter == "draft-model":
+        if cfg.drafter in ("draft-model", "dyspec"):
             draft_cfg = replace(cfg, model=cfg.draft_model, drafter="none",  # verified in trees: eager
                                 compile="off" if cfg.compile == "auto" else cfg.compile)
             draft = LMEngine.load(draft_cfg, device=device, dtype=dtype, seed=seed, progress=progress,

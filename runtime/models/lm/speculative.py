@@ -67,8 +67,10 @@ class DraftController:
     for depths with evidence, the slower `stale_decay` for the others) with one pseudo-count pulling a_d toward
     a_{d-1}: unexplored depths borrow the shallower estimate, and stale ones drift back, so a depth judged bad
     is re-probed now and then. Cost of a step: `cost_model(nodes)` when given (nodes = tree size incl. the root),
-    else the measured score time for that many nodes (piecewise-linear over measured sizes, flat beyond: optimistic, so
-    larger trees get tried) plus the measured propose time for that depth. When k = 0 wins, depth 1 is probed
+    else the measured score time for that many nodes plus the measured propose time for that depth, each
+    piecewise-linear over the sizes measured and optimistic outside them, so that other sizes get tried: flat
+    above, proportional to the size below (a first answer that began with a deep draft model's tree would
+    otherwise price a plain step at that tree's cost and never try one). When k = 0 wins, depth 1 is probed
     every `probe_every` steps so that a drafter that starts matching is noticed.
     """
 
@@ -119,8 +121,8 @@ class DraftController:
         if x in table:
             return table[x]
         keys = sorted(table)
-        if x <= keys[0]:
-            return table[keys[0]]
+        if x < keys[0]:  # optimistic below the smallest size measured (a cost grows with size), so it gets tried
+            return table[keys[0]] * x / keys[0]
         if x >= keys[-1]:
             return table[keys[-1]]
         hi = next(i for i, key in enumerate(keys) if key > x)
