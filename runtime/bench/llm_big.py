@@ -11,8 +11,9 @@ model is served in, each side by side with llama.cpp on the same file in the sam
   `ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`), against llama.cpp as built for this CPU;
 - think-while-reading: the first token after N streamed tokens against prefilling them at question time, and
   against llama.cpp answering the same prompt cold;
-- the speculative-decoding table (`llm_spec.py`), with the 0.5B as a draft model when it is installed, and
-  llama.cpp's own prompt-lookup decoding as the peer.
+- the speculative-decoding table (`llm_spec.py`), with the 0.5B as a draft model (its chains, and DySpec's trees)
+  when it is installed, and llama.cpp's own prompt-lookup decoding as the peer; `targets` says which of the
+  issue's are met (decode and prefill against llama.cpp, 1.6x drafted, `auto` against its best candidate).
 
 `--quick` keeps every row on less (`QUICK`, about 3 minutes on 2 cores): 12 decoded tokens a run, a 64-token
 prefill, 2 trials (1 in the AVX2 child), a 256-token think-while-reading, one prompt per task at 2 threads, and

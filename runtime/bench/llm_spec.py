@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 DRAFTER_ROWS = ("none", "ngram", "recycling", "trigram", "swift", "auto")
 MODEL_ROWS = ("draft-model", "dyspec")  # rows of a second model, with `draft_model`
 # In the full table, on the tasks of the 1.6x target, the rows `auto` is judged by (it against its candidates on a
-# CPU, and all of them against plain decoding) run ROUNDS times, in turns, and count their fastest: on a shared
+# CPU, and all of them against plain decoding) run ROUNDS times, in turns (the second in reverse order, so that
+# a drift of the machine's speed weighs on all alike), and count their fastest: on a shared
 # 2-core machine one pass of a few seconds varies by 10-15 %, as much as the differences between them. The other
 # rows, far slower, and open chat run once, and `--quick` runs every row once (its 12-token answers decide nothing).
 REPEATED = ("none", "ngram", "trigram", "auto")
@@ -107,7 +108,7 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
         prompts = all_prompts[:per_task]  # quick: every task and drafter, on fewer prompts
         runs: dict[str, list[tuple[list[list[int]], float, int, int]]] = {d: [] for d in drafters}
         for round_ in range(1 if quick or task not in REPEATED_TASKS else ROUNDS):
-            for drafter in drafters if round_ == 0 else repeated:
+            for drafter in drafters if round_ == 0 else repeated[::-1]:  # reversed: a drift weighs on all alike
                 status(f"speculative: {task} with drafter {drafter}" + (f" (round {round_ + 1})" if round_ else ""))
                 runs[drafter].append(_run(answerers[drafter], prompts, n))
         plain, base_s = runs["none"][0][0], min(r[1] for r in runs["none"])
