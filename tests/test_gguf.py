@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models.lm.gguf_checkpoint import GGUFCheckpoint, gguf_file, open_gguf
-from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.transformer_build import load_transformer
 from runtime.models.lm.weight_formats import Int4Linear, Int8Linear, q4_blocks_of
 
 NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -99,7 +99,7 @@ def written(request, tmp_path: Path) -> tuple[Path, str]:
 
 def test_logits_equal_transformers_gguf_loader(written) -> None:
     path, _ = written
-    ours = Transformer.from_pretrained(path)
+    ours = load_transformer(path)
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ids = torch.tensor([1, 5, 9, 33, 70, 2, 14, 95, 3])
     with torch.inference_mode():
@@ -114,8 +114,8 @@ def test_int4_takes_the_files_own_blocks(written) -> None:
     is a Q4_0/Q4_1 block): its dequantised weight equals the float one to bf16 rounding of scale and zero."""
     path, qtype = written
     ckpt = GGUFCheckpoint(path)
-    fp = Transformer.from_pretrained(path)
-    q4 = Transformer.from_pretrained(path, weights="int4")
+    fp = load_transformer(path)
+    q4 = load_transformer(path, weights="int4")
     lin = q4.model.layers[1].self_attn.qkv_proj
     assert isinstance(lin, Int4Linear)
     want = fp.model.layers[1].self_attn.qkv_proj.weight
@@ -135,14 +135,14 @@ def test_int4_takes_the_files_own_blocks(written) -> None:
 def test_weight_formats_stay_close_to_fp32(written) -> None:
     path, _ = written
     ids = torch.tensor([1, 5, 9, 33, 70, 2, 14, 95, 3])
-    ref = Transformer.from_pretrained(path)(ids, torch.arange(len(ids)))
+    ref = load_transformer(path)(ids, torch.arange(len(ids)))
     for fmt, dtype in (("bf16", torch.bfloat16), ("int8", torch.bfloat16), ("int4", torch.bfloat16)):
-        model = Transformer.from_pretrained(path, weights=fmt)
+        model = load_transformer(path, weights=fmt)
         assert model.dtype == dtype and model.weights == fmt
         got = model(ids, torch.arange(len(ids)))
         rel = float((got - ref).norm() / ref.norm())
         assert rel < 0.15, (fmt, rel)
-    assert isinstance(Transformer.from_pretrained(path, weights="int8").lm_head, Int8Linear)
+    assert isinstance(load_transformer(path, weights="int8").lm_head, Int8Linear)
 
 
 def test_native_keeps_each_weight_in_the_layout_nearest_its_storage(tmp_path: Path) -> None:
@@ -153,9 +153,9 @@ def test_native_keeps_each_weight_in_the_layout_nearest_its_storage(tmp_path: Pa
     q = GGMLQuantizationType
     write_gguf(tiny("qwen2"), path, "qwen2", q.Q4_0, tie=False, types={"attn_v": q.Q8_0, "ffn_down": q.Q5_0,
                                                                       "output": q.Q8_0})
-    native = Transformer.from_pretrained(path, weights="native")
-    int4 = Transformer.from_pretrained(path, weights="int4")
-    int8 = Transformer.from_pretrained(path, weights="int8")
+    native = load_transformer(path, weights="native")
+    int4 = load_transformer(path, weights="int4")
+    int8 = load_transformer(path, weights="int8")
     assert native.weights == "native" and native.dtype == torch.bfloat16
     for name, module in native.named_modules():
         if not isinstance(module, (Int4Linear, Int8Linear)):
@@ -165,7 +165,7 @@ def test_native_keeps_each_weight_in_the_layout_nearest_its_storage(tmp_path: Pa
         same = (int4 if four_bit else int8).get_submodule(name)
         assert all(torch.equal(a, b) for a, b in zip(module.buffers(), same.buffers(), strict=True)), name
     ids = torch.tensor([1, 5, 9, 33, 70, 2, 14, 95, 3])
-    ref = Transformer.from_pretrained(path)(ids, torch.arange(len(ids)))
+    ref = load_transformer(path)(ids, torch.arange(len(ids)))
     got = native(ids, torch.arange(len(ids)))
     assert float((got - ref).norm() / ref.norm()) < 0.15
 
@@ -211,7 +211,7 @@ def test_unsupported_architecture_and_types_are_one_line_errors(tmp_path: Path) 
     good.parent.mkdir()
     write_gguf(tiny("llama"), good, "llama", GGMLQuantizationType.Q8_0)
     with pytest.raises(ConfigError, match="lm.weights 'int3' is not one of auto, fp32, bf16, int8, int4"):
-        Transformer.from_pretrained(good, weights="int3")
+        load_transformer(good, weights="int3")
 
 
 def test_an_unsupported_tensor_type_is_a_one_line_error(tmp_path: Path) -> None:

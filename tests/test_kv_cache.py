@@ -18,6 +18,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrained
 
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.transformer import Transformer, apply_rope
+from runtime.models.lm.transformer_build import load_transformer
 
 TOL = 1e-4
 VOCAB = 211
@@ -37,7 +38,7 @@ def build(kind: str, path: Path, layers: int = 2) -> PreTrainedModel:
 def pair(request, tmp_path_factory) -> tuple[PreTrainedModel, Transformer]:
     path = tmp_path_factory.mktemp(request.param)
     ref = build(request.param, path)
-    return ref, Transformer.from_pretrained(path)
+    return ref, load_transformer(path)
 
 
 def new_cache(model: Transformer, sink: int = 4, window: int = 512, reserve: int = 16, target: int = 64) -> SinkKVCache:
@@ -87,7 +88,7 @@ def one_layer(request, tmp_path_factory) -> tuple[PreTrainedModel, Transformer]:
     from-scratch forward over [sinks + window] at positions 0..n-1 exactly (StreamingLLM's reference)."""
     path = tmp_path_factory.mktemp(f"{request.param}-1")
     ref = build(request.param, path, layers=1)
-    return ref, Transformer.from_pretrained(path)
+    return ref, load_transformer(path)
 
 
 def test_after_overflow_logits_equal_sinks_plus_window(one_layer) -> None:

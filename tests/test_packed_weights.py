@@ -14,7 +14,7 @@ from test_gguf import tiny, write_gguf
 from runtime.models.lm import packed_weights
 from runtime.models.lm.kernel_linears import use_runtime_kernels
 from runtime.models.lm.packed_weights import load_model, packed_file
-from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.transformer_build import load_transformer
 
 
 @pytest.fixture(params=[("qwen2", "Q4_0", True), ("llama", "Q8_0", False)], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -31,7 +31,7 @@ def gguf(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_read_back_equals_the_built_model(gguf: Path, weights: str, kernels: bool) -> None:
     if kernels and not use_runtime_kernels("auto", "cpu"):
         pytest.skip("the runtime's kernels do not build here")
-    built = Transformer.from_pretrained(gguf, weights=weights, kernels=kernels)
+    built = load_transformer(gguf, weights=weights, kernels=kernels)
     first = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights, kernels=kernels)  # builds, keeps
     target = packed_file(gguf, weights, torch.float32, kernels)
     assert target.is_file()
@@ -67,7 +67,7 @@ def test_an_unreadable_packing_is_rebuilt(gguf: Path) -> None:
     model = load_model(gguf, device="cpu", dtype=torch.float32, weights="int8", progress=said.append)
     assert any("unreadable" in s for s in said)
     ids = torch.tensor([4, 9, 2])
-    assert torch.equal(model(ids, torch.arange(3)), Transformer.from_pretrained(gguf, weights="int8")(
+    assert torch.equal(model(ids, torch.arange(3)), load_transformer(gguf, weights="int8")(
         ids, torch.arange(3)))
     assert packed_weights.read_packed(target).weights == "int8"
 
@@ -87,7 +87,7 @@ def test_a_full_disk_still_loads_and_says_why_nothing_was_kept(gguf: Path, monke
     target = packed_file(gguf, "int8", torch.float32)
     assert not target.exists() and not list(target.parent.glob(".packing-*"))
     ids = torch.tensor([4, 9, 2])
-    assert torch.equal(model(ids, torch.arange(3)), Transformer.from_pretrained(gguf, weights="int8")(
+    assert torch.equal(model(ids, torch.arange(3)), load_transformer(gguf, weights="int8")(
         ids, torch.arange(3)))
 
 

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.transformer_build import load_transformer, transformer_from_packed
 from runtime.models.lm.weight_formats import QUANTIZED, format_dtype
 from runtime.models.lm.weights import ModelArgs
 from runtime.models.loading import cache_dir
@@ -54,11 +55,11 @@ def packed_file(file: Path, weights: str, dtype: torch.dtype, kernels: bool = Fa
 
 def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, weights: str, kernels: bool = False,
                progress: Callable[[str], None] | None = None) -> Transformer:
-    """`Transformer.from_pretrained(path, ...)`, through the packed cache when `path` is a GGUF file loaded to the
+    """`load_transformer(path, ...)`, through the packed cache when `path` is a GGUF file loaded to the
     CPU in an int8/int4 format: read back when packed before, else built and saved for the next load."""
     file = gguf_file(path)
     if file is None or weights not in PACKED_FORMATS or torch.device(device).type != "cpu":
-        return Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
+        return load_transformer(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
     target = packed_file(file, weights, dtype, kernels)
     if target.is_file():
         try:
@@ -70,7 +71,7 @@ def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, we
     if progress is not None:
         progress(f"packing {file.name} into {weights} once (read back from {target.parent} after) ...")
     start = time.perf_counter()
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
+    model = load_transformer(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
     try:
         write_packed(model, target)
     except OSError as err:  # a read-only or full cache: this load still works, the next one packs again
@@ -120,4 +121,4 @@ def read_packed(source: Path) -> Transformer:
     # each tensor on an address of its own: safetensors may hand out views at any offset of one buffer, and torch's
     # int8 kernel crashed on a misaligned weight (a segfault at 6 rows of activations)
     state = {k: v if v.data_ptr() % ALIGN == 0 else v.clone() for k, v in load_file(str(source)).items()}
-    return Transformer.from_packed(args, state, weights=meta["weights"])
+    return transformer_from_packed(args, state, weights=meta["weights"])
