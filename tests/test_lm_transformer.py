@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Co
 
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.transformer_build import load_transformer
 from runtime.models.lm.weights import read_config
 
 TOL = 1e-4
@@ -45,7 +46,7 @@ def pair(request, tmp_path_factory) -> tuple[PreTrainedModel, Transformer]:
     kind, rope = VARIANTS[request.param]
     path = tmp_path_factory.mktemp(request.param)
     ref = build(kind, path, rope)
-    return ref, Transformer.from_pretrained(path)
+    return ref, load_transformer(path)
 
 
 def test_logits_equal_transformers(pair) -> None:
@@ -91,7 +92,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
     ref = build("qwen2", tmp_path)
     ref.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
-    ours = Transformer.from_pretrained(tmp_path / "sharded")
+    ours = load_transformer(tmp_path / "sharded")
     ids = torch.arange(40)[None] % 211
     with torch.no_grad():
         assert (ours(ids, torch.arange(40)) - ref(ids).logits[0]).abs().max() <= TOL
@@ -99,7 +100,7 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
 
 def test_half_precision_loads_on_request(tmp_path: Path) -> None:
     build("qwen2", tmp_path)
-    ours = Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ours = load_transformer(tmp_path, dtype=torch.bfloat16)
     assert ours.dtype == torch.bfloat16 and ours.lm_head.weight is ours.model.embed_tokens.weight
     assert ours(torch.arange(10), torch.arange(10)).dtype == torch.float32
 
@@ -118,14 +119,14 @@ def test_unsupported_configs_are_refused(tmp_path: Path, change: dict, message: 
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ConfigError, match=message) as err:
-        Transformer.from_pretrained(tmp_path)
+        load_transformer(tmp_path)
     assert "\n" not in str(err.value)
 
 
 def test_missing_weights_are_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFound, match="no config.json"):
-        Transformer.from_pretrained(tmp_path)
+        load_transformer(tmp_path)
     build("llama", tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointNotFound, match="no model.safetensors"):
-        Transformer.from_pretrained(tmp_path)
+        load_transformer(tmp_path)

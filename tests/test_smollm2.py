@@ -20,7 +20,7 @@ from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
 from runtime.models.lm.generate_answerer import transformers_model
 from runtime.models.lm.gguf_checkpoint import gguf_file
-from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.transformer_build import load_transformer
 from runtime.models.loading import resolve_checkpoint
 
 REF = "builtin:smollm2-135m-instruct"
@@ -55,7 +55,7 @@ def engines(path) -> Callable[[str], LMEngine]:
 
 def test_logits_equal_transformers_on_the_real_file(path) -> None:
     file = gguf_file(path)
-    ours = Transformer.from_pretrained(path)
+    ours = load_transformer(path)
     ref = transformers_model(file, torch.float32, keep=True).eval()  # transformers' conversion, kept in the cache
     ids = torch.tensor([1, 19556, 905, 28, 216, 33, 34, 30, 37, 8358, 314, 253, 1345, 2, 1, 4093])
     with torch.inference_mode():

@@ -15,7 +15,7 @@ from runtime.config import LMConfig
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.pieces import Visual
 from runtime.models.lm.prompt import EMPTY_CONTEXT
-from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.transformer_build import load_transformer
 from runtime.models.lm.weights import is_vlm, read_config
 from runtime.models.loading import resolve_checkpoint
 from runtime.models.vlm.llava_onevision import VisionEncoder
@@ -53,7 +53,7 @@ def hf_logits(hf_vlm, ids, visual):
 def test_vlm_checkpoint_is_read_as_its_language_model(vlm_path, hf_vlm):
     assert is_vlm(vlm_path)
     assert read_config(vlm_path).model_type == "qwen2"
-    ours = Transformer.from_pretrained(vlm_path)
+    ours = load_transformer(vlm_path)
     ids = torch.tensor([5, 17, 99, 3, 250, 7])
     with torch.no_grad():
         ref = hf_vlm(input_ids=ids[None]).logits[0]
@@ -95,8 +95,8 @@ def test_hub_layout_weights_load_the_same(vlm_path, tmp_path):
     images = frames(2, seed=1)
     assert torch.equal(a.encode(images), b.encode(images))
     ids = torch.tensor([1, 2, 3, 4])
-    assert torch.equal(Transformer.from_pretrained(vlm_path)(ids, torch.arange(4)),
-                       Transformer.from_pretrained(hub)(ids, torch.arange(4)))
+    assert torch.equal(load_transformer(vlm_path)(ids, torch.arange(4)),
+                       load_transformer(hub)(ids, torch.arange(4)))
 
 
 def test_text_only_checkpoint_is_refused_for_video(tiny_path):
