@@ -36,6 +36,8 @@ def test_overrides_and_shortcuts():
         ({"name": "tiny", "device": "tpu"}, "device 'tpu'"),
         ({"name": "tiny", "overrides": ["video.fps=0"]}, "video.fps"),
         ({"name": "tiny", "overrides": ["nofield"]}, "--set expects"),
+        ({"name": "tiny", "overrides": ["lm.drafter=dyspec"]}, "lm.drafter = dyspec needs lm.draft_model"),
+        ({"name": "tiny", "overrides": ["lm.drafter=draft-model"]}, "lm.drafter = draft-model needs lm.draft_model"),
     ],
 )
 def test_mistakes_are_one_line_errors(kwargs, message):
