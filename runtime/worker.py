@@ -13,6 +13,10 @@ leave it alone.
 
 Bounded: at most `max_pending` jobs wait at once; a submitter beyond that waits for a slot (backpressure),
 it is never refused. A job whose awaiting task was cancelled before it started is skipped.
+
+Jobs that run together (`run_together`): submitters of the same function at the same priority that are waiting at
+once share one job, which calls the function on all their items: the decode steps of several conversations become
+one forward (`EngineAnswerer.step_together`), which on a CPU costs little more than one step.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from enum import IntEnum
 from typing import ParamSpec, TypeVar
 
 T = TypeVar("T")
+A = TypeVar("A")
 P = ParamSpec("P")
+Together = Callable[[list[A]], list[T | Exception]]  # items in, one result (or the exception for it) per item out
 
 
 class Priority(IntEnum):
@@ -40,7 +46,8 @@ class Priority(IntEnum):
     PREFILL = 2
     SPEECH = 3  # a clause of the spoken answer: what the user waits to hear; the text is ahead of the voice
     DECODE = 4
-    VISION = 5
+    CONTEXT = 5  # the context prefilled ahead of any question: never before an answer in flight (another session's)
+    VISION = 6
 
 
 class WorkerStopped(RuntimeError):
@@ -61,10 +68,12 @@ class DeviceWorker:
         self._stopping = False
         self._lock = threading.Lock()
         self._pending = 0
+        self._gathering: dict[tuple[int, Callable[..., object]], list[tuple[object, Future[object]]]] = {}
         self.jobs_done: dict[str, int] = {p.name: 0 for p in Priority}
         self.busy_s = 0.0
         self.busy_by_priority_s: dict[str, float] = {p.name: 0.0 for p in Priority}  # where the worker's time goes
         self.max_job_s: dict[str, float] = {p.name: 0.0 for p in Priority}
+        self.together_items: dict[str, int] = {}  # items run by jobs that ran together, by priority
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> DeviceWorker:
@@ -122,6 +131,56 @@ class DeviceWorker:
         self._queue.put((int(priority), next(self._seq), job))
         return fut
 
+    def submit_together(self, priority: Priority, fn: Together[A, T], item: A) -> Future[T]:
+        """Thread-safe: `fn([item, ...])` on the worker with the items of every other submitter of `fn` at this
+        priority whose job has not started yet; each future gets its item's result (or its exception). A cancelled
+        future's item is left out."""
+        if self._stopping or self._thread is None:
+            raise WorkerStopped(f"{self.name} is not running")
+        priority = Priority(priority)
+        fut: Future[T] = Future()
+        key = (int(priority), fn)
+        with self._lock:
+            self._pending += 1
+            batch = self._gathering.get(key)
+            new = batch is None
+            if batch is None:
+                batch = self._gathering[key] = []
+            batch.append((item, fut))  # type: ignore[arg-type]
+        fut.add_done_callback(self._job_finished)
+        if new:
+            self._queue.put((int(priority), next(self._seq), lambda: self._run_together(priority, fn, batch)))
+        return fut
+
+    def _run_together(self, priority: Priority, fn: Together[A, T], batch: list[tuple[A, Future[T]]]) -> None:
+        with self._lock:  # closed: a later submitter starts the next batch
+            if self._gathering.get((int(priority), fn)) is batch:
+                del self._gathering[(int(priority), fn)]
+        live = [(item, fut) for item, fut in batch if fut.set_running_or_notify_cancel()]
+        if not live:
+            return
+        started = time.perf_counter()
+        try:
+            results = fn([item for item, _ in live])
+            if len(results) != len(live):
+                raise RuntimeError(f"{fn} returned {len(results)} results for {len(live)} items")
+        except BaseException as err:  # every item's
+            for _, fut in live:
+                fut.set_exception(err)
+        else:
+            for (_, fut), result in zip(live, results, strict=True):
+                if isinstance(result, Exception):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
+        finally:
+            elapsed = time.perf_counter() - started
+            self.busy_s += elapsed
+            self.busy_by_priority_s[priority.name] += elapsed
+            self.jobs_done[priority.name] += 1
+            self.max_job_s[priority.name] = max(self.max_job_s[priority.name], elapsed)
+            self.together_items[priority.name] = self.together_items.get(priority.name, 0) + len(live)
+
     def call(self, priority: Priority, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Blocking submit-and-wait, for code that is not on an event loop."""
         return self.submit(priority, fn, *args, **kwargs).result()
@@ -136,6 +195,18 @@ class DeviceWorker:
                 return await asyncio.wrap_future(fut)
             except asyncio.CancelledError:
                 fut.cancel()  # skipped if it has not started; a running job finishes on its own
+                raise
+
+    async def run_together(self, priority: Priority, fn: Together[A, T], item: A) -> T:
+        """`submit_together`, awaited without blocking the loop; waits for a free slot like `run`."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_pending)
+        async with self._slots:
+            fut = self.submit_together(priority, fn, item)
+            try:
+                return await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                fut.cancel()
                 raise
 
     def _job_finished(self, _fut: Future[object]) -> None:
@@ -163,4 +234,5 @@ class DeviceWorker:
             "busy_by_priority_s": {k: round(v, 3) for k, v in self.busy_by_priority_s.items()},
             "jobs_done": dict(self.jobs_done),
             "max_job_ms": {k: round(v * 1000, 2) for k, v in self.max_job_s.items()},
+            "together_items": dict(self.together_items),
         }

@@ -2,6 +2,7 @@
 its answer ends, rounds that never interleave and coalesce changes, every token counted."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.vlm.prompt import memory_pieces
 from runtime.pipeline.prefill import ContextPrefiller
 from runtime.session_state import ContextChanges
-from runtime.worker import DeviceWorker
+from runtime.worker import DeviceWorker, Priority
 
 
 class _RecordingStream:
@@ -198,3 +199,42 @@ async def test_the_prefiller_runs_a_round_per_coalesced_change():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert len(stream.log) == 4 and prefiller.prefilled_tokens == 5
+
+
+@pytest.mark.asyncio
+async def test_background_rounds_wait_behind_decode_steps_and_a_question_does_not():
+    """In a server another session's answer is decoding: a background round's jobs queue behind its steps
+    (`Priority.CONTEXT`), a round a question waits for goes ahead of them (`PREFILL`), from its next job on."""
+    order: list[str] = []
+    gate = threading.Event()
+
+    class _Stream(_LMStream):
+        def set_context(self, text: str, *suffix) -> None:
+            order.append("set")
+            super().set_context(text, *suffix)
+
+        def prefill_step(self) -> int:
+            order.append("prefill")
+            return super().prefill_step()
+
+    stream, changes = _Stream(), ContextChanges()
+    with DeviceWorker() as worker:
+        prefiller = ContextPrefiller(stream, worker, _transcript("x"), changes)
+        worker.submit(Priority.CONTROL, gate.wait)  # the worker busy while both are queued
+        background = asyncio.create_task(prefiller.catch_up())
+        await asyncio.sleep(0.05)
+        decode = asyncio.ensure_future(worker.run(Priority.DECODE, order.append, "decode"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(background, decode)
+        assert order == ["decode", "set", "prefill", "prefill", "prefill"]
+        order.clear()
+        gate.clear()
+        worker.submit(Priority.CONTROL, gate.wait)
+        asking = asyncio.create_task(prefiller.catch_up("a question?"))
+        await asyncio.sleep(0.05)
+        decode = asyncio.ensure_future(worker.run(Priority.DECODE, order.append, "decode"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(asking, decode)
+        assert order[:2] == ["set", "decode"] and prefiller.priority == Priority.CONTEXT

@@ -387,6 +387,22 @@ def test_a_plain_step_is_tried_after_a_costly_tree():
     assert ctl.step_cost(1) < ctl.step_cost(8)  # priced between what was measured, not at the deep tree's cost
 
 
+def test_a_streams_next_answer_starts_from_the_costs_its_last_one_measured():
+    """An answer's first drafted step is priced with what the stream's earlier answers measured (`StepCosts`): a
+    nine-node tree measured at 2.3 times a plain step is not the first step's choice; with nothing measured the
+    prior's 0.5 acceptance a level makes every depth look free, and the first step drafts at full depth."""
+    from runtime.models.lm.speculative import DraftController, StepCosts
+
+    assert DraftController(8).choose(8) == 8
+    costs = StepCosts()
+    first = DraftController(8, costs=costs)
+    for k, nodes, seconds in ((0, 0, 0.060), (8, 8, 0.140), (2, 2, 0.068)):
+        first.record_cost(k, nodes, seconds, 0.0)
+    nxt = DraftController(8, costs=costs)  # a new answer: its acceptances start from the prior again
+    assert nxt.alphas() == DraftController(8).alphas()
+    assert 1 <= nxt.choose(8) < 8
+
+
 def test_fixed_depth_without_adaptation():
     target = CountingTarget([0])
     dec = SpeculativeDecoder(target, PrefixDrafter(0), max_draft_tokens=5, adapt=False)

@@ -22,7 +22,7 @@ from runtime.function_tools import ToolUse, arguments_schema, names_schema, tool
 from runtime.models.lm.answering import AnswerRequest, CallDelta, RunningAnswer, Step
 from runtime.models.lm.backend import Answer, AnswerBackend, AnswerStep, DecodingStats, LMStream
 from runtime.models.lm.tool_calls import CallText, ToolFormat, ToolPrompt
-from runtime.worker import DeviceWorker, Priority
+from runtime.worker import DeviceWorker, Priority, Together
 
 
 class OnWorker:
@@ -38,6 +38,8 @@ class OnWorker:
 
     def __init__(self, backend: AnswerBackend, worker: DeviceWorker, stream: LMStream | None = None) -> None:
         self.backend, self.worker, self.stream = backend, worker, stream
+        # a backend whose answers' steps share forwards (the engine's): each step goes through it
+        self.together: Together[Answer, AnswerStep] | None = getattr(backend, "step_together", None)
         self.prepared_used = 0  # starts that found their answer prepared
         self.prepared_dropped = 0
         self._prepared: tuple[AnswerRequest, asyncio.Task[Answer]] | None = None
@@ -78,7 +80,7 @@ class OnWorker:
                 pass
             else:
                 self.prepared_used += 1
-                return WorkerAnswer(answer, self.worker)
+                return WorkerAnswer(answer, self.worker, together=self.together)
         self.drop_prepared()
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
@@ -89,16 +91,17 @@ class OnWorker:
             answer = await self.worker.run(Priority.PREFILL, self.backend.start, context, request.question,
                                            stream=self.stream, max_tokens=request.max_tokens,
                                            tools=ToolPrompt(use, request.calls))
-            return WorkerAnswer(answer, self.worker, call_text=CallText(fmt))
+            return WorkerAnswer(answer, self.worker, call_text=CallText(fmt), together=self.together)
         if not use.active or (use.forced is None and use.choice != "required"):
             answer = await self._open(request.context, request.question, request.max_tokens)
-            return WorkerAnswer(answer, self.worker)
+            return WorkerAnswer(answer, self.worker, together=self.together)
         name = use.forced or await self._choose(request, use)
         tool = use.tool(name)  # only the function called is described: the question's token budget is small
         question = (f"{request.question}\n\n{tools_prompt(ToolUse((tool,)))}\n"
                     f"Call {name}: write its arguments as one JSON object.")
         answer = await self._open(request.context, question, request.max_tokens, schema=arguments_schema(tool))
-        return WorkerAnswer(answer, self.worker, call=CallDelta(0, new_id("call"), name, ""))
+        return WorkerAnswer(answer, self.worker, call=CallDelta(0, new_id("call"), name, ""),
+                            together=self.together)
 
     async def _open(self, context: str, question: str, max_tokens: int | None,
                     schema: dict[str, object] | None = None) -> Answer:
@@ -114,7 +117,7 @@ class OnWorker:
         # a name may take a token a character; its quotes and the end two more
         longest = max(len(t.name) for t in use.tools)
         answer = await self._open(request.context, question, longest + 4, schema=names_schema(use))
-        running = WorkerAnswer(answer, self.worker)
+        running = WorkerAnswer(answer, self.worker, together=self.together)
         text = ""
         try:
             while not (step := await running.step()).done:
@@ -140,13 +143,17 @@ class WorkerAnswer:
     call: CallDelta | None = None
     closed: bool = False
     call_text: CallText | None = None  # a tool-taking template's answer: text, or a call if it opens with one
+    together: Together[Answer, AnswerStep] | None = None  # its backend's steps of several answers in one forward
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.answer.prompt_ids)
 
     async def step(self) -> Step:
-        step: AnswerStep = await self.worker.run(Priority.DECODE, self.answer.step)
+        if self.together is not None:
+            step: AnswerStep = await self.worker.run_together(Priority.DECODE, self.together, self.answer)
+        else:
+            step = await self.worker.run(Priority.DECODE, self.answer.step)
         parse = self.call_text
         # a call's first token is the opener (the constraint forbids it anywhere else): any other start is text
         if (parse is not None and self.call is None and (parse.text or step.delta)

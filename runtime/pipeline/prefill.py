@@ -36,6 +36,7 @@ class ContextPrefiller:
         self.selected: list[tuple[float, float]] = []  # segments the last question selected (media spans)
         self.question: str | None = None  # while one is answered, background rounds keep its selection
         self._round = asyncio.Lock()
+        self._asking = 0  # questions waiting for a round
 
     @property
     def sees_video(self) -> bool:
@@ -52,20 +53,30 @@ class ContextPrefiller:
         self.question = None
         self.changes.mark()
 
+    @property
+    def priority(self) -> Priority:
+        """A round's jobs wait behind the decode steps of answers in flight (`Priority.CONTEXT`: in a server, other
+        sessions' answers), unless a question waits for the round: then they go ahead of them (`PREFILL`)."""
+        return Priority.PREFILL if self._asking else Priority.CONTEXT
+
     async def catch_up(self, question: str | None = None) -> None:
         """Prefill the current context fully (also called right before answering, with the question, which
         then selects the memory until `end_question`)."""
-        async with self._round:
-            if question is not None:
-                self.question = question
-            suffix = await self.worker.run(Priority.PREFILL, self._suffix, self.question) if self.video else None
-            text = self.transcript.context()
-            if suffix is None:  # a stream without video takes the transcript alone (LMStream's contract)
-                await self.worker.run(Priority.PREFILL, self.stream.set_context, text)
-            else:  # (tokenising the new context is model work too: on the worker)
-                await self.worker.run(Priority.PREFILL, self.stream.set_context, text, suffix)
-            while n := await self.worker.run(Priority.PREFILL, self.stream.prefill_step):
-                self.prefilled_tokens += n
+        self._asking += question is not None
+        try:
+            async with self._round:
+                if question is not None:
+                    self.question = question
+                suffix = await self.worker.run(self.priority, self._suffix, self.question) if self.video else None
+                text = self.transcript.context()
+                if suffix is None:  # a stream without video takes the transcript alone (LMStream's contract)
+                    await self.worker.run(self.priority, self.stream.set_context, text)
+                else:  # (tokenising the new context is model work too: on the worker)
+                    await self.worker.run(self.priority, self.stream.set_context, text, suffix)
+                while n := await self.worker.run(self.priority, self.stream.prefill_step):
+                    self.prefilled_tokens += n
+        finally:
+            self._asking -= question is not None
 
     def _suffix(self, question: str | None) -> list[Piece] | None:
         """On the worker: the memory suffix from a fresh snapshot; a question selects its segments."""

@@ -11,8 +11,10 @@ the draft depth adapts to measured time and drafts decide which random numbers a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
@@ -21,13 +23,13 @@ from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, Jso
 from runtime.models.lm.drafter_choice import make_drafter
 from runtime.models.lm.drafters import MODEL_DRAFTERS, Drafter
 from runtime.models.lm.engine import LMEngine
-from runtime.models.lm.engine_session import EngineSession
+from runtime.models.lm.engine_session import EngineSession, score_together
 from runtime.models.lm.json_constraint import JsonGrammars
 from runtime.models.lm.layer_skip import layer_skip_view
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.prompt import Tools
-from runtime.models.lm.sampling import Sampler, StopRule
-from runtime.models.lm.speculative import SpeculativeDecoder
+from runtime.models.lm.sampling import Sampler, StopRule, argmax_rows
+from runtime.models.lm.speculative import SpeculativeDecoder, StepCosts, Tree
 from runtime.models.lm.tool_calls import (
     ToolCallConstraint,
     ToolFormat,
@@ -46,6 +48,7 @@ class StreamLM:
     session: EngineSession
     drafter: Drafter | None
     draft_session: EngineSession | None = None
+    costs: StepCosts = field(default_factory=StepCosts)  # its answers' measured step costs (the depth's price)
 
     def set_context(self, text: str, suffix: Sequence[Piece] | None = None) -> None:
         """The transcript and (when given) the video-memory suffix; the draft model, whose embeddings are not
@@ -82,15 +85,32 @@ class EngineAnswer:
     done: bool = False
     released: bool = False
     on_release: Callable[[StreamLM], None] | None = None  # a pooled stream goes back to its pool
+    open_answers: list[EngineAnswer] | None = None  # its answerer's open answers: it leaves them at release
+    ahead: AnswerStep | Exception | None = None  # a step decoded beside another answer's, before this one asked
 
     def step(self) -> AnswerStep:
-        """One target forward (the first call only streams the token the prompt's forward chose)."""
+        """One target forward (the first call only streams the token the prompt's forward chose; a step decoded
+        ahead is returned at once)."""
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            if isinstance(ahead, Exception):
+                raise ahead
+            return ahead
         if self.done:
             return AnswerStep("", True, self.text.finish_reason, 0)
         if self.first is not None:
             tokens, self.first = [self.first], None
         else:
             tokens = self.decoder.step(self.text.room())
+        return self._emit(tokens)
+
+    @property
+    def needs_forward(self) -> bool:
+        """Whether its next step is a forward that `EngineAnswerer.step_together` may share with others'."""
+        return (self.ahead is None and not self.done and self.first is None
+                and self.stream.session.scores_together)
+
+    def _emit(self, tokens: list[int]) -> AnswerStep:
         step = self.text.take(tokens)
         if step.done:
             self.release()
@@ -109,6 +129,8 @@ class EngineAnswer:
                 self.stream.draft_session.end_answer()
             if self.on_release is not None:
                 self.on_release(self.stream)
+            if self.open_answers is not None and self in self.open_answers:
+                self.open_answers.remove(self)
         self.done = True
 
     def stats(self) -> DecodingStats:
@@ -124,6 +146,7 @@ class EngineAnswerer:
         self.sampler = Sampler(self.cfg.temperature, self.cfg.top_p)
         self.eos_ids = frozenset(engine.eos_ids)
         self._idle: list[StreamLM] = []
+        self._open: list[EngineAnswer] = []  # started, not released (touched on the worker only)
         self._grammars: JsonGrammars | None = None  # built on the first schema: plain answers never import it
         # read at load (on the worker): the pipeline asks for it on the event loop, and rendering takes ~0.1 s
         self._tool_format = tool_format(self.tokenizer)
@@ -236,15 +259,77 @@ class EngineAnswerer:
                                    draft_fed=lm.draft_session.answer_ids(), generator=generator)
         decoder = SpeculativeDecoder(lm.session, drafter, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                      max_draft_tokens=self.cfg.max_draft_tokens, generator=generator,
-                                     stop_ids=self.eos_ids, constraint=constraint)
+                                     stop_ids=self.eos_ids, constraint=constraint, costs=lm.costs)
         prompt = lm.session.answer_ids()
         first = decoder.start(lm.session.next_logits(), prompt)
         cache = lm.session.cache
         text = AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens),
                                                    self.cfg.stop_repeats), framing=schema is None)
-        return EngineAnswer(lm, decoder, text,
-                            prompt, max(0, cache.source_len - cache.sink), cache.evicted > 0, first=first,
-                            on_release=self._pool if pooled else None)
+        answer = EngineAnswer(lm, decoder, text, prompt, max(0, cache.source_len - cache.sink), cache.evicted > 0,
+                              first=first, on_release=self._pool if pooled else None, open_answers=self._open)
+        self._open.append(answer)
+        return answer
+
+    def step_together(self, asking: Sequence[EngineAnswer]) -> list[AnswerStep | Exception]:
+        """`step()` for each answer in `asking`, their forwards in one (`engine_session.score_together`), and every
+        other open answer of this answerer stepped in the same forward, its step kept (`ahead`) until it asks. Why
+        the others: each answer asks for its next step only when its last one has reached the pipeline, and two
+        answers asking in turns would never meet on the worker; stepped ahead, the one that asks later finds its
+        step done. Only when one of `asking` needs a forward does any other answer get a step, and at most one
+        ahead. A step's error is that answer's result (raised when it asks); the others go on."""
+        results: dict[int, AnswerStep | Exception] = {}
+        shared: list[tuple[EngineAnswer, Tree]] = []
+        for answer in asking:
+            if answer.needs_forward and answer not in [a for a, _ in shared]:
+                self._plan(answer, shared, results)
+            elif id(answer) not in results:
+                results[id(answer)] = _attempt(answer.step)
+        others = [a for a in self._open if a.needs_forward and all(a is not b for b in asking)] if shared else []
+        for other in others:
+            self._plan(other, shared, results)
+        if len(shared) == 1:  # alone: the session's own scoring (its compiled or fixed-form step where it has one)
+            answer, tree = shared[0]
+            started = time.perf_counter()
+            logits = _attempt(lambda: answer.stream.session.score(tree.tokens, tree.parents))
+            self._finish(answer, tree, logits, time.perf_counter() - started, results)
+        elif shared:
+            started = time.perf_counter()
+            batch = _attempt(lambda: score_together([(a.stream.session, t.tokens, t.parents) for a, t in shared]))
+            took = time.perf_counter() - started
+            for i, (answer, tree) in enumerate(shared):
+                self._finish(answer, tree, batch if isinstance(batch, Exception) else batch[i], took, results)
+        for other in others:  # (one that finished was released meanwhile: it keeps its last step all the same)
+            other.ahead = results[id(other)]
+        return [results[id(a)] for a in asking]
+
+    @staticmethod
+    def _plan(answer: EngineAnswer, shared: list[tuple[EngineAnswer, Tree]],
+              results: dict[int, AnswerStep | Exception]) -> None:
+        planned = _attempt(lambda: answer.decoder.plan(answer.text.room()))
+        if isinstance(planned, Tree):
+            shared.append((answer, planned))
+        else:
+            results[id(answer)] = planned if isinstance(planned, Exception) else _attempt(lambda: answer._emit(planned))
+
+    @staticmethod
+    def _finish(answer: EngineAnswer, tree: Tree, logits: torch.Tensor | Exception, verify_s: float,
+                results: dict[int, AnswerStep | Exception]) -> None:
+        if isinstance(logits, Exception):
+            results[id(answer)] = logits
+            return
+        results[id(answer)] = _attempt(
+            lambda: answer._emit(answer.decoder.finish(tree, logits, argmax_rows(logits), verify_s)))
 
     def embed_text(self, text: str) -> torch.Tensor | None:
         return self.engine.embed_text(text)
+
+
+R = TypeVar("R")
+
+
+def _attempt(fn: Callable[[], R]) -> R | Exception:
+    """`fn()`, or the exception it raised: one answer's failed step is its own result, not its neighbours'."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - returned to the answer that asked, raised there
+        return err

@@ -20,7 +20,7 @@ from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.pieces import Piece, visual_id
 from runtime.models.lm.prompt import EMPTY_CONTEXT, Messages, Tools
 from runtime.models.lm.source_tokens import SourceTokens
-from runtime.models.lm.transformer import Transformer
+from runtime.models.lm.transformer import CachedPart, Transformer
 
 if TYPE_CHECKING:  # imported at run time only on CUDA, by `EngineSession._decode_graph`
     from runtime.models.lm.cuda_graph import DecodeGraph
@@ -309,6 +309,13 @@ class EngineSession:
         self._tree = (list(tokens), logits)
         return logits
 
+    @property
+    def scores_together(self) -> bool:
+        """Whether `score_together` may score this session's trees beside other sessions' of its engine: on the CPU
+        (on CUDA a session's step is its own recorded graph). A compiled step scores one session: trees scored
+        together run eagerly, which two sessions' steps in one read of the weights repay."""
+        return self.cache.k.device.type == "cpu"
+
     def _decode_graph(self) -> DecodeGraph | None:
         """This session's recorded one-token step, on CUDA with `lm.cuda_graphs` (made on first use)."""
         if self._graph is None and self.engine.cfg.cuda_graphs and self.cache.k.device.type == "cuda":
@@ -340,3 +347,34 @@ class EngineSession:
         """Drop the target group; source tokens that arrived meanwhile become visible to the next answer."""
         self.cache.end_target()
         self._answer_prefix, self._target, self._next, self._tree = [], [], None, None
+
+
+@torch.inference_mode()
+def score_together(trees: Sequence[tuple[EngineSession, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+    """`score` for several sessions of one engine (each `scores_together`) in one forward: (session, tokens,
+    parents) in, each session's logits [n, vocab] out, every session left as its own `score` leaves it (`commit`
+    next). Why: a decode step reads every weight, and on a CPU that read is the step's cost; two sessions' steps in
+    one forward cost little more than one (`Transformer.forward_many`), so a server answering two conversations at
+    once does not take turns. With the runtime's int8/int4 kernels each row's logits are bitwise those of the
+    session's own `score`, so greedy answers are the same tokens (tested)."""
+    if not trees:
+        return []
+    engine = trees[0][0].engine
+    for session, tokens, parents in trees:  # every check before any cache changes
+        if session.engine is not engine or not session.scores_together:
+            raise ValueError("score_together takes sessions of one engine, on the CPU")
+        if not session.cache.answering:
+            raise RuntimeError("no open answer: begin_answer() first")
+        if len(tokens) != len(parents) or not tokens or min(tokens) < 0:
+            raise ValueError("a tree of plain tokens, one parent each")
+    if len({id(session) for session, _, _ in trees}) < len(trees):
+        raise ValueError("one tree per session")
+    parts = []
+    for session, tokens, parents in trees:
+        attend = session.cache.score_tree(parents)
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=session.cache.k.device)
+        parts.append(CachedPart(ids, attend.q_pos, attend.k_pos, attend.mask, session.cache.buffers, attend.slot))
+    logits = engine.model.forward_many(parts)
+    for (session, tokens, _), rows in zip(trees, logits, strict=True):
+        session._tree = (list(tokens), rows)
+    return logits

@@ -18,6 +18,8 @@ SwiGLU MLP), so in float32 our logits equal the reference model's to ~1e-6.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,17 @@ CacheBuffers = tuple[Tensor, Tensor, Tensor, Tensor]  # K, V, rotated K [layers,
 KV = tuple[Tensor, Tensor, Tensor]  # one layer's K, V, rotated K [kv_heads, slots, head_dim]
 Rope = tuple[Tensor, Tensor]  # cos, sin [n, head_dim]
 Rotate = tuple[slice | Tensor, Tensor, Tensor] | None  # slots to (re)rotate from K, their cos/sin [m, d]
+
+
+class CachedPart(NamedTuple):
+    """One session's part of `Transformer.forward_many`: what `forward` takes for a cached forward."""
+
+    tokens: Tensor  # [n]
+    q_pos: Tensor  # [n]
+    k_pos: Tensor  # [slots attended]
+    mask: Tensor  # [n, slots attended]
+    cache: CacheBuffers
+    slot: int
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -133,8 +146,15 @@ class Attention(nn.Module):
         Without a cache the new tokens attend to themselves only (the reference forward). Query heads sharing a
         K/V head are folded into the query length (one SDPA over [kv_heads, group * n] queries), with `mask`
         already repeated per group."""
-        n, h, kv = x.shape[0], self.n_heads, self.n_kv
-        qkv = linear(x, self.qkv_proj).view(n, h + 2 * kv, self.head_dim)
+        return linear(self.attend(linear(x, self.qkv_proj), rope_q, mask, cache, slot, rotate), self.o_proj)
+
+    def attend(self, qkv: Tensor, rope_q: Rope, mask: Mask, cache: KV | None, slot: int | Tensor,
+               rotate: Rotate) -> Tensor:
+        """`forward` between its two projections: the fused q/k/v rows [n, q + 2 kv] of the new tokens in, their
+        attention output [n, q_size] out (`Transformer.forward_many` projects several sessions' rows at once and
+        attends each over its own cache)."""
+        n, h, kv = qkv.shape[0], self.n_heads, self.n_kv
+        qkv = qkv.view(n, h + 2 * kv, self.head_dim)
         qk = apply_rope(qkv[:, : h + kv], *rope_q).transpose(0, 1)  # [heads + kv_heads, n, d]
         q, k, v = qk[:h], qk[h:], qkv[:, h + kv :].transpose(0, 1)
         if cache is not None:
@@ -152,15 +172,14 @@ class Attention(nn.Module):
                     else mask.mask.shape[-1] if isinstance(mask, KernelKeys) else mask.shape[-1])
             k, v = kr.narrow(1, 0, size), cv.narrow(1, 0, size)
             if isinstance(mask, KernelKeys):  # every token alone, in one call: [n, heads, d]
-                out = cpu_kernels.attend(q.transpose(0, 1), k, v, mask.mask, self.scale)
-                return linear(out.reshape(n, self.q_size), self.o_proj)
+                return cpu_kernels.attend(q.transpose(0, 1), k, v, mask.mask, self.scale).reshape(n, self.q_size)
         q = q.reshape(kv, -1, self.head_dim)  # [kv_heads, group * n, d]: a view when n == 1
         if isinstance(mask, TokenKeys):  # verification: each token as its own decode step would see it
             out = attention_by_token(q, k, v, mask, self.scale)
         else:
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=self.scale,
                                                  attn_mask=None if isinstance(mask, int) else mask)[0]
-        return linear(out.reshape(h, n, self.head_dim).transpose(0, 1).reshape(n, self.q_size), self.o_proj)
+        return out.reshape(h, n, self.head_dim).transpose(0, 1).reshape(n, self.q_size)
 
 
 class MLP(nn.Module):
@@ -282,26 +301,16 @@ class Transformer(nn.Module):
         KV of one prefill."""
         tokens = tokens.reshape(-1)
         n = tokens.shape[0]
-        cos, sin = self.rope(q_pos)
-        rope_q = cos[:, None], sin[:, None]  # [n, 1, d]: queries and keys are rotated as [n, heads, d]
-        rotate: Rotate = None
         if cache is None:
-            if mask is None:
-                mask = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+            cos, sin = self.rope(q_pos)
+            rope_q, rotate = (cos[:, None], sin[:, None]), None
+            attend: Mask = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril() if mask is None else mask
+            if self.args.num_heads > self.args.num_kv_heads and n > 1:
+                attend = attend.repeat(self.args.num_heads // self.args.num_kv_heads, 1)
         elif k_pos is None or mask is None:
             raise ValueError("a cached forward needs k_pos and mask")
         else:
-            rotate = self._rotation(cache[3], q_pos, k_pos, slot)
-        attend: Mask = mask
-        if cache is not None and self.kernel_attention:  # each token alone in one call: no host sync for a mask
-            attend = KernelKeys(mask)
-        elif cache is not None and n == 1 and bool(mask.all()):  # a decode step that sees every slot: no mask
-            attend = mask.shape[-1]
-        elif cache is not None and by_token:
-            attend = token_keys(mask)
-        group = self.args.num_heads // self.args.num_kv_heads
-        if isinstance(attend, Tensor) and group > 1 and n > 1:
-            attend = attend.repeat(group, 1)  # query rows are [group, n] per K/V head (see Attention.forward)
+            rope_q, attend, rotate = self._cached_inputs(n, q_pos, k_pos, mask, cache, slot, by_token)
         x = self.model.embed_tokens(tokens) if embeds is None else embeds.to(self.dtype).reshape(n, -1)
         per_layer = [None] * len(self.model.layers) if cache is None else layer_views(cache)
         for layer, layer_cache in zip(self.model.layers, per_layer, strict=True):
@@ -311,6 +320,48 @@ class Transformer(nn.Module):
         if not head:
             return x
         return linear(self.model.norm.forward(x), self.lm_head).float()
+
+    def _cached_inputs(self, n: int, q_pos: Tensor, k_pos: Tensor, mask: Tensor, cache: CacheBuffers, slot: int,
+                       by_token: bool) -> tuple[Rope, Mask, Rotate]:
+        """What a cached forward's layers take for its n new tokens: their RoPE (cos/sin [n, 1, d]: queries and keys
+        are rotated as [n, heads, d]), the mask in the form the attention call wants, and the slots to re-rotate."""
+        cos, sin = self.rope(q_pos)
+        rotate = self._rotation(cache[3], q_pos, k_pos, slot)
+        attend: Mask = mask
+        if self.kernel_attention:  # each token alone in one call: no host sync for a mask
+            attend = KernelKeys(mask)
+        elif n == 1 and bool(mask.all()):  # a decode step that sees every slot: no mask
+            attend = mask.shape[-1]
+        elif by_token:
+            attend = token_keys(mask)
+        group = self.args.num_heads // self.args.num_kv_heads
+        if isinstance(attend, Tensor) and group > 1 and n > 1:
+            attend = attend.repeat(group, 1)  # query rows are [group, n] per K/V head (see Attention.forward)
+        return (cos[:, None], sin[:, None]), attend, rotate
+
+    @torch.inference_mode()
+    def forward_many(self, parts: Sequence[CachedPart]) -> list[Tensor]:
+        """Several cached forwards in one: each part is another session's new tokens over its own cache (as
+        `forward` takes them, `by_token`). The projections and the MLP run once over every part's rows, so the
+        weights are read once for all of them (a decode step is bound by that read: two sessions' steps cost little
+        more than one); each part attends over its own cache. Returns each part's float32 logits [n_i, vocab]. With
+        row-independent matmuls (the runtime's int8/int4 kernels) every row is bitwise what `forward` gives it."""
+        inputs = [self._cached_inputs(p.tokens.shape[0], p.q_pos, p.k_pos, p.mask, p.cache, p.slot, True)
+                  for p in parts]
+        bounds = [0]
+        for p in parts:
+            bounds.append(bounds[-1] + p.tokens.shape[0])
+        x = self.model.embed_tokens(torch.cat([p.tokens.reshape(-1) for p in parts]))
+        views = [layer_views(p.cache) for p in parts]
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            qkv = linear(layer.input_layernorm.forward(x), attn.qkv_proj)
+            out = torch.cat([attn.attend(qkv[bounds[j] : bounds[j + 1]], rope_q, attend, views[j][i], p.slot, rotate)
+                             for j, (p, (rope_q, attend, rotate)) in enumerate(zip(parts, inputs, strict=True))])
+            x = x + linear(out, attn.o_proj)
+            x = x + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+        logits = linear(self.model.norm.forward(x), self.lm_head).float()
+        return [logits[bounds[j] : bounds[j + 1]] for j in range(len(parts))]
 
     @torch.inference_mode()
     def forward_fixed(self, tokens: Tensor, rope_q: Rope, mask: Tensor, cache: CacheBuffers, slot: Tensor) -> Tensor:
