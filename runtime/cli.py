@@ -182,7 +182,7 @@ def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[De
                        "noise; for real models offline run with the default profile, --profile demo (runtime "
                        "profiles lists them)")
     require_device(profile.device)
-    worker = DeviceWorker(max_pending=profile.pipeline.worker_queue).start()
+    worker = DeviceWorker(max_pending=profile.pipeline.worker_queue, threads=profile.pipeline.worker_threads).start()
     started = time.perf_counter()
     try:
         models = load_models(profile, worker, progress=console.status, answers=answers)

@@ -200,6 +200,9 @@ class PipelineConfig:
     question_queue: int = 8  # bounded; a full queue rejects the question with an error event
     event_queue: int = 1024  # bounded; a full queue slows the processors (events are never dropped)
     worker_queue: int = 64  # bounded per process; submitters wait for a slot
+    # The device worker's threads (worker.py): 1 runs every model job in turn; 2 runs ASR and turn detection on a
+    # second thread beside the language model's prefill and decode steps and the voice.
+    worker_threads: int = 2
     metrics_interval_s: float = 1.0  # wall seconds between metrics events (0 = only at the end)
     # Turn detection a session starts with (a client's session.update may change it): "server_vad" (Silero VAD),
     # "semantic_vad" (Smart Turn judges each pause) or "none" (one item until the client commits). It splits live
@@ -372,6 +375,8 @@ def validate(profile: Profile) -> Profile:
         raise ConfigError(f"device {profile.device!r} is not cpu, cuda[:N] or mps")
     if profile.threads < 0:
         raise ConfigError("threads must be >= 0 (0 = one per core but one)")
+    if profile.pipeline.worker_threads not in (1, 2):
+        raise ConfigError(f"pipeline.worker_threads must be 1 or 2, not {profile.pipeline.worker_threads}")
     if profile.video.fps <= 0:
         raise ConfigError("video.fps must be > 0")
     if profile.video.memory:

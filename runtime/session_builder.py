@@ -81,12 +81,12 @@ async def open_session(profile: Profile, models: Models, worker: DeviceWorker, *
         video_memory = VideoMemory(memory_sizes(profile), models.vision.dim, device=profile.device,
                                    dtype=models.vision.dtype)
 
-    asr_stream = await worker.run(Priority.CONTROL, models.asr.open_stream)
+    asr_stream = await worker.run(Priority.ASR, models.asr.open_stream)  # (the ASR's thread: module doc)
     try:
         lm_stream = await worker.run(Priority.CONTROL, models.answerer.open_stream)
     except BaseException:
         with contextlib.suppress(Exception):
-            await worker.run(Priority.CONTROL, asr_stream.close)
+            await worker.run(Priority.ASR, asr_stream.close)
         raise
 
     prefiller = notes = None

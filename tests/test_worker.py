@@ -78,3 +78,20 @@ def test_stopped_worker_refuses_work():
     assert not worker.thread.is_alive()
     with pytest.raises(WorkerStopped):
         worker.submit(Priority.ASR, print)
+
+
+def test_with_two_threads_asr_runs_beside_a_long_language_model_job() -> None:
+    """`threads=2`: ASR (`LISTENING`) has its own thread, so a long prefill does not hold it back; every other
+    priority (the voice's included) stays on the first thread, in order."""
+    gate = threading.Event()
+    with DeviceWorker(threads=2) as worker:
+        held = worker.submit(Priority.PREFILL, gate.wait, 5)
+        assert worker.submit(Priority.ASR, threading.current_thread).result(5) is worker.threads[1]
+        assert not held.done()  # it ran while the prefill still held the first thread
+        speech = worker.submit(Priority.SPEECH, threading.current_thread)
+        gate.set()
+        assert held.result(5) is True and speech.result(5) is worker.threads[0] is worker.thread
+        assert worker.submit(Priority.DECODE, threading.current_thread).result(5) is worker.threads[0]
+    assert not any(t.is_alive() for t in worker.threads)
+    with pytest.raises(ValueError, match="1 or 2 threads"):
+        DeviceWorker(threads=3)

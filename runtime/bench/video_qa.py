@@ -195,7 +195,7 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     folder = default_cache_dir() / "video-qa"
     status(f"rendering {len(talks)} talk(s) into {folder} (once) ...")
     paths = [talk_video(t, folder) for t in talks]
-    worker = DeviceWorker(max_pending=profile.pipeline.worker_queue).start()
+    worker = DeviceWorker(max_pending=profile.pipeline.worker_queue, threads=profile.pipeline.worker_threads).start()
     try:
         models = load_models(profile, worker, progress=status)
         tokenizer = getattr(models.answerer, "tokenizer", None)

@@ -154,11 +154,11 @@ class AudioProcessor:
         for stream in streams:
             if stream is not None:
                 with contextlib.suppress(Exception):
-                    await self.worker.run(Priority.CONTROL, stream.close)
+                    await self.worker.run(Priority.ASR, stream.close)
 
     async def _accept(self, chunk: AudioChunk) -> None:
         if self.stream is None:
-            self.stream, self._spare = self._spare or await self.worker.run(Priority.CONTROL, self.open_asr), None
+            self.stream, self._spare = self._spare or await self.worker.run(Priority.ASR, self.open_asr), None
             self.buffer = BufferTranscript(new_id("item"), chunk.start)
             self._listened_from_open = self.turns is not None and self.turns.listening()
             self.buffer_samples = 0
@@ -190,7 +190,7 @@ class AudioProcessor:
         speech = self.speech() if self.speech is not None else None
         if speech is not None:
             try:
-                await self.worker.run(Priority.CONTROL, stream.set_speech, speech)
+                await self.worker.run(Priority.ASR, stream.set_speech, speech)
             except ConfigError as err:
                 field = "language" if speech.language not in ("", "en") else "task"  # the first checked
                 await self.emit(error_event(str(err), code="invalid_value", type="invalid_request_error",
@@ -199,7 +199,7 @@ class AudioProcessor:
         if not previous and not vocabulary:
             return
         try:
-            await self.worker.run(Priority.CONTROL, stream.set_context, previous, vocabulary)
+            await self.worker.run(Priority.ASR, stream.set_context, previous, vocabulary)
         except Exception as err:  # the turn is heard without context rather than not at all
             log.exception("ASR context failed")
             await self.emit(error_event(f"speech recognition context failed: {err}", code="asr_failed",
@@ -410,6 +410,6 @@ class AudioProcessor:
         self.heard_speech, self._held, self._flowing, self._turn_began = False, None, False, False
         if stream is not None:
             with contextlib.suppress(Exception):
-                await self.worker.run(Priority.CONTROL, stream.close)
+                await self.worker.run(Priority.ASR, stream.close)
         if self.turns is not None:
             self.turns.reset(round(at * SAMPLE_RATE))
