@@ -22,7 +22,7 @@ KERNELS = pytest.mark.skipif(not cpu_kernels.available(), reason="the runtime's 
 
 
 def make(drafter: str = "none", **cfg: object) -> EngineAnswerer:
-    lm = LMConfig(backend="engine", max_new_tokens=N, prefill_chunk_tokens=16, drafter=drafter, **cfg)
+    lm = LMConfig(backend="engine", max_new_tokens=N, prefill_chunk_tokens=16, drafter=drafter, compile="off", **cfg)
     answerer = load_answerer(lm, device="cpu", dtype="float32")
     assert isinstance(answerer, EngineAnswerer)
     return answerer
