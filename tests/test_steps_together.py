@@ -18,7 +18,12 @@ from runtime.models.lm.engine_answerer import EngineAnswer, EngineAnswerer
 from runtime.models.lm.engine_session import score_together
 from runtime.worker import DeviceWorker, Priority
 
-KERNELS = pytest.mark.skipif(not cpu_kernels.available(), reason="the runtime's CPU kernels do not build here")
+
+def needs_kernels() -> None:
+    """Asked inside the tests, not at collection: the first asker builds the kernels (about a minute in a fresh
+    cache), and a collection that built them would hold back every test of its worker."""
+    if not cpu_kernels.available():
+        pytest.skip("the runtime's CPU kernels do not build here")
 
 
 def make(drafter: str = "none", **cfg: object) -> EngineAnswerer:
@@ -47,9 +52,9 @@ def together(answerer: EngineAnswerer, prompts: list[tuple[str, str]]) -> list[E
     return answers
 
 
-@KERNELS
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_trees_of_several_sessions_in_one_forward_are_bitwise_their_own(weights: str) -> None:
+    needs_kernels()
     answerer = make(weights=weights, kernels="runtime")
     sessions = [answerer.open_stream().session for _ in range(3)]
     trees = [([11, 12, 13, 14], [-1, 0, 0, 1]), ([21], [-1]), ([31, 32, 33], [-1, 0, 1])]
@@ -87,8 +92,8 @@ def test_score_together_refuses_two_engines_and_two_trees_of_one_session() -> No
 @pytest.mark.parametrize("drafter", ["none", "auto", "trigram"])
 @pytest.mark.parametrize("weights", ["int4", "float"])
 def test_answers_stepped_together_are_the_tokens_each_decodes_alone(drafter: str, weights: str) -> None:
-    if weights == "int4" and not cpu_kernels.available():
-        pytest.skip("the runtime's CPU kernels do not build here")
+    if weights == "int4":
+        needs_kernels()
     cfg = {"weights": "int4", "kernels": "runtime"} if weights == "int4" else {}
     answerer = make(drafter, **cfg)
     prompts = PROMPTS[1:]

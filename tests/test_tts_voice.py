@@ -81,8 +81,11 @@ def test_it_speaks_at_its_rate_and_pace(voice: Voice) -> None:
     normal = voice.synthesize(text)
     assert normal.samples.dtype == np.float32 and normal.sample_rate == 22050
     assert 2.0 < normal.duration_s < 6.0 and np.max(np.abs(normal.samples)) <= 1.0
-    fast = voice.synthesize(text, speed=1.5)
-    assert 0.55 < fast.duration_s / normal.duration_s < 0.8  # length scale / 1.5, give or take VITS's noise
+    # length scale / 1.5, give or take VITS's noise (its durations are drawn: one pair once came out at 0.803, so
+    # the means of three of each are compared)
+    normal_s = (normal.duration_s + sum(voice.synthesize(text).duration_s for _ in range(2))) / 3
+    fast_s = sum(voice.synthesize(text, speed=1.5).duration_s for _ in range(3)) / 3
+    assert 0.55 < fast_s / normal_s < 0.8
     with pytest.raises(ValueError, match="speed"):
         voice.synthesize(text, speed=3.0)
     assert len(voice.synthesize("").samples) == 0 and len(voice.synthesize(" \n ").samples) == 0

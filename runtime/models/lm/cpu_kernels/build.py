@@ -51,12 +51,13 @@ def load_library() -> Path:
     folder = build_dir()
     name = f"runtime_cpu_kernels_{folder.name[:16]}"
     library = folder / f"{name}.so"
-    if not library.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with _locked(folder / ".lock"):  # processes starting together (test workers) build once
-            if not library.exists():
-                _build(name, folder)
-                return library  # cpp_extension.load has loaded it into this process already
+    folder.mkdir(parents=True, exist_ok=True)
+    # Looked for under the lock: processes starting together (test workers) build once, and none loads the file
+    # while another is still writing it (it exists from the linker's first write: "file too short").
+    with _locked(folder / ".lock"):
+        if not library.exists():
+            _build(name, folder)
+            return library  # cpp_extension.load has loaded it into this process already
     try:
         torch.ops.load_library(str(library))
     except OSError as err:
