@@ -165,3 +165,20 @@ def test_run_together_awaits_on_the_loop() -> None:
                                                for i in range(4))))
 
     assert asyncio.run(main()) == [1, 2, 3, 4]
+
+
+def test_trees_that_share_a_forward_share_its_size() -> None:
+    """Two answers stepped together draft at most half the depth each: the forward stays about one deep tree's rows."""
+    answerer = make("ngram")
+    prompt = ("one two three four five six seven eight nine ten " * 6, "Count on.")
+    first, second = answerer.start(*prompt), answerer.start(*prompt)
+    answerer.step_together([first, second])  # the chosen first tokens
+    depths = []
+    for _ in range(4):
+        answerer.step_together([first, second])
+        depths += [first.decoder.stats.k, second.decoder.stats.k]
+    assert max(depths) <= answerer.cfg.max_draft_tokens // 2 and max(depths) >= 1
+    alone = answerer.start(*prompt)
+    alone.step()
+    alone.step()
+    assert alone.decoder.stats.k > answerer.cfg.max_draft_tokens // 2  # alone, the copy drafts deeper

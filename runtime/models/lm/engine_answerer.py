@@ -279,14 +279,20 @@ class EngineAnswerer:
         ahead. A step's error is that answer's result (raised when it asks); the others go on."""
         results: dict[int, AnswerStep | Exception] = {}
         shared: list[tuple[EngineAnswer, Tree]] = []
+        forward = [a for a in asking if a.needs_forward]
+        others = [a for a in self._open if a.needs_forward and all(a is not b for b in asking)] if forward else []
+        # the trees share the forward's size: together about one deep tree's rows, where a CPU step is still bound
+        # by reading the weights rather than by the arithmetic (two nine-node trees at once cost the 1.5B 150 ms at
+        # one thread, a plain step 60)
+        depth = max(1, self.cfg.max_draft_tokens // (len(forward) + len(others))) if len(forward) + len(others) > 1 \
+            else None
         for answer in asking:
-            if answer.needs_forward and answer not in [a for a, _ in shared]:
-                self._plan(answer, shared, results)
-            elif id(answer) not in results:
+            if answer.needs_forward:
+                self._plan(answer, shared, results, depth)
+            else:
                 results[id(answer)] = _attempt(answer.step)
-        others = [a for a in self._open if a.needs_forward and all(a is not b for b in asking)] if shared else []
         for other in others:
-            self._plan(other, shared, results)
+            self._plan(other, shared, results, depth)
         if len(shared) == 1:  # alone: the session's own scoring (its compiled or fixed-form step where it has one)
             answer, tree = shared[0]
             started = time.perf_counter()
@@ -304,8 +310,8 @@ class EngineAnswerer:
 
     @staticmethod
     def _plan(answer: EngineAnswer, shared: list[tuple[EngineAnswer, Tree]],
-              results: dict[int, AnswerStep | Exception]) -> None:
-        planned = _attempt(lambda: answer.decoder.plan(answer.text.room()))
+              results: dict[int, AnswerStep | Exception], max_depth: int | None) -> None:
+        planned = _attempt(lambda: answer.decoder.plan(answer.text.room(), max_depth))
         if isinstance(planned, Tree):
             shared.append((answer, planned))
         else:

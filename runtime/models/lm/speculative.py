@@ -248,8 +248,8 @@ class SpeculativeDecoder:
             self.drafter.observe([self.context[-1]], [-1], first_logits[None])
         return self.pending
 
-    def _depth(self, max_tokens: int | None) -> int:
-        limit = self.max_draft_tokens
+    def _depth(self, max_tokens: int | None, max_depth: int | None = None) -> int:
+        limit = self.max_draft_tokens if max_depth is None else min(self.max_draft_tokens, max_depth)
         if max_tokens is not None:
             limit = min(limit, max_tokens - 1)
         if limit <= 0:
@@ -327,10 +327,11 @@ class SpeculativeDecoder:
         return self.finish(planned, logits, argmax, time.perf_counter() - t)
 
     @torch.inference_mode()
-    def plan(self, max_tokens: int | None = None) -> Tree | list[int]:
+    def plan(self, max_tokens: int | None = None, max_depth: int | None = None) -> Tree | list[int]:
         """A step's first half: the tree to score (drafted now), or the step's tokens when it needs no forward (a
         finished constraint: only its stop token may follow). `step` is `plan`, `target.score`, `finish`; a caller
-        that scores several answers' trees in one forward (`engine_session.score_together`) calls the halves."""
+        that scores several answers' trees in one forward (`engine_session.score_together`) calls the halves, and
+        may hold each tree to `max_depth` so that the forward stays about one deep tree's size."""
         if self.pending is None:
             raise RuntimeError("SpeculativeDecoder.step() before start()")
         if self.done:
@@ -341,7 +342,7 @@ class SpeculativeDecoder:
         if constraint is not None and constraint.finished:  # only the end may follow: no forward to learn it
             self.pending, self.done = constraint.stop, True
             return [constraint.stop]
-        k = self._depth(max_tokens)
+        k = self._depth(max_tokens, max_depth)
         t0 = time.perf_counter()
         tokens, parents, qs = self._draft(k)
         return Tree(k, tokens, parents, qs, time.perf_counter() - t0)
