@@ -125,7 +125,7 @@ def test_a_failing_step_is_that_answers_error_and_the_others_go_on() -> None:
     good, bad = answerer.start(*PROMPTS[1]), answerer.start(*PROMPTS[2])
     answerer.step_together([good, bad])
 
-    def broken(max_tokens: int | None = None) -> list[int]:
+    def broken(max_tokens: int | None = None, max_depth: int | None = None) -> list[int]:
         raise RuntimeError("broken drafter")
 
     bad.decoder.plan = broken  # type: ignore[method-assign]
