@@ -237,4 +237,6 @@ async def test_background_rounds_wait_behind_decode_steps_and_a_question_does_no
         await asyncio.sleep(0.05)
         gate.set()
         await asyncio.gather(asking, decode)
-        assert order[:2] == ["set", "decode"] and prefiller.priority == Priority.CONTEXT
+        # the question's job queued beside the decode step went first (what follows it races the step: each of the
+        # round's jobs is submitted when the one before it is done)
+        assert order[0] == "set" and "decode" in order and prefiller.priority == Priority.CONTEXT
