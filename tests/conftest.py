@@ -1,11 +1,15 @@
 """Test-wide settings: never touch the network, and build tiny models into one temporary cache that the
 CLI subprocesses share."""
 
+import asyncio
 import gc
 import os
 import shutil
 import signal
+import sys
 import tempfile
+import threading
+import warnings
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 # The run's cache: made by the first process (xdist's controller; its workers inherit it) and removed when that
@@ -93,6 +97,41 @@ if PHASE == "realtime":
     # `make test` starts this phase as a shell's background job, which begins with SIGINT ignored: restored, the
     # Makefile's `kill -INT` on an interrupted run stops the test under way and its fixtures stop their servers.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# a realtime test runs for seconds; one that has not ended by then is stuck
+REALTIME_TEST_LIMIT_S = float(os.environ.get("RUNTIME_REALTIME_TEST_LIMIT_S", "300"))
+
+
+@pytest.fixture(autouse=True)
+def stuck_realtime_test_says_where(request: pytest.FixtureRequest):
+    """A realtime test awaits servers, browsers and peers; one await that never completes would hold CI until its
+    90 minutes run out, and its thread stacks only show an idle event loop. Past the limit, every task of the running
+    loop prints its stack (what each was awaiting) and the tasks are cancelled: the test fails and says where."""
+    if request.node.get_closest_marker("realtime") is None:
+        yield
+        return
+
+    def dump_and_cancel() -> None:
+        with warnings.catch_warnings():  # (isinstance on every object wakes deprecated modules' warnings)
+            warnings.simplefilter("ignore")
+            loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+        for loop in loops:
+            def in_loop(loop: asyncio.AbstractEventLoop = loop) -> None:
+                print(f"\n{request.node.nodeid}: still running after {REALTIME_TEST_LIMIT_S} s; its tasks:",
+                      file=sys.stderr, flush=True)
+                for task in asyncio.all_tasks(loop):
+                    task.print_stack(file=sys.stderr)
+                    task.cancel()
+            loop.call_soon_threadsafe(in_loop)
+
+    timer = threading.Timer(REALTIME_TEST_LIMIT_S, dump_and_cancel)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
