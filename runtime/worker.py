@@ -214,26 +214,21 @@ class DeviceWorker:
 
     async def run(self, priority: Priority, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn` on the worker and await its result without blocking the loop; waits for a free slot."""
+        return await self._awaited(lambda: self.submit(priority, fn, *args, **kwargs))
+
+    async def run_together(self, priority: Priority, fn: Together[A, T], item: A) -> T:
+        """`submit_together`, awaited without blocking the loop; waits for a free slot like `run`."""
+        return await self._awaited(lambda: self.submit_together(priority, fn, item))
+
+    async def _awaited(self, submit: Callable[[], Future[T]]) -> T:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_pending)
         async with self._slots:
-            fut = self.submit(priority, fn, *args, **kwargs)
+            fut = submit()
             try:
                 return await asyncio.wrap_future(fut)
             except asyncio.CancelledError:
                 fut.cancel()  # skipped if it has not started; a running job finishes on its own
-                raise
-
-    async def run_together(self, priority: Priority, fn: Together[A, T], item: A) -> T:
-        """`submit_together`, awaited without blocking the loop; waits for a free slot like `run`."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_pending)
-        async with self._slots:
-            fut = self.submit_together(priority, fn, item)
-            try:
-                return await asyncio.wrap_future(fut)
-            except asyncio.CancelledError:
-                fut.cancel()
                 raise
 
     def _job_finished(self, _fut: Future[object]) -> None:
