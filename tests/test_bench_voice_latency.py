@@ -4,6 +4,7 @@ where the server's own splitter would cut, and a spoken question's end of speech
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import shutil
 
@@ -17,6 +18,7 @@ from runtime.bench.voice_latency import (
     Conversation,
     Question,
     Turn,
+    _PeakRss,
     first_clause_done,
     question,
     summarize,
@@ -63,3 +65,21 @@ def test_a_spoken_question_ends_where_its_last_sample_is() -> None:
     assert loud[0] >= LEAD_S * RATE - 1  # the lead is silence
     assert q.speech_end_s == pytest.approx((loud[-1] + 1) / RATE, abs=1 / RATE)
     assert 0.5 < q.speech_end_s - LEAD_S < 3.0
+
+
+def test_the_peak_rss_is_the_largest_reading_during_the_block_and_after_it() -> None:
+    class Server:
+        readings = iter([900.0, 1500.0, 1200.0, OSError("the server is busy"), 1100.0, 1300.0] + [1000.0] * 100)
+
+        def health(self, window_s: float) -> dict[str, float]:
+            value = next(self.readings)
+            if isinstance(value, Exception):
+                raise value
+            return {"rss_mb": value}
+
+    async def phase() -> float:
+        async with _PeakRss(Server(), every_s=0.001) as peak:  # type: ignore[arg-type]
+            await asyncio.sleep(0.05)
+        return peak.mb
+
+    assert asyncio.run(phase()) == 1500.0

@@ -255,3 +255,24 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.raises(ck.KernelBuildError, match="C\\+\\+ compiler"):
         build.load_library()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_dequantized_alone_are_the_whole_weights(bits: int) -> None:
+    """`dequantize_rows` (an embedding lookup in the packed layout) reads each row as `dequantize` and an
+    independent float computation do, whatever tile and lane it sits at, repeated and out of order."""
+    torch.manual_seed(3)
+    n, k = 37, 96  # a partial last tile
+    scale = torch.rand(n, k // GROUP).half().float()
+    if bits == 4:
+        q, low = torch.randint(0, 16, (n, k)), torch.randn(n, k // GROUP).half().float()
+        packed = ck.pack_q4(q, scale, low)
+        want = q.float().reshape(n, -1, GROUP) * scale[..., None] + low[..., None]
+    else:
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        packed = ck.pack_q8(q, scale)
+        want = q.float().reshape(n, -1, GROUP) * scale[..., None]
+    rows = torch.tensor([36, 0, 15, 16, 31, 32, 0, 20])
+    got = ck.dequantize_rows(packed, rows)
+    assert torch.equal(got, ck.dequantize(packed, n)[rows])
+    assert torch.equal(got, want.reshape(n, k)[rows])

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from test_gguf import tiny, write_gguf
 
 from runtime.models.lm import packed_weights
-from runtime.models.lm.kernel_linears import use_runtime_kernels
+from runtime.models.lm.kernel_linears import PackedEmbedding, use_runtime_kernels
 from runtime.models.lm.packed_weights import load_model, packed_file
 from runtime.models.lm.transformer_build import load_transformer
 
@@ -45,6 +45,45 @@ def test_read_back_equals_the_built_model(gguf: Path, weights: str, kernels: boo
     assert torch.equal(again(ids, torch.arange(6)), want)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in again.state_dict().items()} == {
         k: (v.dtype, tuple(v.shape)) for k, v in built.state_dict().items()}
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8", "native"])
+def test_embeddings_stay_in_the_files_blocks_on_the_runtimes_kernels(gguf: Path, weights: str) -> None:
+    """Q4_0 embeddings (4-bit formats) and Q8_0 ones (every format) are looked up from the file's own blocks, each
+    row the float table's (the torch kernels' model keeps one), in the activations' dtype, read back alike."""
+    if not use_runtime_kernels("auto", "cpu"):
+        pytest.skip("the runtime's kernels do not build here")
+    packed = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights, kernels=True)
+    again = load_model(gguf, device="cpu", dtype=torch.float32, weights=weights, kernels=True)  # from the cache
+    table = load_transformer(gguf, weights=weights).model.embed_tokens  # torch's kernels: a float table
+    assert isinstance(table, torch.nn.Embedding)
+    four_bit = gguf.name.endswith("qwen2.gguf")  # the fixture's Q4_0 file
+    ids = torch.tensor([[0, 5, 95], [17, 16, 15]])
+    for model in (packed, again):
+        emb = model.model.embed_tokens
+        if four_bit and weights == "int8":  # int8 keeps no 4-bit table
+            assert isinstance(emb, torch.nn.Embedding)
+            continue
+        assert isinstance(emb, PackedEmbedding) and emb.kind == ("q4" if four_bit else "q8")
+        assert model.dtype == table.weight.dtype == torch.bfloat16
+        assert torch.equal(emb(ids), table(ids))
+        assert sum(t.nbytes for t in emb.buffers()) < table.weight.nbytes
+
+
+def test_the_reader_gives_each_tensor_aligned_and_equal_to_safetensors(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = {"a": torch.arange(7, dtype=torch.uint8), "b": torch.randn(3, 5).to(torch.bfloat16),
+             "c": torch.randn(4), "d": torch.tensor([1, -2], dtype=torch.int64), "e": torch.empty(0, 3)}
+    save_file(state, tmp_path / "x.safetensors", metadata={"k": "v"})
+    got, want = packed_weights._read_tensors(tmp_path / "x.safetensors"), load_file(tmp_path / "x.safetensors")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k])
+        assert got[k].numel() == 0 or got[k].data_ptr() % 64 == 0
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes()[:-3])
+    with pytest.raises(Exception, match="cut short"):
+        packed_weights._read_tensors(tmp_path / "cut.safetensors")
 
 
 def test_a_changed_file_or_packing_packs_again(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,8 @@ model is served in, each side by side with llama.cpp on the same file in the sam
   `ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`), against llama.cpp as built for this CPU;
 - think-while-reading: the first token after N streamed tokens against prefilling them at question time, and
   against llama.cpp answering the same prompt cold;
+- memory (`llm_memory.py`): the RSS of a process serving one session and what each further session adds, in fresh
+  processes, beside llama.cpp's on the same file;
 - the speculative-decoding table (`llm_spec.py`), with the 0.5B as a draft model (its chains, and DySpec's trees)
   when it is installed, and llama.cpp's own prompt-lookup decoding as the peer; `targets` says which of the
   issue's are met (decode and prefill against llama.cpp, 1.6x drafted, `auto` against its best candidate).
@@ -31,12 +33,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime.bench import llm_memory
 from runtime.bench.llm_model import CONTEXT, QUESTION, Status, decode_tok_s, paired_vs_llama_cpp, step_bytes
 from runtime.bench.llm_model import ttft_after_streaming as engine_ttft
 from runtime.bench.llm_peers import INSTALL, llama_cpp_logits, logits_difference, open_llama
@@ -122,13 +126,18 @@ def has_llama_cpp() -> bool:
 
 def transcript_ids(engine: LMEngine, tokens: int) -> list[int]:
     """About `tokens` ids of a meeting transcript (the prefill both engines are timed on)."""
+    return transcript_tokens(engine.encode, tokens)
+
+
+def transcript_tokens(encode: Callable[[str], list[int]], tokens: int) -> list[int]:
+    """`transcript_ids` under any tokenizer's `encode` (llama.cpp's own, in a process without the engine)."""
     lines = [f"[{i // 60:02d}:{i % 60:02d}] Speaker {i % 3}: item {i} on the agenda costs {i * 7} euros." for i in
              range(4000)]
     text, k = "", 0
-    while len(engine.encode(text)) < tokens:
+    while len(encode(text)) < tokens:
         text += lines[k] + "\n"
         k += 1
-    return engine.encode(text)[:tokens]
+    return encode(text)[:tokens]
 
 
 def engine_prefill_tok_s(engine: LMEngine, ids: list[int]) -> float:
@@ -295,6 +304,7 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         out["paired_prefill"] = paired_prefill(engine, file, ids, plan.prefill_trials, status)
         out["llama_cpp"] = llama_rows(out["paired_decode"], out["paired_prefill"])
         out["avx2_forced"] = avx2_child(ref, best, plan, status)
+    out["memory"] = llm_memory.measure(ref, best, plan.prefill_tokens, status, peer)
     out["think_while_reading"] = think_while_reading(ref, engine, file, list(plan.ttft_tokens), status)
     draft = DRAFT if ref != DRAFT else None
     torch.set_num_threads(plan.spec_threads)
@@ -319,6 +329,8 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
             avx2 = out.get("avx2_forced", {}).get(key, {}).get(f"{threads}t", {}).get("median_ratio")
             t[f"{label}_vs_llama_cpp_{threads}t_avx2"] = {"ratio": avx2, "target": ">= 1.0",
                                                           "met": avx2 is not None and avx2 >= 1.0}
+    for name, target in out.get("memory", {}).get("targets", {}).items():
+        t[f"memory_{name}"] = target
     spec = out.get("speculative", {})
     for task in ("transcript_qa", "summarise"):
         rows = spec.get(task, {})

@@ -78,8 +78,8 @@ def step_bytes(model: Transformer) -> int:
     for module in [*model.model.layers, model.lm_head, model.model.norm]:
         for t in [*module.parameters(), *module.buffers()]:
             total += t.nbytes
-    emb = model.model.embed_tokens.weight
-    return total + emb.shape[1] * emb.element_size()
+    table = model.model.embed_tokens  # a float table or one packed in the file's blocks: one row's share of it
+    return total + sum(t.nbytes for t in [*table.parameters(), *table.buffers()]) // table.num_embeddings
 
 
 def decode_tok_s(answerer: EngineAnswerer, n: int, context: str = CONTEXT) -> float:

@@ -367,6 +367,7 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         "synthesis_rtf_over_piper_command": {**at_most(ratio, 1.0), "runtime_rtf": ours, "piper_command_rtf": peer},
         "round_trip_wer_percent": result["intelligibility"].get("target", {**at_most(None, WER_TARGET)}),
         "voice_to_voice_p50_s": result["voice_to_voice"]["target_p50_s_at_1"],
+        "server_rss_mb_per_extra_conversation": result["voice_to_voice"]["target_rss_mb_per_extra_conversation"],
     }
     result["machine"] = _machine()
     return result

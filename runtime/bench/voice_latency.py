@@ -46,6 +46,13 @@ n), `marks_ms`, `stages_ms`, the turns
 answered with sound, the answers (what was asked, what the server heard, what it said, whether the expected words are
 in it: a 135M model's answers are often wrong, and a wrong answer is timed like a right one). One unmeasured turn
 warms the server first. Clients and server share the machine's cores: on 2 cores N = 4 also measures the clients.
+
+Memory: `rss_mb_peak` per N, the server process's largest RSS read from its `/healthz` every 0.5 s during the phase
+(`rss_mb_idle`: after the warm-up, no session open): what a host needs for every model of the profile (the language
+model, the ASR with its final pass, turn detection, the screen reader, the voice) and N conversations. The language
+model's own share, a session of it alone, is `runtime bench llm --model REF`'s `memory` row.
+`target_rss_mb_per_extra_conversation` (the growth from the first phase's peak to the last's, per conversation
+added) shows the sessions sharing one copy of the weights: a second copy of the 1.5B would add about 1,100 MB.
 """
 
 from __future__ import annotations
@@ -86,6 +93,9 @@ DRAIN_TIMEOUT_S = 30.0
 # (conversations at once, questions each): quick keeps both rows within its budget with the 1.5B answering
 QUICK_PHASES, FULL_PHASES = ((1, 2), (2, 1)), ((1, 5), (2, 5), (4, 5))
 TARGET_P50_S = 1.2
+# what one more conversation may add: its caches and buffers, not a second copy of the weights (the 1.5B's alone are
+# about 1,100 MB in the default's native format)
+TARGET_EXTRA_RSS_MB = 300.0
 FACTS = ("Here are my notes for today. The team meeting moved to Thursday at three. The budget report is in the blue "
          "folder. The train to Boston leaves from platform four. The red car outside belongs to our neighbor Tom. "
          "Lunch is at the Italian place on Main Street.")
@@ -337,21 +347,51 @@ async def _bench(server: VoiceServer, phases: tuple[tuple[int, int], ...], statu
         if warm["turns_with_audio"] == 0:
             raise UserError(f"the warm-up turn got no audio ({warm.get('errors') or warm['answers']}); the server's "
                             f"stderr ends:\n{server.log.read_text(errors='replace')[-1500:]}")
-        await server.wait_idle()
+        idle_rss = (await server.wait_idle())["rss_mb"]
         rows = []
         for n, turns in phases:
             status(f"voice-to-voice: N={n}: {n} conversation(s) of {turns} spoken question(s) at real-time pace "
                    f"(load average {os.getloadavg()[0]:.2f})")
-            row = {"n": n, "load_avg_1m": round(os.getloadavg()[0], 2),
-                   **summarize(await _phase(base_url, pool, n, turns))}
+            row: dict[str, Any] = {"n": n, "load_avg_1m": round(os.getloadavg()[0], 2)}
+            async with _PeakRss(server) as peak:
+                row.update(summarize(await _phase(base_url, pool, n, turns)))
+            row["rss_mb_peak"] = peak.mb
             rows.append(row)
             v = row["voice_to_voice_ms"]
             status(f"voice-to-voice: N={n}: p50 {v['p50']:.0f} / p95 {v['p95']:.0f} ms over {v['n']} turn(s); "
-                   f"stages p50 " + ", ".join(f"{k} {s['p50']:.0f}" for k, s in row["stages_ms"].items()))
+                   f"stages p50 " + ", ".join(f"{k} {s['p50']:.0f}" for k, s in row["stages_ms"].items())
+                   + f"; server RSS peak {peak.mb:.0f} MB")
             await server.wait_idle()
-        return {"rows": rows}
+        return {"rows": rows, "rss_mb_idle": idle_rss}
     finally:
         server.stop()
+
+
+class _PeakRss:
+    """The server's largest RSS (`/healthz`'s `rss_mb`) read every `every_s` while the block runs: what a host must
+    have for that many conversations at once (weights, caches, buffers), the models' copy counted once."""
+
+    def __init__(self, server: VoiceServer, every_s: float = 0.5) -> None:
+        self.server, self.every_s, self.mb = server, every_s, 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _poll(self) -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                self.mb = max(self.mb, float((await asyncio.to_thread(self.server.health, 1.0))["rss_mb"]))
+            await asyncio.sleep(self.every_s)
+
+    async def __aenter__(self) -> _PeakRss:
+        self._task = asyncio.create_task(self._poll())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        with contextlib.suppress(OSError):  # one last reading: a short phase may end between two polls
+            self.mb = max(self.mb, float((await asyncio.to_thread(self.server.health, 1.0))["rss_mb"]))
 
 
 def run(args: argparse.Namespace, status: Status, profile: str, server: VoiceServer | None = None) -> dict[str, Any]:
@@ -368,12 +408,18 @@ def run(args: argparse.Namespace, status: Status, profile: str, server: VoiceSer
     quick = bool(getattr(args, "quick", False))
     phases = QUICK_PHASES if quick else FULL_PHASES
     server = server or start_server(profile, quick)
-    rows = asyncio.run(_bench(server, phases, status))["rows"]
+    measured = asyncio.run(_bench(server, phases, status))
+    rows = measured["rows"]
     p50 = rows[0]["voice_to_voice_ms"]["p50"] / 1000 if rows and rows[0]["voice_to_voice_ms"]["n"] else None
+    first, last = rows[0], rows[-1]
+    extra = (round((last["rss_mb_peak"] - first["rss_mb_peak"]) / (last["n"] - first["n"]), 1)
+             if last["n"] > first["n"] else None)
     return {"profile": loaded.name, "lm": loaded.lm.model, "asr": loaded.asr.model, "client": f"openai "
             f"{openai.__version__} (realtime.connect)", "turn_detection": TURN_DETECTION, "chunk_ms": 100,
             "facts": FACTS, "phases": [{"n": n, "questions_each": t} for n, t in phases], "rows": rows,
             "target_p50_s_at_1": at_most(None if p50 is None else round(p50, 3), TARGET_P50_S),
+            "rss_mb_idle": measured["rss_mb_idle"],
+            "target_rss_mb_per_extra_conversation": at_most(extra, TARGET_EXTRA_RSS_MB),
             "definition": "receive time of the turn's first response.output_audio.delta minus the wall time its "
                           "question's last speech sample was spoken (chunks sent at real-time pace, each when its "
                           "last sample would have been recorded)"}

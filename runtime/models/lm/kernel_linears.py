@@ -20,6 +20,7 @@ from runtime.models.lm.gguf_checkpoint import Q4Blocks, Q8Blocks
 
 KERNEL_CHOICES = ("auto", "runtime", "torch")
 GROUP = 32
+Q4_BLOCK = 320  # bytes of a q4 tile's group (cpu_kernels.packing)
 ROWS_AT_ONCE = 4096  # rows quantised together: the float temporaries of the largest layer (the vocabulary) stay small
 
 
@@ -119,6 +120,41 @@ class Q8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+class PackedEmbedding(nn.Module):
+    """The token embeddings in the file's own 4- or 8-bit groups (the kernels' q4/q8 layout), each looked-up row
+    dequantised to `dtype`. Why: as a float table the 1.5B's 151,936 x 1,536 embeddings took 445 MB in bfloat16,
+    for the Q4_K blocks the file keeps them in (146 MB packed); a decode step reads one row of it. The rows are the
+    values the file's blocks hold (`packing.dequantize_rows`), cast to `dtype` as the float table's were."""
+
+    def __init__(self, packed: Tensor, num_embeddings: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kind = "q4" if packed.shape[-1] == Q4_BLOCK else "q8"
+        self.register_buffer(self.kind, packed)  # uint8 [ceil(rows / 16), dim / 32, 320 or 544]
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, packed.shape[1] * GROUP, dtype
+
+    @classmethod
+    def from_blocks(cls, blocks: Q4Blocks | Q8Blocks, dtype: torch.dtype) -> PackedEmbedding:
+        from runtime.models.lm.cpu_kernels import pack_q4, pack_q8
+
+        packed = (pack_q4(blocks.q, blocks.scale, blocks.low) if isinstance(blocks, Q4Blocks)
+                  else pack_q8(blocks.q, blocks.scale))
+        return cls(packed, blocks.q.shape[0], dtype)
+
+    @property
+    def packed(self) -> Tensor:
+        return self.get_buffer(self.kind)
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from runtime.models.lm.cpu_kernels import dequantize_rows
+
+        rows = dequantize_rows(self.packed, ids.reshape(-1).long())
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
 def q8_blocks_of(w: Tensor) -> Q8Blocks:
     """Quantise a float weight [out, in] symmetrically by groups of 32 inputs, as GGUF's Q8_0 does."""
     out, k = w.shape
@@ -133,6 +169,16 @@ def q8_blocks_of(w: Tensor) -> Q8Blocks:
         q[start : start + ROWS_AT_ONCE] = torch.round(blocks / s.clamp(min=1e-30)[..., None]).clamp(
             -127, 127).to(torch.int8).reshape(-1, k)
     return Q8Blocks(q, scale)
+
+
+def packed_embedding(state: dict[str, Tensor], name: str, table: nn.Embedding,
+                     dtype: torch.dtype) -> PackedEmbedding | None:
+    """The embeddings `state` (a model's own `state_dict`) holds under `name` in a kernel layout, as the meta `table`
+    they replace, their rows in `dtype`; None when it holds a float table."""
+    for kind in ("q4", "q8"):
+        if f"{name}.{kind}" in state:
+            return PackedEmbedding(state[f"{name}.{kind}"], table.num_embeddings, dtype)
+    return None
 
 
 def kernel_layer(state: dict[str, Tensor], name: str, lin: nn.Linear) -> nn.Module | None:

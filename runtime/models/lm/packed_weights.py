@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.transformer import Transformer
@@ -37,9 +37,8 @@ from runtime.models.lm.weight_formats import QUANTIZED, format_dtype
 from runtime.models.lm.weights import ModelArgs
 from runtime.models.loading import cache_dir
 
-VERSION = 1
+VERSION = 2  # 2: embeddings in the file's own blocks (kernel_linears.PackedEmbedding)
 PACKED_FORMATS = QUANTIZED  # the formats whose build from a GGUF file repacks every weight
-ALIGN = 64  # bytes: a cache line, what a fresh torch allocation is aligned to
 SPARE = 512 << 20  # bytes a packing leaves free on its disk: a cache that fills the disk breaks everything beside it
 
 
@@ -90,7 +89,8 @@ def write_packed(model: Transformer, target: Path) -> None:
     """Save `model`'s state and args to `target`, atomically (a temporary file renamed into place). Raises OSError
     when it cannot, before writing anything when the disk lacks room for the file and `SPARE` more."""
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight:
+    head = getattr(model.lm_head, "weight", None)
+    if head is not None and head is getattr(model.model.embed_tokens, "weight", None):
         state.pop("lm_head.weight")  # one tensor under two names: tied again at load
     meta = {"args": json.dumps(dataclasses.asdict(model.args)), "weights": model.weights}
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,31 @@ def read_packed(source: Path) -> Transformer:
     with safe_open(str(source), framework="pt") as f:
         meta = f.metadata()
     args = ModelArgs(**json.loads(meta["args"]))
-    # each tensor on an address of its own: safetensors may hand out views at any offset of one buffer, and torch's
-    # int8 kernel crashed on a misaligned weight (a segfault at 6 rows of activations)
-    state = {k: v if v.data_ptr() % ALIGN == 0 else v.clone() for k, v in load_file(str(source)).items()}
-    return transformer_from_packed(args, state, weights=meta["weights"])
+    return transformer_from_packed(args, _read_tensors(source), weights=meta["weights"])
+
+
+_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "F16": torch.float16,
+           "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def _read_tensors(source: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, each read straight into a tensor of its own. Why not `load_file`: it
+    copies every tensor out of the file's mapped pages, and its tensors sat at any offset of one buffer, where torch's
+    int8 kernel crashed on a misaligned weight (a segfault at 6 rows of activations), so each was cloned once more:
+    the 1.5B's load peaked at 2.9 GB for 1.3 GB of weights. Read into fresh tensors (aligned by torch's allocator),
+    the peak is the weights themselves. The format: an 8-byte little-endian header size, a JSON header naming each
+    tensor's dtype, shape and byte range in the data that follows."""
+    with open(source, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        state = {}
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            f.seek(8 + size + begin)
+            read = f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) if tensor.numel() else 0
+            if read != end - begin or tensor.nbytes != end - begin:
+                raise SafetensorError(f"{source}: tensor {name} is cut short")
+            state[name] = tensor
+    return state

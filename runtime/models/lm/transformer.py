@@ -234,11 +234,13 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activations' dtype: the embeddings' (a packed table, `kernel_linears.PackedEmbedding`, says its own)."""
+        table = self.model.embed_tokens
+        return table.weight.dtype if isinstance(table, nn.Embedding) else table.dtype
 
     def rope(self, positions: Tensor) -> Rope:
         """cos/sin [n, head_dim] for integer positions, computed in float32 then cast (as transformers does).

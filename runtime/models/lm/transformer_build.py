@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
-from runtime.models.lm.kernel_linears import on_runtime_kernels
+from runtime.models.lm.kernel_linears import PackedEmbedding, on_runtime_kernels
 from runtime.models.lm.transformer import Transformer, rope_inv_freq
 from runtime.models.lm.weight_formats import (
     QUANTIZED,
@@ -80,12 +80,23 @@ def load_transformer(path: str | Path, *, device: str | torch.device = "cpu", dt
                                   kernels=kernels)
 
 
+def _pack_embeddings(model: Transformer, weights: str, blocks: BlockSource | None,
+                     blocks8: Block8Source | None) -> None:
+    """The embeddings kept in the file's own blocks where they are 4-bit (formats int4 and native) or 8-bit Q8_0/Q5_0
+    (`kernel_linears.PackedEmbedding`); any other storage stays a float table."""
+    name = "model.embed_tokens.weight"
+    own = (blocks(name) if blocks is not None and weights != "int8" else None) or (
+        blocks8(name) if blocks8 is not None else None)
+    if own is not None:
+        model.model.embed_tokens = PackedEmbedding.from_blocks(own, model.dtype)
+
+
 def transformer_from_packed(args: ModelArgs, state: dict[str, Tensor], *, weights: str) -> Transformer:
     """Rebuild a model from its own `state_dict` (int8/int4 layers included; `packed_weights` saves them),
     on the CPU, without repacking anything."""
     with torch.device("meta"):
         model = Transformer(args)
-    empty_like_state(model, state)
+    empty_like_state(model, state, format_dtype(weights, torch.float32))
     if args.tie_word_embeddings and type(model.lm_head) is nn.Linear and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # a quantised head has its own buffers
     model.load_state_dict(state, strict=True, assign=True)
@@ -128,6 +139,8 @@ def transformer_from_state(args: ModelArgs, state: dict[str, Tensor], *, where: 
     model.inv_freq = rope_inv_freq(args).to(device)
     if weights in QUANTIZED:
         quantize_linears(model, weights, blocks=blocks, blocks8=blocks8, fused=FUSED, kernels=kernels)
+        if kernels:
+            _pack_embeddings(model, weights, blocks, blocks8)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise ValueError(f"lm checkpoint {where}: weights left unread after building the {weights} format")
     model.weights = weights

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from runtime.errors import ConfigError
 from runtime.models.lm.gguf_checkpoint import Q4Blocks, Q8Blocks
-from runtime.models.lm.kernel_linears import ROWS_AT_ONCE, Q4Linear, Q8Linear, kernel_layer
+from runtime.models.lm.kernel_linears import ROWS_AT_ONCE, Q4Linear, Q8Linear, kernel_layer, packed_embedding
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "native")
 QUANTIZED = ("int8", "int4", "native")  # weight-only formats: bf16 activations around torch's int8/int4 kernels
@@ -113,11 +113,17 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def empty_like_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+def empty_like_state(model: nn.Module, state: dict[str, Tensor], dtype: torch.dtype) -> None:
     """Give `model` (built on the meta device) int8 and int4 layers wherever `state` (a quantised model's own
     `state_dict`, as `packed_weights` saves it) holds their buffers, so that `load_state_dict(state, assign=True)`
     puts every tensor in place: `.packed` marks an int4 layer, an int8 `.weight` an int8 one, `.q4` / `.q8` one on
-    the runtime's kernels (`kernel_linears`)."""
+    the runtime's kernels (`kernel_linears`), and embeddings there too (`PackedEmbedding`, their rows in `dtype`,
+    the activations')."""
+    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if (table := packed_embedding(state, name, getattr(parent, attr), dtype)) is not None:
+            setattr(parent, attr, table)
     for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

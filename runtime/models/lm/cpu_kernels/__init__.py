@@ -37,10 +37,10 @@ import torch
 from torch import Tensor
 
 from runtime.models.lm.cpu_kernels.build import KernelBuildError, load_library
-from runtime.models.lm.cpu_kernels.packing import dequantize, pack_q4, pack_q8, unpack_q4, unpack_q8
+from runtime.models.lm.cpu_kernels.packing import dequantize, dequantize_rows, pack_q4, pack_q8, unpack_q4, unpack_q8
 
-__all__ = ["ISAS", "KernelBuildError", "attend", "available", "best_isa", "dequantize", "isa", "load", "pack_q4",
-           "pack_q8", "q4_linear", "q8_linear", "set_isa", "unpack_q4", "unpack_q8", "using_isa"]
+__all__ = ["ISAS", "KernelBuildError", "attend", "available", "best_isa", "dequantize", "dequantize_rows", "isa",
+           "load", "pack_q4", "pack_q8", "q4_linear", "q8_linear", "set_isa", "unpack_q4", "unpack_q8", "using_isa"]
 
 log = logging.getLogger(__name__)
 ISAS = ("scalar", "avx2", "avx512-vnni")  # the paths, by the code kernels.cpp numbers them with

@@ -99,6 +99,25 @@ def dequantize(packed: Tensor, n: int) -> Tensor:
     return (q8.float().reshape(n, -1, GROUP) * scale[..., None]).reshape(n, -1)
 
 
+def dequantize_rows(packed: Tensor, rows: Tensor) -> Tensor:
+    """Rows `rows` (int64 [m]) of the float32 weight [N, K] a packed layout holds, reading only their tiles: an
+    embedding lookup in the file's own groups. Each row is bitwise `dequantize`'s."""
+    tiles = packed[rows // TILE]  # [m, G, block]: the tiles that hold the rows
+    lane, m, groups = rows % TILE, tiles.shape[0], tiles.shape[1]
+    pick = torch.arange(m, device=packed.device)
+    if packed.shape[-1] == Q4_BLOCK:
+        body = tiles[..., :256].reshape(m, groups, 4, TILE, 4)[pick, :, :, lane].reshape(m, groups, 16)
+        q = torch.cat([body & 0xF, body >> 4], dim=-1).to(torch.int32)
+        scale, low = (tiles[..., at : at + 32].contiguous().view(torch.float16)[pick, :, lane].float()
+                      for at in (256, 288))
+        return (q.float() * scale[..., None] + low[..., None]).reshape(m, -1)
+    if packed.shape[-1] != Q8_BLOCK:
+        raise ValueError(f"not a q4 or q8 layout: blocks of {packed.shape[-1]} bytes")
+    q8 = tiles[..., :512].contiguous().view(torch.int8).reshape(m, groups, 8, TILE, 4)[pick, :, :, lane]
+    scale = tiles[..., 512:544].contiguous().view(torch.float16)[pick, :, lane].float()
+    return (q8.reshape(m, groups, GROUP).float() * scale[..., None]).reshape(m, -1)
+
+
 def _check(q: Tensor, scale: Tensor, group: int) -> tuple[int, int]:
     if q.dim() != 2 or q.shape[1] % group or q.shape[0] == 0:
         raise ValueError(f"weights must be [N, K] with K a multiple of {group}, got {tuple(q.shape)}")
