@@ -80,4 +80,4 @@ def test_quick_run_end_to_end(capsys) -> None:
     assert all("not known" in q["answer"].lower() for q in result["questions"] if q["kind"] == "not_yet")
     assert "Assistant:" not in talk["context"] and "] User: When is the public release?" in talk["context"]
     assert set(result["targets"]) == {"realtime_accuracy", "backward_accuracy", "speech_screen_accuracy",
-                                      "not_yet_accuracy", "ocr_cpu_s_per_video_s"}
+                                      "not_yet_accuracy", "ocr_cpu_s_per_video_s", "first_token_p50_s"}

@@ -51,7 +51,9 @@ SET = Path(__file__).resolve().parent / "data" / "video_qa.json"
 SIZE = (1280, 720)
 FPS = 1.0
 KINDS = ("realtime", "backward", "speech_screen", "not_yet")
-TARGETS = {"realtime": 0.8, "backward": 0.8, "speech_screen": 0.6, "not_yet": 1.0}
+# issue 51's for the default profile (the 1.5B); the issue before it asked 0.8, 0.8, 0.6 and 1.0 of the 135M
+TARGETS = {"realtime": 0.9, "backward": 0.9, "speech_screen": 0.8, "not_yet": 1.0}
+FIRST_TOKEN_P50_S = 1.0  # issue 51: the default's first token within 1.0 s of the question (p50)
 OCR_CPU_S_PER_VIDEO_S = 0.2
 
 
@@ -243,6 +245,7 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     ocr = max((t["ocr_cpu_s_per_video_s"] or 0.0) for t in per_talk)
     targets = {f"{k}_accuracy": at_least(accuracy[k]["rate"], TARGETS[k]) for k in KINDS}
     targets["ocr_cpu_s_per_video_s"] = at_most(ocr, OCR_CPU_S_PER_VIDEO_S)
+    targets["first_token_p50_s"] = at_most(latency["first_token_s"], FIRST_TOKEN_P50_S)
     return {"bench": "video-qa", "quick": bool(args.quick), "profile": profile.name, "lm": profile.lm.model,
             "asr": profile.asr.model,
             "answering": {"grounded": profile.lm.grounded, "answers_in_context": profile.lm.answers_in_context},
