@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,15 @@ from typing import Any
 import torch
 
 from runtime.bench import llm_memory
-from runtime.bench.llm_model import CONTEXT, QUESTION, Status, decode_tok_s, paired_vs_llama_cpp, step_bytes
+from runtime.bench.llm_model import (
+    CONTEXT,
+    QUESTION,
+    Status,
+    decode_tok_s,
+    paired_vs_llama_cpp,
+    step_bytes,
+    transcript_tokens,
+)
 from runtime.bench.llm_model import ttft_after_streaming as engine_ttft
 from runtime.bench.llm_peers import INSTALL, llama_cpp_logits, logits_difference, open_llama
 from runtime.bench.llm_spec import spec_table
@@ -127,17 +134,6 @@ def has_llama_cpp() -> bool:
 def transcript_ids(engine: LMEngine, tokens: int) -> list[int]:
     """About `tokens` ids of a meeting transcript (the prefill both engines are timed on)."""
     return transcript_tokens(engine.encode, tokens)
-
-
-def transcript_tokens(encode: Callable[[str], list[int]], tokens: int) -> list[int]:
-    """`transcript_ids` under any tokenizer's `encode` (llama.cpp's own, in a process without the engine)."""
-    lines = [f"[{i // 60:02d}:{i % 60:02d}] Speaker {i % 3}: item {i} on the agenda costs {i * 7} euros." for i in
-             range(4000)]
-    text, k = "", 0
-    while len(encode(text)) < tokens:
-        text += lines[k] + "\n"
-        k += 1
-    return encode(text)[:tokens]
 
 
 def engine_prefill_tok_s(engine: LMEngine, ids: list[int]) -> float:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from typing import Any
 
-from runtime.bench.llm_model import QUESTION, Status
+from runtime.bench.llm_model import QUESTION, Status, transcript_tokens
 from runtime.bench.timing import at_most
 
 SESSIONS = 2
@@ -43,7 +43,6 @@ def _rss() -> dict[str, float]:
 def _engine(ref: str, fmt: str, tokens: int) -> dict[str, Any]:
     import torch
 
-    from runtime.bench.llm_big import transcript_ids
     from runtime.config import LMConfig
     from runtime.models.lm.engine_answerer import EngineAnswerer
 
@@ -52,7 +51,7 @@ def _engine(ref: str, fmt: str, tokens: int) -> dict[str, Any]:
     cfg = LMConfig(backend="engine", model=ref, weights=fmt, max_new_tokens=16)
     answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
     loaded = _rss()
-    transcript = answerer.tokenizer.decode(transcript_ids(answerer.engine, tokens))
+    transcript = answerer.tokenizer.decode(transcript_tokens(answerer.engine.encode, tokens))
     after, keep = [], []
     for _ in range(SESSIONS):
         answer = answerer.start(transcript, QUESTION, stream=answerer.open_stream())
@@ -65,7 +64,6 @@ def _engine(ref: str, fmt: str, tokens: int) -> dict[str, Any]:
 
 
 def _llama(ref: str, tokens: int) -> dict[str, Any]:
-    from runtime.bench.llm_big import transcript_tokens
     from runtime.bench.llm_peers import open_llama
     from runtime.models.lm.gguf_checkpoint import gguf_file
     from runtime.models.loading import resolve_checkpoint

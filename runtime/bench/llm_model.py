@@ -72,6 +72,18 @@ def copy_bandwidth_gb_s() -> float:
     return 2 * src.nbytes / best / 1e9
 
 
+def transcript_tokens(encode: Callable[[str], list[int]], tokens: int) -> list[int]:
+    """About `tokens` ids of a meeting transcript under a tokenizer's `encode` (the engine's, or llama.cpp's own in a
+    process without the engine): the long prefill both engines are timed on."""
+    lines = [f"[{i // 60:02d}:{i % 60:02d}] Speaker {i % 3}: item {i} on the agenda costs {i * 7} euros." for i in
+             range(4000)]
+    text, k = "", 0
+    while len(encode(text)) < tokens:
+        text += lines[k] + "\n"
+        k += 1
+    return encode(text)[:tokens]
+
+
 def step_bytes(model: Transformer) -> int:
     """Bytes one decode step reads: every weight of the projections and the head, norms, one embedding row."""
     total = 0
