@@ -207,8 +207,8 @@ def test_missing_faster_whisper_and_human_set_are_rows_with_reasons(capsys, tmp_
 
 
 def test_the_causal_rows_stream_with_the_profiles_adapter_unless_told_otherwise() -> None:
-    """As a session streams tiny.en (the whisper-tiny-en profile's adapter); `--adapter none` scores the bare stream,
-    and another Whisper has no adapter trained for it."""
+    """As a session streams tiny.en (the whisper-tiny-en profile's adapter) or base (the whisper-base profile's);
+    `--adapter none` scores the bare stream, and another Whisper has no adapter trained for it."""
     shipped = "builtin:causal-whisper-tiny.en"
 
     def adapter(ref: str = asr_systems.WHISPER, **flag: str) -> str:
@@ -217,7 +217,9 @@ def test_the_causal_rows_stream_with_the_profiles_adapter_unless_told_otherwise(
     assert adapter() == shipped
     assert adapter(adapter="none") == adapter(adapter="") == ""
     assert adapter(adapter="/tmp/my-lora") == "/tmp/my-lora"
-    assert adapter("builtin:whisper-base") == ""
+    assert adapter("builtin:whisper-base") == "builtin:causal-whisper-base"  # the whisper-base profile's
+    assert adapter("builtin:whisper-base", adapter="none") == ""
+    assert adapter("openai/whisper-small") == ""
 
 def _never_read(path: object) -> np.ndarray:
     raise AssertionError(f"a missing set reads no audio ({path})")

@@ -11,9 +11,9 @@ row with the reason).
 
 Systems (Whisper base, `builtin:whisper-base`, for every one):
 - `whisper-base-profile`: the `whisper-base` profile's stream as a session runs it per turn (block-causal at 300 ms
-  without an adapter, previews every 100 ms, the offline final pass), the language detected (`lid`: the completed
-  transcript's language; `lid_stream`: the language the stream's first words were shown in, detected over its first
-  2 s) and, as `...-given`, the language given.
+  with the profile's adapter, previews every 100 ms, the offline final pass), the language detected (`lid`: the
+  completed transcript's language; `lid_stream`: the language the stream's first words were shown in, detected over
+  its first 2 s) and, as `...-given`, the language given.
 - `whisper-base-offline`: one greedy full-context pass over the clip (padded to 30 s), the language detected over it
   (Whisper's own language identification, as openai-whisper does it), at most `TOKENS_PER_S` tokens an audio second
   (a greedy decode in the wrong language loops): the ceiling of the same model.
@@ -177,8 +177,9 @@ def multilingual_part(args: Any, device: str, dtype: str, status: Callable[[str]
                    device=device, dtype=dtype, progress=status)
     warm = next(iter(sets.values()))[0][0][:SAMPLE_RATE]
     streamed(asr, warm, Speech("de"))
-    settings["whisper-base-profile"] = ("the whisper-base profile's ASR: block-causal at 300 ms without an adapter, "
-                                        "previews every 100 ms, offline final pass; the language detected")
+    settings["whisper-base-profile"] = (f"the whisper-base profile's ASR: block-causal at 300 ms with the adapter "
+                                        f"{profile.adapter or '(none)'}, previews every 100 ms, offline final pass; "
+                                        "the language detected")
     each("whisper-base-profile", lambda audio, lang: streamed(asr, audio, None))
     settings["whisper-base-profile-given"] = "the same, the language given (audio.input.transcription.language)"
     each("whisper-base-profile-given", lambda audio, lang: (streamed(asr, audio, Speech(lang))[0], None, None))

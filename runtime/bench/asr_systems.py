@@ -40,7 +40,7 @@ import numpy as np
 
 from runtime.bench.timing import at_most
 from runtime.chunks import SAMPLE_RATE
-from runtime.config import ASRConfig
+from runtime.config import ASRConfig, load_profile
 from runtime.errors import ConfigError
 from runtime.train.text_norm import cer, wer
 
@@ -63,12 +63,15 @@ OFFLINE_TOKENS = 224  # openai-whisper's sample length: half the decoder's 448 p
 
 def stream_adapter(args: argparse.Namespace, ref: str, profile_adapter: str) -> str:
     """The adapter the causal stream of `ref` runs with: `--adapter` (`none`: the bare block-causal Whisper), else
-    the whisper-tiny-en profile's (`profile_adapter`) when `ref` is the profile's Whisper, as a session runs it; a
-    different Whisper has no adapter trained for it."""
+    the whisper-tiny-en profile's (`profile_adapter`) when `ref` is the profile's Whisper, or the whisper-base
+    profile's when it is that one's, as a session runs it; any other Whisper has no adapter trained for it."""
     asked = getattr(args, "adapter", None)
     if asked is not None:
         return "" if asked.strip().lower() in ("", "none") else asked
-    return profile_adapter if ref == WHISPER else ""
+    if ref == WHISPER:
+        return profile_adapter
+    base = load_profile("whisper-base").asr
+    return base.adapter if ref == base.model else ""
 
 
 def causal_id(ms: int, final_pass: str = "", preview: int = 0) -> str:
@@ -192,7 +195,6 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
     model), `pass` (the offline final pass: decoder and graph search)."""
     shared = {} if shared is None else shared
     from runtime.bench.word_latency import Aligner, timed_stream
-    from runtime.config import load_profile
     from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, offline_decoder
     from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass
     from runtime.models.asr.causal_whisper.graph_choice import pass_graph
