@@ -17,11 +17,12 @@ model is served in, each side by side with llama.cpp on the same file in the sam
   when it is installed, and llama.cpp's own prompt-lookup decoding as the peer; `targets` says which of the
   issue's are met (decode and prefill against llama.cpp, 1.6x drafted, `auto` against its best candidate).
 
-`--quick` keeps every row on less (`QUICK`, about 3 minutes on 2 cores): 12 decoded tokens a run, a 64-token
-prefill, 2 trials (1 in the AVX2 child), a 256-token think-while-reading, one prompt per task at 2 threads, and
-eager steps (compiling a format costs 16-19 s here and gains about a tenth of decode speed at 1 thread; the full
-run compiles, as `lm.compile = auto` serves a plain decode, and its speculative rows as `lm.compile = on` serves a
-drafted one, verifications included). Its ratios are noisier than the full run's.
+`--quick` keeps every row on less (`QUICK`, about 3 minutes on 2 cores; torch's int4 kernels, `QUICK_SKIP`, are left
+to the full run with the reason): 12 decoded tokens a run, a 64-token prefill, 2 trials (1 in the AVX2 child), a
+256-token think-while-reading, one prompt per task at 2 threads, and eager steps (compiling a format costs 16-19 s
+here and gains about a tenth of decode speed at 1 thread; the full run compiles, as `lm.compile = auto` serves a
+plain decode, and its speculative rows as `lm.compile = on` serves a drafted one, verifications included). Its
+ratios are noisier than the full run's.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ AUTO_CANDIDATES = ("ngram", "trigram")  # what `auto` chooses among on a CPU (`d
 # name: (lm.weights, lm.kernels, compiled in the full run)
 ROWS = {"native": ("native", "runtime", True), "int4": ("int4", "runtime", True),
         "int4-torch-kernels": ("int4", "torch", False)}
+QUICK_SKIP = ("int4-torch-kernels",)  # rows --quick leaves to the full run, each with the reason
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,9 @@ def format_rows(ref: str, plan: Plan, file: Path | None, status: Status,
     peer_logits: torch.Tensor | None = None
     n, prefill = plan.decode_tokens, plan.format_prefill_tokens
     for name, (fmt, kernels, compiles) in ROWS.items():
+        if plan is QUICK and name in QUICK_SKIP:
+            rows[name] = {"skipped": "--quick leaves torch's kernels to the full run (about 20 s of its 3 minutes)"}
+            continue
         status(f"{name}: loading")
         cfg = LMConfig(backend="engine", model=ref, weights=fmt, kernels=kernels, drafter="none",
                        max_new_tokens=max(n + 8, plan.spec_tokens), compile=_compile(plan, compiles),

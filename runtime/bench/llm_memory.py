@@ -1,7 +1,8 @@
 """The memory a big model's sessions take: `runtime bench llm --model REF`'s `memory` rows (`llm_big.py`).
 
 Why a process of its own: RSS is the whole process's, and the bench's process holds every format's model and
-whatever the rows before left in the allocator. Each row is a fresh child (`python -m runtime.bench.llm_memory`)
+whatever the rows before left in the allocator. Each row is a fresh child (the two run at once: a process's RSS is
+its own whatever runs beside it) (`python -m runtime.bench.llm_memory`)
 that loads the model as the runtime serves it (from the packed cache, as every load after the first does), then
 opens sessions one by one, each answering a question about the same `tokens`-token transcript, and reports its
 RSS (VmRSS, read after `malloc_trim`: pages the allocator holds free are not the model's) after the load and after
@@ -91,16 +92,18 @@ def measure(ref: str, fmt: str, tokens: int, status: Status, peer: bool) -> dict
     out: dict[str, Any] = {"sessions": SESSIONS, "transcript_tokens": tokens,
                            "definition": "VmRSS after malloc_trim, in a fresh process per row; session_rss_mb: with "
                                          "one session that has answered; per_extra_session_mb: each further one"}
-    for name in ("runtime", "llama_cpp") if peer else ("runtime",):
-        sessions = SESSIONS if name == "runtime" else 1
-        status(f"memory: {name}, {sessions} session(s) over a {tokens}-token transcript, in a fresh process")
-        cmd = [sys.executable, "-m", "runtime.bench.llm_memory", name, ref, fmt, str(tokens)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    names = ("runtime", "llama_cpp") if peer else ("runtime",)
+    status(f"memory: {' and '.join(names)} over a {tokens}-token transcript, each in a fresh process, at once (RSS "
+           "is each process's own)")
+    children = {name: subprocess.Popen([sys.executable, "-m", "runtime.bench.llm_memory", name, ref, fmt, str(tokens)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in names}
+    for name, child in children.items():
+        stdout, stderr = child.communicate()
+        if child.returncode != 0:
+            tail = stderr.strip().splitlines()[-1:] or ["no output"]
             out[name] = {"skipped": f"the child failed: {tail[0]}"}
         else:
-            out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+            out[name] = json.loads(stdout.strip().splitlines()[-1])
     ours = out["runtime"]
     out["targets"] = {
         "session_rss_gb": at_most(None if "skipped" in ours else round(ours["session_rss_mb"] / 1024, 2),
