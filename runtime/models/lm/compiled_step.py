@@ -42,6 +42,7 @@ thread count recompiles on the next step (torch bakes the OpenMP thread count in
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -138,6 +139,10 @@ class CompiledStep:
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
+        # embeddings kept in the file's blocks (`kernel_linears.PackedEmbedding`) turn fp16 scales into bf16 rows in one
+        # fused kernel, which inductor notes with a warning on every compile; the conversion goes through float32 and
+        # is exact as written, so the note is only noise on a user's terminal
+        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node", category=UserWarning)
         self._traced = torch.compile(partial(decode_step, model), fullgraph=True, dynamic=True, options=OPTIONS)
         # key (`_key`) -> the step compiled for it, called without guards; None: it did not compile (eager)
         self._steps: dict[tuple[object, ...], Callable[..., Tensor] | None] = {}
