@@ -1,16 +1,16 @@
 """The memory a big model's sessions take: `runtime bench llm --model REF`'s `memory` rows (`llm_big.py`).
 
-Why a process of its own: RSS is the whole process's, and the bench's process holds every format's model and
-whatever the rows before left in the allocator. Each row is a fresh child (the two run at once: a process's RSS is
-its own whatever runs beside it) (`python -m runtime.bench.llm_memory`)
-that loads the model as the runtime serves it (from the packed cache, as every load after the first does), then
-opens sessions one by one, each answering a question about the same `tokens`-token transcript, and reports its
-RSS (VmRSS, read after `malloc_trim`: pages the allocator holds free are not the model's) after the load and after
-each session, and its peak (VmHWM). So `session_rss_mb` is what a process serving one conversation with this model
-holds, and `per_extra_session_mb` what each further session adds: its KV cache and buffers, where a second copy
-of the weights would add their whole size (the sessions of one engine share one). The peer row does the same with
-llama.cpp on the same GGUF (llama-cpp-python, its bench context of 2,048 tokens), for one session: the binding's
-`Llama` is a model with one context, so a second would load the model again.
+Why a process of its own: RSS is the whole process's, and the bench's process holds every format's model and whatever
+the rows before left in the allocator. Each row is a fresh child (`python -m runtime.bench.llm_memory`; the two run
+at once, since a process's RSS is its own whatever runs beside it) that loads the model as the runtime serves it
+(from the packed cache, as every load after the first does), then opens sessions one by one, each answering a
+question about the same `tokens`-token transcript, and reports its RSS (VmRSS, read after `malloc_trim`: pages the
+allocator holds free are not the model's) after the load and after each session, and its peak (VmHWM). So
+`session_rss_mb` is what a process serving one conversation with this model holds, and `per_extra_session_mb` what
+each further session adds: its KV cache and buffers, where a second copy of the weights would add their whole size
+(the sessions of one engine share one). The peer row does the same with llama.cpp on the same GGUF (llama-cpp-python,
+its bench context of 2,048 tokens), for one session: the binding's `Llama` is a model with one context, so a second
+would load the model again.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _engine(ref: str, fmt: str, tokens: int) -> dict[str, Any]:
     answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
     loaded = _rss()
     transcript = answerer.tokenizer.decode(transcript_tokens(answerer.engine.encode, tokens))
-    after, keep = [], []
+    after, keep = [], []  # the answers stay referenced: each session's cache is counted while the next one runs
     for _ in range(SESSIONS):
         answer = answerer.start(transcript, QUESTION, stream=answerer.open_stream())
         while not answer.step().done:

@@ -20,7 +20,6 @@ from runtime.models.lm.gguf_checkpoint import Q4Blocks, Q8Blocks
 
 KERNEL_CHOICES = ("auto", "runtime", "torch")
 GROUP = 32
-Q4_BLOCK = 320  # bytes of a q4 tile's group (cpu_kernels.packing)
 ROWS_AT_ONCE = 4096  # rows quantised together: the float temporaries of the largest layer (the vocabulary) stay small
 
 
@@ -127,6 +126,8 @@ class PackedEmbedding(nn.Module):
     values the file's blocks hold (`packing.dequantize_rows`), cast to `dtype` as the float table's were."""
 
     def __init__(self, packed: Tensor, num_embeddings: int, dtype: torch.dtype) -> None:
+        from runtime.models.lm.cpu_kernels.packing import Q4_BLOCK
+
         super().__init__()
         self.kind = "q4" if packed.shape[-1] == Q4_BLOCK else "q8"
         self.register_buffer(self.kind, packed)  # uint8 [ceil(rows / 16), dim / 32, 320 or 544]
