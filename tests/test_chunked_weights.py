@@ -11,6 +11,7 @@ import os
 import re
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -116,13 +117,28 @@ def test_an_altered_part_fails_the_joined_hash_and_is_named(fake) -> None:
     assert list(folder.iterdir()) == []  # nothing renamed into place, the temporary file removed
 
 
-def test_a_lost_race_leaves_a_good_file(fake) -> None:
-    """A second joiner finishing while the first writes (here: from the first's "joining" line, which comes just
-    before its join) is replaced by an identical, checked file; both return the folder."""
-    join, _, whole, _, _ = fake
-    inner: list[Path] = []
-    folder = join(progress=lambda line: line.startswith("joining") and inner.append(join(progress=None)))
-    assert inner == [folder]
+def test_a_joiner_that_starts_during_a_join_waits_for_it_and_joins_nothing(fake) -> None:
+    """A second process (here a thread, started from the first's "joining" line, which comes just before its join)
+    waits on the build lock, then finds the first's file: one join, not a second that would replace the file under
+    whatever was keyed by its modification time (a packing, a converted tokenizer)."""
+    join, _, whole, _, messages = fake
+    second: list[threading.Thread] = []
+    found: list[Path] = []
+
+    def on_line(line: str) -> None:
+        messages.append(line)
+        if line.startswith("joining") and not second:
+            second.append(threading.Thread(target=lambda: found.append(join())))
+            second[0].start()
+            deadline = time.monotonic() + 10
+            while not any(m.startswith("waiting for another process") for m in messages):
+                assert time.monotonic() < deadline, messages
+                time.sleep(0.01)
+
+    folder = join(progress=on_line)
+    second[0].join(10)
+    assert found == [folder]
+    assert sum(m.startswith("joining") for m in messages) == 1 and any(m.startswith("waited ") for m in messages)
     assert (folder / "fake.gguf").read_bytes() == whole
     assert sorted(p.name for p in folder.iterdir()) == [JOIN_KEY, "fake.gguf"]
 
@@ -132,11 +148,13 @@ def test_concurrent_joiners_all_end_with_a_good_file(tmp_path: Path) -> None:
     entry, whole = make_parts(site, [1 << 22] * 3 + [12345], seed=1)
     barrier = threading.Barrier(4)
     results: list[Path | BaseException] = []
+    lines: list[str] = []
 
     def run() -> None:
         barrier.wait()
         try:
-            results.append(chunked_checkpoint("fake", cache=tmp_path / "cache", entry=entry, roots=[site]))
+            results.append(chunked_checkpoint("fake", cache=tmp_path / "cache", entry=entry, roots=[site],
+                                              progress=lines.append))
         except BaseException as err:  # reported by the assertion below
             results.append(err)
 
@@ -148,6 +166,7 @@ def test_concurrent_joiners_all_end_with_a_good_file(tmp_path: Path) -> None:
     assert len(set(results)) == 1 and isinstance(results[0], Path), results
     assert (results[0] / "fake.gguf").read_bytes() == whole
     assert sorted(p.name for p in results[0].iterdir()) == [JOIN_KEY, "fake.gguf"]
+    assert sum(line.startswith("joining") for line in lines) == 1, lines  # the others waited for it
 
 
 def test_a_temporary_file_left_by_a_dead_join_is_removed(fake, tmp_path: Path) -> None:

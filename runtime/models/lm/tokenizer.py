@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from runtime.errors import CheckpointNotFound
+from runtime.models.build_lock import building
 from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
 from runtime.models.loading import cache_dir
 
@@ -29,31 +30,38 @@ def _gguf_tokenizer(file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
     stat = file.stat()
     cached = cache_dir() / "gguf-tokenizers" / f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if cached.is_dir():
-        eos_file = cached / EOS_FILE
-        if not eos_file.is_file():  # converted by an older runtime: saved now
-            _write_atomic(eos_file, json.dumps(open_gguf(file).eos_ids))
-        return AutoTokenizer.from_pretrained(cached), list(json.loads(eos_file.read_text()))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    except (KeyError, ValueError, TypeError) as err:  # transformers' converter on incomplete metadata
-        raise CheckpointNotFound(f"lm checkpoint {file}: no usable tokenizer in the GGUF metadata "
-                                 f"({type(err).__name__}: {err})") from None
-    ckpt = open_gguf(file)
-    template = ckpt.field("tokenizer.chat_template")
-    if template and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = str(template)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=cached.parent))
-    try:
-        tokenizer.save_pretrained(tmp)
-        (tmp / EOS_FILE).write_text(json.dumps(ckpt.eos_ids))
+        return _read_converted(cached, file)
+    with building(cached):  # processes started together: one converts, the others read what it saved
+        if cached.is_dir():
+            return _read_converted(cached, file)
         try:
-            os.rename(tmp, cached)
-        except OSError:  # another process saved it first
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        except (KeyError, ValueError, TypeError) as err:  # transformers' converter on incomplete metadata
+            raise CheckpointNotFound(f"lm checkpoint {file}: no usable tokenizer in the GGUF metadata "
+                                     f"({type(err).__name__}: {err})") from None
+        ckpt = open_gguf(file)
+        template = ckpt.field("tokenizer.chat_template")
+        if template and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = str(template)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=cached.parent))
+        try:
+            tokenizer.save_pretrained(tmp)
+            (tmp / EOS_FILE).write_text(json.dumps(ckpt.eos_ids))
+            try:
+                os.rename(tmp, cached)
+            except OSError:  # another process saved it first
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer, ckpt.eos_ids
+
+
+def _read_converted(cached: Path, file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
+    eos_file = cached / EOS_FILE
+    if not eos_file.is_file():  # converted by an older runtime: saved now
+        _write_atomic(eos_file, json.dumps(open_gguf(file).eos_ids))
+    return AutoTokenizer.from_pretrained(cached), list(json.loads(eos_file.read_text()))
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from runtime.errors import ConfigError
+from runtime.models.build_lock import building, lock_path
 from runtime.models.loading import cache_dir
 
 if TYPE_CHECKING:
@@ -97,9 +98,24 @@ def export_graph(module: nn.Module, name: str, args: Sequence[torch.Tensor], inp
     tag = "-int8" if quantize else ""
     path = cache_dir() / "onnx" / f"{name}-{_fingerprint(module, quantize)}{tag}.onnx"
     if path.exists():
-        with contextlib.suppress(OSError):  # a read-only cache is still read
-            os.utime(path)  # used now: what `_prune` keeps
-        return path
+        return _used(path)
+    with building(path, progress):  # processes started together: one exports, the others read its file
+        if path.exists():
+            return _used(path)
+        _export(module, name, path, args, inputs, outputs, axes, quantize=quantize, progress=progress)
+    _prune(path.parent, name, tag)
+    return path
+
+
+def _used(path: Path) -> Path:
+    with contextlib.suppress(OSError):  # a read-only cache is still read
+        os.utime(path)  # used now: what `_prune` keeps
+    return path
+
+
+def _export(module: nn.Module, name: str, path: Path, args: Sequence[torch.Tensor], inputs: Sequence[str],
+            outputs: Sequence[str], axes: Mapping[str, Mapping[int, str]], *, quantize: bool,
+            progress: Callable[[str], None] | None) -> None:
     try:
         import onnx
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -136,9 +152,7 @@ def export_graph(module: nn.Module, name: str, args: Sequence[torch.Tensor], inp
             quantizer.model.save_model_to_file(str(out), False)
         else:
             plain.rename(out)
-        os.replace(out, path)  # atomic: a concurrent process sees the whole file or none
-    _prune(path.parent, name, tag)
-    return path
+        os.replace(out, path)  # atomic: a reader sees the whole file or none
 
 
 def _prune(folder: Path, name: str, tag: str) -> None:
@@ -152,6 +166,7 @@ def _prune(folder: Path, name: str, tag: str) -> None:
     for _, file in sorted(files, reverse=True)[KEEP:]:
         with contextlib.suppress(OSError):
             file.unlink()
+            lock_path(file).unlink()
 
 
 def open_session(path: Path, threads: int = 0) -> InferenceSession:
