@@ -7,7 +7,7 @@ import json
 
 import pytest
 from cli_common import run_cli
-from weights_common import packaged_or_skip
+from weights_common import ON_THE_1_5B, packaged_or_skip
 
 from runtime.bench import video_qa
 
@@ -54,6 +54,7 @@ def test_the_set_asks_every_kind_inside_its_talks() -> None:
 
 
 @pytest.mark.slow
+@ON_THE_1_5B
 def test_quick_run_end_to_end(capsys) -> None:
     packaged_or_skip("pp-ocrv4-det")
     packaged_or_skip("whisper-tiny.en")

@@ -187,12 +187,13 @@ def test_forward_full_is_block_causal(tiny: WhisperForConditionalGeneration, spe
 
 def test_forward_full_batched_and_limits(tiny: WhisperForConditionalGeneration) -> None:
     encoder = CausalWhisperEncoder(tiny, block_frames=5)
-    mel = torch.randn(2, 80, 101)
+    mel = torch.randn(2, 80, 101, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         batch = encoder.forward_full(mel)
         assert batch.shape == (2, 51, 64)
         for b in range(2):
-            assert torch.allclose(batch[b], encoder.forward_full(mel[b : b + 1])[0], atol=1e-5, rtol=0)
+            # float32 sums in another order as a batch of 2: up to 1.3e-5 apart over 40 random mels (outputs to 3.9)
+            assert torch.allclose(batch[b], encoder.forward_full(mel[b : b + 1])[0], atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="exceed"):
         encoder.forward_full(torch.zeros(1, 80, 3001))
     with pytest.raises(ValueError, match="mel must be"):

@@ -129,7 +129,8 @@ def test_tiny_cache_is_reused_and_keyed_by_seed(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.undo()
     other = resolve_checkpoint("tiny:whisper", role="asr", seed=3)
     assert other != first and other.is_dir()
-    assert sorted(p.name for p in first.parent.iterdir() if p.name.startswith(".")) == []  # no temp dirs left
+    hidden = [p for p in first.parent.iterdir() if p.name.startswith(".")]
+    assert all(p.name.endswith(".lock") and p.is_file() for p in hidden)  # no temp dirs left: the builds' lock files
 
 
 def test_tiny_build_survives_losing_a_race(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -147,7 +148,7 @@ def test_tiny_build_survives_losing_a_race(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setitem(tiny.TINY_MODELS, "qwen2", racing)
     assert resolve_checkpoint("tiny:qwen2", role="lm") == final
     assert sorted(p.name for p in final.iterdir()) == ["theirs", "theirs2"]
-    assert [p.name for p in final.parent.iterdir()] == [final.name]  # our temp dir was removed
+    assert sorted(p.name for p in final.parent.iterdir()) == [f".{final.name}.lock", final.name]  # our temp dir removed
 
 
 def test_unknown_tiny_model_lists_known_names(tmp_path: Path) -> None:
