@@ -84,6 +84,34 @@ def test_long_form_reads_each_clip_once_with_reader_like_pauses() -> None:
     assert sorted(set(np.round(audio[voiced], 1))) == [0.1, 0.2, 0.3]  # every clip, once each
 
 
+def test_the_passage_is_read_by_one_voice_at_one_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`long_form_reading`: every sentence of the passage said once by the same voice with the same prosody (one
+    draw of rate and pitch), joined like the long form; a missing synthesiser is the row's reason, not a crash."""
+    from runtime.bench import asr_captions
+    from runtime.train import synthesizers
+
+    drawn: list[tuple[str, str, dict[str, float]]] = []
+
+    def synthesize(voice, text: str, rng: np.random.Generator, formant: float = 1.0):
+        params = {"rate": float(rng.integers(120, 211)), "pitch": float(rng.integers(20, 81))}
+        drawn.append((voice.id, text, params))
+        return np.full(8000, 0.5, np.float32), 8000, params
+
+    monkeypatch.setattr(synthesizers, "synthesize", synthesize)
+    audio, text = asr_captions.reading("espeak:en-us+m6")
+    assert [t for _, t, _ in drawn] == list(asr_captions.READING) and text == " ".join(asr_captions.READING)
+    assert {v for v, _, _ in drawn} == {"espeak:en-us+m6"} and len({str(p) for _, _, p in drawn}) == 1
+    assert np.count_nonzero(audio) == pytest.approx(len(asr_captions.READING) * SAMPLE_RATE, rel=0.01)  # 1 s each
+    assert all(synthesizers.Voice(*v.split(":", 1)).heldout for v in asr_captions.READERS)
+
+    def missing(*_args, **_kw):
+        raise RuntimeError("espeak-ng is not installed")
+
+    monkeypatch.setattr(synthesizers, "synthesize", missing)
+    rows = asr_captions.reading_rows(None, None, None, "", lambda _m: None)  # type: ignore[arg-type]
+    assert rows == {v: {"reason": "RuntimeError: espeak-ng is not installed"} for v in asr_captions.READERS}
+
+
 def test_the_gate_loses_only_reference_words_it_took(monkeypatch: pytest.MonkeyPatch) -> None:
     import runtime.bench.asr_captions as captions
 

@@ -234,3 +234,23 @@ def test_the_final_pass_reads_the_turn_up_to_the_speech_end_it_was_given(base: C
     _, recorder, final = finished(until, None)
     np.testing.assert_array_equal(recorder.heard[-1], audio)
     assert final.prepared_used == 0
+
+
+def test_a_pass_cut_short_is_decoded_again_with_beams_and_kept_if_it_holds_more_of_the_streams_words(
+        base: CausalWhisperASR) -> None:
+    """Greedy " the moon." for a stream that wrote " we landed on the moon": it holds fewer than half the stream's
+    words, so 5 beams search again; their " we landed on the moon." is kept, as holding more of them."""
+    stream = [3, 4, 5, 0, 1]
+    recorder = Recorder([0, 1, 6], by_beams={5: SENTENCE}, words=WORDS)
+    final = OfflinePass(recorder)
+    assert final.revise(item_with(base, stream), make_audio(1.0)) == SENTENCE
+    assert recorder.searches == [1, 5] and final.beamed == 1
+    # the beams do no better: the greedy transcript stays (never the stream's own words)
+    recorder = Recorder([0, 1, 6], by_beams={5: [2, 6]}, words=WORDS)
+    final = OfflinePass(recorder)
+    assert final.revise(item_with(base, stream), make_audio(1.0)) == [0, 1, 6] and final.beamed == 1
+    # a pass that adds words the stream missed is not cut short: searched once
+    recorder = Recorder(SENTENCE, by_beams={5: LOOP}, words=WORDS)
+    final = OfflinePass(recorder)
+    assert final.revise(item_with(base, [4]), make_audio(1.0)) == SENTENCE and recorder.searches == [1]
+    assert final.beamed == 0

@@ -13,7 +13,10 @@ turn detection cuts into turns, where the ASR alone on a whole clip (`asr_system
   stream per turn) with the turns before as context and without, against offline Whisper tiny.en on the same
   file (one greedy pass over the whole file: it fits Whisper's 30 s) and faster-whisper's long-form decoding.
   The full run adds a synthetic long form (the held-out clips, `LONG_SYNTHETIC` of them, several voices: it
-  exceeds 30 s, so its offline peer is faster-whisper's sequential 30 s windows alone).
+  exceeds 30 s, so its offline peer is faster-whisper's sequential 30 s windows alone), and `long_form_reading`:
+  one passage (`READING`, twelve sentences whose names and phrases come back) read from start to end by each of two
+  held-out synthetic voices (`READERS`), a sentence at a time with the same pauses: continuous reading of minutes,
+  which the human development set does not hold, against the same peer.
 
 Each session is an `AudioProcessor` with `TurnTaking` on a `DeviceWorker`, fed 100 ms chunks unpaced: the code a
 session runs, without a transport. Compute is the wall time of the whole run (VAD, ASR and final passes).
@@ -40,6 +43,24 @@ CHUNK_MS = 100
 LEAD_S, PAUSE_S, TAIL_S = 0.5, (0.4, 1.0), 1.5  # silence before, between (uniform) and after the clips
 SEED = 53
 LONG_SYNTHETIC = 40  # held-out clips in the full run's synthetic long form
+# One passage read aloud from start to end, a sentence at a time with a reader's pauses: where the synthetic long
+# form's sentences are unrelated, this one's names and phrases come back (what the turns' context is for). Written
+# for this bench (no published text), never tuned to: the rows report whatever the readers make of it.
+READING = (
+    "Every morning the ferry leaves the old harbor at half past six.",
+    "Captain Ilse Marwood checks the ropes herself before the first passengers arrive.",
+    "She has crossed this water for nineteen years, and she still counts the gulls on the breakwater.",
+    "The ferry carries bakers, nurses and students, and on Thursdays a man who sells bicycles.",
+    "He always asks Captain Marwood about the weather on the far shore.",
+    "The far shore is only four miles away, but the wind there is different.",
+    "When the fog comes down, the ferry waits at the harbor until the lighthouse can be seen again.",
+    "Nobody complains, because everyone knows the captain is careful.",
+    "In the spring the harbor council painted the ferry blue and white.",
+    "The bicycle seller said it looked like a cloud that had learned to swim.",
+    "Captain Marwood laughed and wrote his words in the ship's log.",
+    "Tomorrow the ferry will leave the old harbor at half past six, as it always does.",
+)
+READERS = ("espeak:en-us+m6", "flite:rms")  # held-out voices (synthesizers.HELDOUT_*): never in the adapter's data
 
 
 @dataclass
@@ -144,6 +165,20 @@ def long_form(clips: list[tuple[np.ndarray, str]], seed: int = SEED) -> tuple[np
     return np.concatenate(pieces), " ".join(text for _, text in clips)
 
 
+def reading(voice_id: str, seed: int = SEED) -> tuple[np.ndarray, str]:
+    """`READING` read by one voice (`engine:name`), every sentence with the same prosody drawn once (one reader, one
+    pace), joined like `long_form` with a reader's pauses; raises RuntimeError when the synthesiser is missing."""
+    from runtime.train.synthesizers import Voice, resample, synthesize
+
+    engine, name = voice_id.split(":", 1)
+    voice = Voice(engine, name)
+    said = []
+    for sentence in READING:
+        audio, rate, _ = synthesize(voice, sentence, np.random.default_rng(seed))
+        said.append((resample(audio, rate, SAMPLE_RATE), sentence))
+    return long_form(said, seed)
+
+
 def _words(text: str) -> int:
     return len(normalize(text).split())
 
@@ -243,6 +278,22 @@ def long_form_row(asr: StreamingASR, turn_models: TurnModels, audio: np.ndarray,
 QUICK_GATE_CLIPS = 4  # --quick: the synthetic clips the gate's words lost are counted on
 
 
+def reading_rows(asr: StreamingASR, turn_models: TurnModels, faster_long: Callable[[np.ndarray], str] | None,
+                 reason: str, status: Callable[[str], None]) -> dict[str, Any]:
+    """`long_form_row` for `READING` in each of `READERS` (over Whisper's 30 s: the offline peer is faster-whisper's
+    sequential windows with previous text, the long-form decoding Whisper was made for)."""
+    rows: dict[str, Any] = {}
+    for voice in READERS:
+        status(f"captions: a passage read by {voice}, with and without the turns' context ...")
+        try:
+            audio, text = reading(voice)
+        except (RuntimeError, OSError) as err:  # the synthesiser is not installed (docs/synthetic_speech.md)
+            rows[voice] = {"reason": f"{type(err).__name__}: {err}"}
+            continue
+        rows[voice] = long_form_row(asr, turn_models, audio, text, None, faster_long, reason)
+    return rows
+
+
 def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,  # noqa: ANN401 - argparse
                   status: Callable[[str], None], shared: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `captions` report: non-speech, the gate's words lost and long form (module docstring), each with its
@@ -319,6 +370,8 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
             status(f"captions: long-form synthetic speech ({LONG_SYNTHETIC} held-out clips) ...")
             audio, text = long_form(list(zip(synthetic.audios, synthetic.refs, strict=True))[:LONG_SYNTHETIC])
             out["long_form_synthetic"] = long_form_row(asr, turn_models, audio, text, None, faster_long, reason)
+    if not quick:
+        out["long_form_reading"] = reading_rows(asr, turn_models, faster_long, reason, status)
     status("captions: the words the gate loses on speech ...")
     out["gate_words_lost"] = gate_rows(asr, turn_models, gate_sets, gated)
     return out

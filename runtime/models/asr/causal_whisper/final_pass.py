@@ -46,6 +46,13 @@ pass's witness: where the pass with previous text shares fewer than half the wor
 stream's (a tie keeps the one with context). A stream that wrote nothing is no witness: given "... Fail better.
 1." before it, the stream wrote nothing for the human turn "two" that the pass with context hears.
 
+The greedy search also ends too soon: the first sentence of a passage read by a synthetic voice (`bench
+asr-quality`'s `long_form_reading`), "Every morning the ferry leaves the old harbor at half past six.", became "and"
+with its turn's own audio alone, where the stream wrote "Every morning the fairy leaves the old harbor at half past
+six". So where the pass holds fewer than half the stream's words (`covers`: a pass that adds words the stream
+missed is no sign of it), it decodes once more with `RETRY_BEAMS` beams and keeps the beams' transcript if it
+shares more words with the stream's. The stream only witnesses: the transcript is always one of the pass's.
+
 Prepared during the pause (`OfflinePass.prepare`): with turn detection the pass reads a turn's audio up to its speech
 end plus `FINAL_TAIL_S` (pipeline/audio.py), audio that is all there while the pause is still being timed, so its
 costly parts (the encoding, the language, the greedy search and the no-speech judgement) are computed then, and the
@@ -145,6 +152,12 @@ def agrees(stream: str, decoded: str) -> bool:
     return not words(stream) or 2 * shared_words(stream, decoded) >= longest
 
 
+def covers(stream: str, decoded: str) -> bool:
+    """Whether `decoded` holds at least half the words of the stream's transcript (a pass may add the words a stream
+    missed; one that lost most of the stream's was cut short)."""
+    return 2 * shared_words(stream, decoded) >= len(words(stream))
+
+
 class FinalPass(Protocol):
     name: str
     judges_speech: bool  # it says itself whether an item holds speech (run even where the stream wrote nothing)
@@ -194,6 +207,7 @@ class OfflinePass:
         self.kept_stream = 0  # items that looped with beams too and kept the stream's text
         self.silent = 0  # items Whisper heard no speech in (completed empty)
         self.redecoded = 0  # items decoded again without previous text (the stream disagreed with the pass)
+        self.beamed = 0  # items decoded again with RETRY_BEAMS beams (the stream still disagreed with the pass)
         self.last_no_speech = 0.0  # the no-speech probability of the last item revised
         self.last_language = ""  # the language the last item was decoded in (detected over it when not given)
         self.prepared_used = 0  # revisions that found their pure parts prepared (module doc)
@@ -231,9 +245,10 @@ class OfflinePass:
                else self.search(encoded, previous, sot) if greedy  # type: ignore[misc]
                else offline.decode(encoded, draft=draft, previous=previous, sot=sot))
         looped = loops(offline.text(ids))
-        if looped and offline.beams < RETRY_BEAMS:
+        beams = offline.beams  # of the search that gave `ids`
+        if looped and beams < RETRY_BEAMS:
             self.retried += 1
-            ids = offline.decode(encoded, beams=RETRY_BEAMS, previous=previous, sot=sot)
+            ids, beams = offline.decode(encoded, beams=RETRY_BEAMS, previous=previous, sot=sot), RETRY_BEAMS
             looped = loops(offline.text(ids))
         if looped:
             self.kept_stream += 1
@@ -245,6 +260,12 @@ class OfflinePass:
             if not loops(offline.text(plain)) and (shared_words(stream, offline.text(plain))
                                                    > shared_words(stream, offline.text(ids))):
                 ids, previous = plain, []
+        if not covers(stream, offline.text(ids)) and beams < RETRY_BEAMS:  # a greedy search cut short (module doc)
+            self.beamed += 1
+            beamed = offline.decode(encoded, beams=RETRY_BEAMS, previous=previous, sot=sot)
+            if not loops(offline.text(beamed)) and (shared_words(stream, offline.text(beamed))
+                                                    > shared_words(stream, offline.text(ids))):
+                ids = beamed
         if ready is not None and ready.no_speech is not None and ids == ready.ids and previous == item.previous:
             self.last_no_speech = ready.no_speech
         else:
