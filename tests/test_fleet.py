@@ -308,9 +308,12 @@ class Talker:
                 await asyncio.wait_for(self.client.close(), 10)
 
 
-@pytest.fixture
-def fleet(tmp_path):
-    """Three replicas sharing one llama.cpp server, behind the proxy."""
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Three replicas sharing one llama.cpp server, behind the proxy: started once for the module's two tests (each
+    start is about 20 s of CPU at normal priority beside the rest of `make test`); the bench through the proxy runs
+    first, with every replica alive, and the test that stops two of them last."""
+    tmp_path = tmp_path_factory.mktemp("fleet")
     haproxy = haproxy_or_skip()
     lm = LlamaServer(n_ctx=4096)  # skips (fails in CI) without llama-cpp-python[server]
     # (LlamaServer turns llama-cpp-python's interrupt_requests off: by default a new request ends another
@@ -336,6 +339,26 @@ async def reconnect_and_turn(fleet: Fleet, dead: set[str]) -> Talker:
     await talker.answer()
     assert talker.errors() == [] and talker.ended is None
     return talker
+
+
+@pytest.mark.slow
+def test_bench_serve_url_through_the_proxy(capsys, fleet):
+    """`runtime bench serve --url` pointed at the proxy: three conversations at once land on three replicas
+    (each replica's own counters show its share), answered by the one shared server, with every turn answered and
+    no error. (A voice turn whose answer is slow to open, queued on the server's single slot, once had its item
+    placed after the next turn's in-progress user item; that turn then found no user message: no_pending_item.)"""
+    asyncio.run(until(fleet.all_ready, "every replica ready and UP in haproxy", START_TIMEOUT_S, 0.25))
+    code, out, err = run_cli(capsys, "bench", "serve", "--url", f"ws://127.0.0.1:{fleet.port}/v1", "--quick",
+                             "--sessions", str(len(REPLICAS)), "--json", "-q")
+    assert code == 0, err
+    result = json.loads(out)
+    m = result["per_m"][str(len(REPLICAS))]
+    assert m["turns_spoken"] == m["turns_answered"] == 2 * len(REPLICAS) and m["lost"] == 0, result
+    assert m["errors"] == 0 and m["sessions_failed"] == 0
+    assert 0 < m["turn_latency_ms"]["p50"] <= m["turn_latency_ms"]["p95"]
+    assert result["probe"]["replica"] in REPLICAS  # the proxy's header reached the bench
+    for r in fleet.replicas.values():  # the phase's sessions were open together: one per replica, 2 turns each
+        assert r.metric("runtime_turns_committed_total") >= 2, r.name
 
 
 @pytest.mark.slow
@@ -400,23 +423,3 @@ async def test_fleet_spreads_sessions_and_survives_a_replica_dying(fleet):
     finally:
         for t in talkers:
             await t.close()
-
-
-@pytest.mark.slow
-def test_bench_serve_url_through_the_proxy(capsys, fleet):
-    """`runtime bench serve --url` pointed at the proxy: three conversations at once land on three replicas
-    (each replica's own counters show its share), answered by the one shared server, with every turn answered and
-    no error. (A voice turn whose answer is slow to open, queued on the server's single slot, once had its item
-    placed after the next turn's in-progress user item; that turn then found no user message: no_pending_item.)"""
-    asyncio.run(until(fleet.all_ready, "every replica ready and UP in haproxy", START_TIMEOUT_S, 0.25))
-    code, out, err = run_cli(capsys, "bench", "serve", "--url", f"ws://127.0.0.1:{fleet.port}/v1", "--quick",
-                             "--sessions", str(len(REPLICAS)), "--json", "-q")
-    assert code == 0, err
-    result = json.loads(out)
-    m = result["per_m"][str(len(REPLICAS))]
-    assert m["turns_spoken"] == m["turns_answered"] == 2 * len(REPLICAS) and m["lost"] == 0, result
-    assert m["errors"] == 0 and m["sessions_failed"] == 0
-    assert 0 < m["turn_latency_ms"]["p50"] <= m["turn_latency_ms"]["p95"]
-    assert result["probe"]["replica"] in REPLICAS  # the proxy's header reached the bench
-    for r in fleet.replicas.values():  # the phase's sessions were open together: one per replica, 2 turns each
-        assert r.metric("runtime_turns_committed_total") >= 2, r.name
