@@ -112,10 +112,16 @@ def stuck_realtime_test_says_where(request: pytest.FixtureRequest):
         yield
         return
 
+    def running_loop(o: object) -> bool:
+        try:
+            return isinstance(o, asyncio.AbstractEventLoop) and o.is_running()
+        except ReferenceError:  # a weakref.proxy whose object is gone: isinstance raised, and the watchdog died with
+            return False        # it once, leaving a stuck browser test to hold CI (2026-11-30)
+
     def dump_and_cancel() -> None:
         with warnings.catch_warnings():  # (isinstance on every object wakes deprecated modules' warnings)
             warnings.simplefilter("ignore")
-            loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+            loops = [o for o in gc.get_objects() if running_loop(o)]
         for loop in loops:
             def in_loop(loop: asyncio.AbstractEventLoop = loop) -> None:
                 print(f"\n{request.node.nodeid}: still running after {REALTIME_TEST_LIMIT_S} s; its tasks:",

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from cli_common import run_cli
-from weights_common import ON_THE_1_5B, packaged_or_skip
+from weights_common import ON_QWEN_CODER, packaged_or_skip
 
 from runtime.bench import video_qa
 
@@ -69,7 +69,7 @@ def shorter_set(path) -> dict:
 
 
 @pytest.mark.slow
-@ON_THE_1_5B
+@ON_QWEN_CODER
 def test_quick_run_end_to_end(capsys, tmp_path, monkeypatch) -> None:
     packaged_or_skip("pp-ocrv4-det")
     packaged_or_skip("whisper-tiny.en")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from cli_common import one_error_line, run_cli
-from weights_common import ON_THE_1_5B
+from weights_common import ON_QWEN_CODER
 
 from runtime.cli import main
 from runtime.events import parse_event
@@ -151,7 +151,7 @@ def _events(stdout: str) -> list:
 
 
 @pytest.mark.slow
-@ON_THE_1_5B
+@ON_QWEN_CODER
 def test_demo_at_speed_8_prints_transcript_and_answer():
     result = _subprocess("demo", "--speed", "8", "--json")
     assert result.returncode == 0, result.stderr

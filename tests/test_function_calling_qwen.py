@@ -11,7 +11,7 @@ import os
 
 import pytest
 from test_function_calling import WEATHER, say, talking
-from weights_common import ON_THE_1_5B
+from weights_common import ON_QWEN_CODER
 
 from runtime.config import load_profile
 from runtime.errors import CheckpointNotFound
@@ -21,7 +21,7 @@ from runtime.worker import DeviceWorker, Priority
 
 # One xdist worker for the file: its module fixtures load the 0.5B and the 1.5B, which split across two workers
 # were each loaded twice (20-60 s of setup per worker in the suite's runs)
-pytestmark = [pytest.mark.asyncio, ON_THE_1_5B]  # one worker: the module's fixtures load each model once
+pytestmark = [pytest.mark.asyncio, ON_QWEN_CODER]  # one worker: the module's fixtures load each model once
 
 # An assistant's prompt: `demo`'s tells the model to reply "Not known yet" unless the transcript or the screen says,
 # and both models then answer so with the function's output right before them (docs/llm.md)

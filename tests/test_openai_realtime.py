@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.realtime import RealtimeServerEvent
 from session_fakes import EchoAnswerer, WordASR, profile_for
-from weights_common import ON_THE_1_5B
+from weights_common import ON_QWEN_CODER
 
 from runtime.io.sample import demo_speech
 from runtime.loaded_models import Models, load_turn_models
@@ -250,7 +250,7 @@ async def test_cancel_clear_delete_and_a_refused_field_keep_the_session(turn_mod
 
 
 @pytest.mark.slow
-@ON_THE_1_5B
+@ON_QWEN_CODER
 async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped_models(tmp_path):
     """The default profile's real models (Whisper tiny.en two-pass, Qwen2.5-Coder-1.5B-Instruct, Silero VAD) behind
     the SDK: a statement, then a spoken question; turn detection commits each and answers the question from the

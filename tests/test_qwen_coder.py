@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from weights_common import ON_QWEN_CODER
 
 from runtime.bench.llm_peers import llama_cpp_logits, logits_difference
 from runtime.models.lm.gguf_checkpoint import gguf_file
@@ -31,6 +32,7 @@ def _llama_cpp() -> None:
 
 
 @pytest.mark.slow
+@ON_QWEN_CODER
 def test_native_logits_match_llama_cpp_on_the_0_5b() -> None:
     _llama_cpp()
     path = resolve_checkpoint("builtin:qwen2.5-coder-0.5b-instruct", role="lm")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_function_calling import TIME, WEATHER
-from weights_common import packaged_or_skip
+from weights_common import ON_QWEN_CODER, packaged_or_skip
 
 from runtime.errors import CheckpointNotFound
 from runtime.function_tools import ToolUse, parse_tools
@@ -32,6 +32,8 @@ from runtime.models.lm.tool_calls import (
     tool_format,
 )
 from runtime.models.loading import resolve_checkpoint
+
+pytestmark = ON_QWEN_CODER  # the module's `qwen` fixture converts the 0.5B's tokenizer: on the worker that builds it
 
 TOOLS = parse_tools([WEATHER, TIME], "tools")
 CALL = PastCall("call_1", "get_weather", '{"city": "Paris", "unit": "celsius"}', "18 degrees, sunny")

@@ -8,10 +8,10 @@ import pytest
 from runtime.errors import CheckpointNotFound
 from runtime.models.packaged import packaged_checkpoint
 
-# The tests that run Qwen2.5-Coder-1.5B, on one worker one after another (`make test` runs pytest-xdist's
-# `loadgroup`): on a fresh cache the first joins, converts and packs the model while the other worker runs other
-# tests, where two of them started together and one sat idle on the build's lock (runtime/models/build_lock.py).
-ON_THE_1_5B = pytest.mark.xdist_group("qwen2.5-coder-1.5b")
+# The tests that build or run Qwen2.5-Coder (the 1.5B and the 0.5B), on one worker one after another (`make test` runs
+# pytest-xdist's `loadgroup`): on a fresh cache the first joins, converts and packs a model while the other worker runs
+# other tests, where two of them started together and one sat idle on the build's lock (runtime/models/build_lock.py).
+ON_QWEN_CODER = pytest.mark.xdist_group("qwen2.5-coder")
 
 
 def packaged_or_skip(name: str) -> Path:
