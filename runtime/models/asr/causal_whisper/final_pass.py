@@ -51,7 +51,9 @@ asr-quality`'s `long_form_reading`), "Every morning the ferry leaves the old har
 with its turn's own audio alone, where the stream wrote "Every morning the fairy leaves the old harbor at half past
 six". So where the pass holds fewer than half the stream's words (`covers`: a pass that adds words the stream
 missed is no sign of it), it decodes once more with `RETRY_BEAMS` beams and keeps the beams' transcript if it
-shares more words with the stream's. The stream only witnesses: the transcript is always one of the pass's.
+shares more words with the stream's. The stream only witnesses: the transcript is always one of the pass's. The
+beams run at the commit (they read the stream's words), so the turn they fire on completes later by a 5-beam search;
+on the quick sets of `bench asr-quality` no English transcript changed with them.
 
 Prepared during the pause (`OfflinePass.prepare`): with turn detection the pass reads a turn's audio up to its speech
 end plus `FINAL_TAIL_S` (pipeline/audio.py), audio that is all there while the pause is still being timed, so its
