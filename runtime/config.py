@@ -126,6 +126,12 @@ class LMConfig:
     system_prompt: str = (
         "You are a live assistant. Answer the question about what was said, using the transcript."
     )
+    # engine: the reply `system_prompt` asks for when the context does not hold the answer ("": none). An answer
+    # that would open with it is checked first: the model is asked `not_known_check` on the same context, and on
+    # "yes" it answers instead (models/lm/refusal_check.py). The check never turns an answer into a refusal.
+    not_known_reply: str = ""
+    not_known_check: str = ('Do the transcript and the screen text say the answer to this question: "{question}"? '
+                            "Reply yes or no.")
     # answer "not known yet" without asking the model when none of a question's words was heard, shown or written
     # in the session (memory/grounding.py); for answerers that know the stream and little else. Off: every question
     # goes to the model. Questions that may call functions always do.

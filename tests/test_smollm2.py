@@ -116,7 +116,7 @@ def test_small_profile_answers_right_from_a_streamed_transcript(path) -> None:
     answerer = EngineAnswerer.load(cfg, device="cpu", dtype="float32")
     item = next(i for i in load_set(DEFAULT_SET) if i["id"] == "budget-meeting")
     results = ask_all(answerer, [item], lambda i: i["lines"])
-    right = [r for r in results if r["right"]]
+    right = [r for r in results if r["right"] and r["type"] == "answerable"]
     assert len(right) >= 3, results  # measured: 4 of 5 (runtime bench answers); a broken loader or prompt: 0
     assert is_right("Maria sends it on Friday.", [["maria"], ["friday"]])
     assert not is_right("Bob sends it.", [["maria"]])
@@ -279,8 +279,11 @@ def test_bench_answers_quick_runs_the_question_set(path, capsys) -> None:
 
     assert main(["bench", "answers", "--quick", "--json", "-q", "--profile", "small"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert list(result["variants"]) == list(VARIANTS)  # --quick keeps every variant, from script and speech
+    # --quick keeps every variant, from script and speech (the small profile has no refusal check to leave out)
+    assert list(result["variants"]) == [v for v in VARIANTS if v != "profile-unchecked"]
     for variant in result["variants"].values():
-        assert result["questions"] == len(variant["text"]) == len(variant["speech"]) == 5
+        assert result["questions"] == len(variant["text"]) == len(variant["speech"]) == 7
+        assert variant["text_by_type"]["answerable"]["asked"] == 5
+        assert variant["text_by_type"]["not_yet"]["asked"] == variant["text_by_type"]["reworded"]["asked"] == 1
     quote = result["variants"]["quote"]
     assert quote["text_accuracy"] >= 0.6, quote["text"]  # a broken model scores ~0

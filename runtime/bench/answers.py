@@ -8,6 +8,10 @@ pipeline's prefill jobs do); the question is asked after `after_line` lines. Two
 - `text`: the scripted lines themselves;
 - `speech`: the lines spoken by espeak-ng and transcribed by the profile's streaming ASR, so ASR errors count.
 
+Besides the 25 questions answered in the transcript's own words (issue 51's targets count these), each item asks
+one in other words than the transcript's (`reworded`) and one before the line that answers it (`not_yet`: right
+when the answer says it is not known yet); `*_by_type` counts each kind.
+
 Prompt variants (`--prompts`, default all of `VARIANTS`) report accuracy each: the system prompt and answer
 length a small model needs are measured here, not guessed. The model is loaded once and shared by the variants,
 and each item's lines are prefilled once for all its questions (one stream per item, as a session keeps one).
@@ -37,14 +41,20 @@ from runtime.models.loading import configure_threads
 Status = Callable[[str], None]
 DEFAULT_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "answer_set.json"
 LINE_S = 4.0  # media seconds per scripted line
+# words that say an answer is not known (a not_yet question's right answer holds one; video-qa's too)
+NOT_KNOWN = ["not", "no", "unknown", "yet", "don't", "doesn't", "cannot", "can't", "isn't", "unclear", "unsure"]
 VARIANTS: dict[str, dict[str, Any]] = {
     "profile": {},  # the profile's own system prompt and answer length (demo's says what is not known yet)
-    "plain": {"system_prompt": LMConfig().system_prompt, "max_new_tokens": 48},  # the runtime's default
+    # the same without its refusal check (lm.not_known_reply; models/lm/refusal_check.py): what the check changes
+    "profile-unchecked": {"not_known_reply": ""},
+    # the other variants' prompts name no reply for what is not known: no check
+    "plain": {"system_prompt": LMConfig().system_prompt, "max_new_tokens": 48, "not_known_reply": ""},
     "short": {"system_prompt": "You answer questions about a live transcript. Answer in one short sentence, using "
-                               "only facts from the transcript.", "max_new_tokens": 32},
+                               "only facts from the transcript.", "max_new_tokens": 32, "not_known_reply": ""},
     "quote": {"system_prompt": "You answer questions about a live transcript. Reply with one short sentence that "
                                "repeats the exact words, names and numbers from the transcript. If the transcript "
-                               "does not say, reply that it was not mentioned.", "max_new_tokens": 32},
+                               "does not say, reply that it was not mentioned.", "max_new_tokens": 32,
+              "not_known_reply": ""},
 }
 _NUMBERS = {"zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
             "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15,
@@ -81,6 +91,36 @@ def load_set(path: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text())["items"]
 
 
+def question_type(question: dict[str, Any]) -> str:
+    """answerable (in the transcript's own words), reworded (answerable, asked in other words) or not_yet (asked
+    before the line that answers it)."""
+    return str(question.get("type", "answerable"))
+
+
+def scored(question: dict[str, Any], answer: str) -> bool:
+    """Whether `answer` is right: it holds the expected words, or for a not_yet question it says that the answer
+    is not known (`NOT_KNOWN`) and gives none of the words it may not know yet (`forbid`)."""
+    if question_type(question) == "not_yet":
+        return is_right(answer, [NOT_KNOWN]) and not any(is_right(answer, [[word]]) for word in question["forbid"])
+    return is_right(answer, question["expect"])
+
+
+def by_type(results: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Right answers of each question type."""
+    out: dict[str, dict[str, int]] = {}
+    for r in results:
+        tally = out.setdefault(r["type"], {"right": 0, "asked": 0})
+        tally["right"] += r["right"]
+        tally["asked"] += 1
+    return out
+
+
+def accuracy(results: list[dict[str, Any]]) -> float:
+    """The share right of the answerable questions (the 25 that issue 51's targets count)."""
+    answerable = [r["right"] for r in results if r["type"] == "answerable"]
+    return round(sum(answerable) / len(answerable), 3) if answerable else 0.0
+
+
 def transcript_context(lines: list[str]) -> str:
     """The context the pipeline's transcript memory renders for these lines, each a completed item."""
     memory = Conversation()
@@ -115,8 +155,9 @@ def ask_all(answerer: EngineAnswerer, items: list[dict[str, Any]], lines_of: Cal
             while not state.step().done:
                 pass
             answer = state.text.emitted.strip()  # what the user was shown (the stop rules applied)
-            results.append({"id": item["id"], "kind": item["kind"], "question": q["q"], "answer": answer,
-                            "right": is_right(answer, q["expect"]), "seconds": round(time.perf_counter() - start, 3)})
+            results.append({"id": item["id"], "kind": item["kind"], "type": question_type(q), "question": q["q"],
+                            "answer": answer, "right": scored(q, answer),
+                            "seconds": round(time.perf_counter() - start, 3)})
     return results
 
 
@@ -165,7 +206,9 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     base: LMConfig = replace(profile.lm, backend="engine")
     if args.model:
         base = replace(base, model=args.model)
-    variants = list(VARIANTS) if not args.prompts else [v.strip() for v in args.prompts.split(",")]
+    # without a refusal check in the profile, its unchecked variant is the profile's: not run twice
+    variants = ([v for v in VARIANTS if base.not_known_reply or v != "profile-unchecked"] if not args.prompts
+                else [v.strip() for v in args.prompts.split(",")])
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise UserError(f"--prompts {','.join(unknown)}: unknown prompt variant (known: {', '.join(VARIANTS)})")
@@ -183,12 +226,15 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
         answerer = EngineAnswerer.sharing(loaded.engine, cfg)
         row: dict[str, Any] = {"system_prompt": cfg.system_prompt, "max_new_tokens": cfg.max_new_tokens}
         text = ask_all(answerer, items, lambda item: item["lines"], status)
-        row["text_accuracy"] = round(sum(r["right"] for r in text) / len(text), 3)
+        row["text_accuracy"], row["text_by_type"] = accuracy(text), by_type(text)
         row["text"] = text
         status(f"answers: prompt variant {name!r} on what the ASR heard")
         speech = ask_all(answerer, items, lambda item: heard[item["id"]], status)
-        row["speech_accuracy"] = round(sum(r["right"] for r in speech) / len(speech), 3)
+        row["speech_accuracy"], row["speech_by_type"] = accuracy(speech), by_type(speech)
         row["speech"] = speech
+        if answerer.refusal_check is not None:  # answers that would have opened "Not known yet", on both inputs
+            row["refusal_check"] = {"checked": answerer.refusal_check.checked,
+                                    "answered": answerer.refusal_check.overturned}
         out["variants"][name] = row
     out["asr_transcripts"] = heard
     best = max(out["variants"], key=lambda v: out["variants"][v]["text_accuracy"])

@@ -240,6 +240,7 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
                 "context": context})  # what the last answer read: the transcript and the screens, in order
     finally:
         worker.stop()
+    check = getattr(models.answerer, "refusal_check", None)  # lm.not_known_reply: answers that would have refused
     accuracy = {k: _rate([r for r in rows if r["kind"] == k]) for k in KINDS}
     latency = {key: _median([r[key] for r in rows if r[key] is not None]) for key in ("first_token_s", "done_s")}
     ocr = max((t["ocr_cpu_s_per_video_s"] or 0.0) for t in per_talk)
@@ -248,7 +249,9 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
     targets["first_token_p50_s"] = at_most(latency["first_token_s"], FIRST_TOKEN_P50_S)
     return {"bench": "video-qa", "quick": bool(args.quick), "profile": profile.name, "lm": profile.lm.model,
             "asr": profile.asr.model,
-            "answering": {"grounded": profile.lm.grounded, "answers_in_context": profile.lm.answers_in_context},
+            "answering": {"grounded": profile.lm.grounded, "answers_in_context": profile.lm.answers_in_context,
+                          "refusal_check": None if check is None else {"checked": check.checked,
+                                                                       "answered": check.overturned}},
             "accuracy": accuracy, "latency_median_s": latency, "talks": per_talk,
             "targets": targets, "questions": rows, "machine": machine("cpu", profile.dtype, profile.threads)}
 

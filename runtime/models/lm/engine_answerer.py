@@ -28,6 +28,7 @@ from runtime.models.lm.json_constraint import JsonGrammars
 from runtime.models.lm.layer_skip import layer_skip_view
 from runtime.models.lm.pieces import Piece
 from runtime.models.lm.prompt import Tools
+from runtime.models.lm.refusal_check import RefusalCheck
 from runtime.models.lm.sampling import Sampler, StopRule, argmax_rows
 from runtime.models.lm.speculative import SpeculativeDecoder, StepCosts, Tree
 from runtime.models.lm.tool_calls import (
@@ -151,6 +152,9 @@ class EngineAnswerer:
         # read at load (on the worker): the pipeline asks for it on the event loop, and rendering takes ~0.1 s
         self._tool_format = tool_format(self.tokenizer)
         self._call_starts: torch.Tensor | None = None  # the tokens that start a call (`tool_calls.call_starts`)
+        # an answer that would open with `lm.not_known_reply` asks the model whether the context answers it first
+        self.refusal_check = (RefusalCheck.build(self.tokenizer, self.cfg.not_known_reply, self.cfg.not_known_check)
+                              if self.cfg.not_known_reply else None)
 
     @classmethod
     def load(cls, cfg: LMConfig, *, device: str, dtype: str, seed: int = 0,
@@ -260,8 +264,11 @@ class EngineAnswerer:
         decoder = SpeculativeDecoder(lm.session, drafter, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                      max_draft_tokens=self.cfg.max_draft_tokens, generator=generator,
                                      stop_ids=self.eos_ids, constraint=constraint, costs=lm.costs)
+        first_logits = lm.session.next_logits()
+        if self.refusal_check is not None and constraint is None and schema is None:
+            first_logits = self.refusal_check.first_logits(lm.session, question, after)
         prompt = lm.session.answer_ids()
-        first = decoder.start(lm.session.next_logits(), prompt)
+        first = decoder.start(first_logits, prompt)
         cache = lm.session.cache
         text = AnswerText(self.tokenizer, StopRule(frozenset(self.eos_ids), token_limit(self.cfg, max_tokens),
                                                    self.cfg.stop_repeats), framing=schema is None)
