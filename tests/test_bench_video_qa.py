@@ -93,7 +93,12 @@ def test_quick_run_end_to_end(capsys, tmp_path, monkeypatch) -> None:
     assert result["accuracy"]["not_yet"]["answer_in_context"] is None
     assert 0 <= talk["narration_wer"] < 100
     # the default profile is not grounded: every question goes to the 1.5B, which says itself what is not known yet
-    # (the release date, on a slide shown only after 14 s: measured "Not known yet." in every run)
-    assert result["answering"] == {"grounded": False, "answers_in_context": False}
+    # (the release date, on a slide shown only after 14 s: measured "Not known yet." in every run), each refusal
+    # only after the model said no to the refusal check (models/lm/refusal_check.py)
+    answering = result["answering"]
+    assert {k: answering[k] for k in ("grounded", "answers_in_context")} == {"grounded": False,
+                                                                            "answers_in_context": False}
+    refusals = sum(q["answer"].lower().startswith("not known") for q in result["questions"])
+    assert answering["refusal_check"]["checked"] - answering["refusal_check"]["answered"] == refusals
     assert not any(q["not_heard"] for q in result["questions"])
     assert all("not known" in q["answer"].lower() for q in result["questions"] if q["kind"] == "not_yet")
