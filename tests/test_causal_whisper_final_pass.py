@@ -21,7 +21,14 @@ from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.asr import FRAME_SAMPLES, CausalWhisperASR
 from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder
 from runtime.models.asr.causal_whisper.emission import Token
-from runtime.models.asr.causal_whisper.final_pass import LOOP_RATIO, DecoderPass, OfflinePass, compression_ratio, loops
+from runtime.models.asr.causal_whisper.final_pass import (
+    LOOP_RATIO,
+    PREPARED,
+    DecoderPass,
+    OfflinePass,
+    compression_ratio,
+    loops,
+)
 from runtime.models.asr.causal_whisper.reference import offline_transcript
 from runtime.models.asr.whisper_window import Encoded
 
@@ -187,11 +194,33 @@ def test_a_pass_prepared_during_the_pause_is_the_unprepared_pass_computed_sooner
     assert len(recorder.heard) == 1 and recorder.searches == [1]  # nothing computed twice
     unprepared = Recorder(SENTENCE, words=WORDS)
     assert OfflinePass(unprepared, _searching(unprepared)).revise(item, audio) == SENTENCE
-    # other audio (speech went on), or the same audio after another revision: computed again, never reused
+    # other audio (speech went on): computed again; the preparation stays for the audio it was made from
     final.prepare(item, audio)
     assert final.revise(item, audio[:-1]) == SENTENCE and final.prepared_used == 1
     np.testing.assert_array_equal(recorder.heard[-1], audio[:-1])
-    assert final.revise(item, audio) == SENTENCE and final.prepared_used == 1 and len(recorder.heard) == 4
+    assert final.revise(item, audio) == SENTENCE and final.prepared_used == 2 and len(recorder.heard) == 3
+    # a revision takes its preparation: the same audio once more is computed again
+    assert final.revise(item, audio) == SENTENCE and final.prepared_used == 2 and len(recorder.heard) == 4
+
+
+def test_conversations_pausing_together_each_find_their_own_preparation(base: CausalWhisperASR) -> None:
+    """The pass is the model's, shared by a server's sessions: two streams prepared one after the other, then
+    revised, each use their own (a single slot lost both: the second replaced the first, the first's revision
+    dropped the second's); past `PREPARED` the oldest is dropped."""
+    recorder = Recorder(SENTENCE, words=WORDS)
+    final = OfflinePass(recorder, _searching(recorder))
+    first, second = make_audio(1.0), make_audio(1.2)
+    item = item_with(base, [3, 4])
+    final.prepare(item, first)
+    final.prepare(item, second)
+    assert final.revise(item, first) == SENTENCE and final.revise(item, second) == SENTENCE
+    assert final.prepared_used == 2 and len(recorder.heard) == 2 and recorder.searches == [1, 1]
+    clips = [make_audio(1.0 + 0.1 * k) for k in range(PREPARED + 1)]
+    for clip in clips:
+        final.prepare(item, clip)
+    final.revise(item, clips[0])  # the oldest, dropped: computed again
+    final.revise(item, clips[-1])
+    assert final.prepared_used == 3 and len(recorder.heard) == 2 + len(clips) + 1
 
 
 def test_a_prepared_pass_that_loops_still_retries_with_beams(base: CausalWhisperASR) -> None:

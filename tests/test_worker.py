@@ -36,12 +36,14 @@ async def test_asr_overtakes_queued_decode_and_vision():
         await asyncio.sleep(0.02)  # the worker is now busy; the rest queue up
         jobs = [
             asyncio.create_task(worker.run(p, order.append, p.name))
-            for p in (Priority.VISION, Priority.DECODE, Priority.PREFILL, Priority.DECODE, Priority.ASR)
+            for p in (Priority.VISION, Priority.DECODE, Priority.PREFILL, Priority.DECODE, Priority.OPENING,
+                      Priority.ASR)
         ]
         await asyncio.sleep(0.02)
         gate.set()
         await asyncio.gather(blocker, *jobs)
-    assert order == ["ASR", "PREFILL", "DECODE", "DECODE", "VISION"]
+    # an answer's opening (its first clause) before another question's prefill, and that before decoding on
+    assert order == ["ASR", "OPENING", "PREFILL", "DECODE", "DECODE", "VISION"]
 
 
 @pytest.mark.asyncio

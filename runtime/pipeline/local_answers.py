@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.events import new_id
 from runtime.function_tools import ToolUse, arguments_schema, names_schema, tools_prompt
 from runtime.models.lm.answering import AnswerRequest, CallDelta, RunningAnswer, Step
 from runtime.models.lm.backend import Answer, AnswerBackend, AnswerStep, DecodingStats, LMStream
 from runtime.models.lm.tool_calls import CallText, ToolFormat, ToolPrompt
+from runtime.models.tts.clauses import ClauseSplitter
 from runtime.worker import DeviceWorker, Priority, Together
 
 
@@ -144,16 +145,27 @@ class WorkerAnswer:
     closed: bool = False
     call_text: CallText | None = None  # a tool-taking template's answer: text, or a call if it opens with one
     together: Together[Answer, AnswerStep] | None = None  # its backend's steps of several answers in one forward
+    # the answer's opening, until a first clause is written (the rule a voice cuts it by): its steps run at
+    # `Priority.OPENING`, ahead of other conversations' question prefills; then at DECODE. None once it is written
+    opening: ClauseSplitter | None = field(default_factory=ClauseSplitter)
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.answer.prompt_ids)
 
+    @property
+    def priority(self) -> Priority:
+        """Where its next step queues on the worker."""
+        return Priority.OPENING if self.opening is not None else Priority.DECODE
+
     async def step(self) -> Step:
+        priority = self.priority
         if self.together is not None:
-            step: AnswerStep = await self.worker.run_together(Priority.DECODE, self.together, self.answer)
+            step: AnswerStep = await self.worker.run_together(priority, self.together, self.answer)
         else:
-            step = await self.worker.run(Priority.DECODE, self.answer.step)
+            step = await self.worker.run(priority, self.answer.step)
+        if self.opening is not None and self.opening.push(step.delta):
+            self.opening = None
         parse = self.call_text
         # a call's first token is the opener (the constraint forbids it anywhere else): any other start is text
         if (parse is not None and self.call is None and (parse.text or step.delta)

@@ -4,7 +4,7 @@ while the model still decodes the rest.
 The flow for one spoken message (`SpokenAudio`, opened by the session's `Speaker`):
 
     text deltas --ClauseSplitter (on the loop: string work)--> clause queue (bounded) --> speaking task
-    speaking task --job at Priority.SPEECH: voice.synthesize + AudioEncoder (resample, G.711)--> bytes
+    speaking task --job at Priority.SPEECH (the first clause: OPENING): voice.synthesize + AudioEncoder --> bytes
                   --> response.output_audio.delta events (at most `delta_ms` of audio each) --> event channel
 
 Synthesis and encoding are one device-worker job a clause, never event-loop work, and SPEECH runs ahead of the
@@ -152,11 +152,13 @@ class SpokenAudio:
 
     async def _speak_clauses(self) -> None:
         worker = self.speaker.worker
+        priority = Priority.OPENING  # the first clause is the answer's opening: what the user waits for
         async for clause in self._clauses:
             if self.failed:
                 continue  # the voice failed once: the rest of the answer stays text (its transcript)
             try:
-                audio = await worker.run(Priority.SPEECH, self._synthesize, clause)
+                audio = await worker.run(priority, self._synthesize, clause)
+                priority = Priority.SPEECH
             except Exception as err:
                 log.exception("speech synthesis failed")
                 self.failed = True
