@@ -46,13 +46,15 @@ def engine_for(model: str, worker: DeviceWorker, system_prompt: str | None = Non
     return profile, worker, answerer
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: a module fixture was set up twice in CI (15.5 s each), torn down when the worker's queue ran dry
+# between two of the module's tests (xdist hands a worker its tests a few at a time); the models stay loaded instead
+@pytest.fixture(scope="session")
 def qwen05():
     with DeviceWorker() as worker:
         yield engine_for("qwen2.5-coder-0.5b-instruct", worker)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def qwen15():
     with DeviceWorker() as worker:
         yield engine_for("qwen2.5-coder-1.5b-instruct", worker, ASSISTANT)
