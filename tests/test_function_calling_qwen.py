@@ -46,8 +46,8 @@ def engine_for(model: str, worker: DeviceWorker, system_prompt: str | None = Non
     return profile, worker, answerer
 
 
-# Session-scoped: a module fixture was set up twice in CI (15.5 s each), torn down when the worker's queue ran dry
-# between two of the module's tests (xdist hands a worker its tests a few at a time); the models stay loaded instead
+# Session-scoped: loaded once on the group's worker whatever order its tests run in (the module fixture was set up
+# twice in CI, 15.5 s each, while pytest 9 left the xdist groups inert and these tests ran on both workers)
 @pytest.fixture(scope="session")
 def qwen05():
     with DeviceWorker() as worker:
