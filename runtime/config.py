@@ -412,6 +412,9 @@ def validate(profile: Profile) -> Profile:
     if lm.drafter in ("draft-model", "dyspec") and not lm.draft_model:  # else a tokenizer error from an empty path
         raise ConfigError(f"lm.drafter = {lm.drafter} needs lm.draft_model: a smaller model sharing the tokenizer "
                           "(e.g. builtin:qwen2.5-coder-0.5b-instruct for the 1.5B)")
+    if lm.not_known_reply and "{question}" not in lm.not_known_check:  # models/lm/refusal_check.py
+        raise ConfigError(f"lm.not_known_check must hold {{question}} where the user's question goes (got "
+                          f"{lm.not_known_check!r})")
     if min(lm.warm_interval_s, lm.connect_deadline_s) < 0 or lm.request_timeout_s <= 0:
         raise ConfigError("lm.warm_interval_s and lm.connect_deadline_s must be >= 0, lm.request_timeout_s > 0")
     serve = profile.serve

@@ -83,6 +83,14 @@ def test_yes_and_no_are_summed_over_their_spellings_and_the_refusal_masked() -> 
     assert masked[0] == float("-inf") and torch.equal(masked[1:], probs[1:]) and probs[0] != float("-inf")
 
 
+def test_a_profile_whose_check_lacks_the_question_slot_is_a_config_error() -> None:
+    from runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lm.not_known_check must hold \{question\}"):
+        load_profile("demo", overrides=["lm.not_known_check=Is it said?"])
+    assert load_profile("small", overrides=["lm.not_known_check=Is it said?"]).lm.not_known_reply == ""  # no check
+
+
 def test_a_check_without_the_question_slot_is_refused(tiny_path) -> None:
     answerer = EngineAnswerer.load(LMConfig(backend="engine", model="tiny:qwen2", max_new_tokens=4, window_tokens=64),
                                    device="cpu", dtype="float32")

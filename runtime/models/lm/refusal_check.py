@@ -87,7 +87,7 @@ class RefusalCheck:
             return logits
         self.checked += 1
         session.end_answer()
-        session.begin_answer(self.question.format(question=question))
+        session.begin_answer(self.question.replace("{question}", question))  # other braces stay as written
         answerable = says_yes(session.next_logits(), self.yes, self.no)
         session.end_answer()
         session.begin_answer(question, after)  # the same tail on the same cache: the same logits again
