@@ -12,7 +12,7 @@ import torch
 from weights_common import ON_QWEN_CODER
 
 from runtime.config import LMConfig, load_profile
-from runtime.errors import CheckpointNotFound
+from runtime.errors import CheckpointNotFound, PromptTooLong
 from runtime.models.lm.engine_answerer import EngineAnswerer
 from runtime.models.lm.refusal_check import RefusalCheck, says_yes, without
 from runtime.models.loading import resolve_checkpoint
@@ -21,13 +21,16 @@ REFUSAL, YES, NO, OTHER = 5, 7, 8, 3
 
 
 class Session:
-    """Answers with set logits per prompt tail; records what was opened and closed."""
+    """Answers with set logits per prompt tail; records what was opened and closed. A tail it has no logits for
+    is too long for it (as the engine refuses a tail past its question budget, before opening anything)."""
 
     def __init__(self, logits: dict[str, torch.Tensor]) -> None:
         self.logits, self.calls, self.open = logits, [], None
 
     def begin_answer(self, question: str, after=()) -> list[int]:
         assert self.open is None
+        if question not in self.logits:
+            raise PromptTooLong(f"{question!r} is too long")
         self.open = question
         self.calls.append(question)
         return []
@@ -72,6 +75,14 @@ def test_a_refusal_is_given_only_when_the_model_says_the_context_does_not_answer
     keep = torch.ones(10, dtype=torch.bool)
     keep[REFUSAL] = False
     assert torch.equal(out[keep], session.logits["q"][keep])
+
+
+def test_a_question_too_long_for_the_check_keeps_its_refusal() -> None:
+    session = Session({"q": logits(refusal=0.4, other=0.35)})  # the check's tail does not fit
+    session.begin_answer("q")
+    c = check()
+    out = c.first_logits(session, "q")
+    assert int(out.argmax()) == REFUSAL and session.open == "q" and (c.checked, c.overturned) == (1, 0)
 
 
 def test_yes_and_no_are_summed_over_their_spellings_and_the_refusal_masked() -> None:

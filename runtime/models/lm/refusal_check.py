@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from runtime.errors import PromptTooLong
 from runtime.models.lm.prompt import Messages
 
 YES, NO = ("Yes", "yes"), ("No", "no")
@@ -87,9 +88,13 @@ class RefusalCheck:
             return logits
         self.checked += 1
         session.end_answer()
-        session.begin_answer(self.question.replace("{question}", question))  # other braces stay as written
-        answerable = says_yes(session.next_logits(), self.yes, self.no)
-        session.end_answer()
+        try:  # other braces in the check stay as written
+            session.begin_answer(self.question.replace("{question}", question))
+        except PromptTooLong:  # a question near the engine's limit leaves no room for the check's words: refuse
+            answerable = False
+        else:
+            answerable = says_yes(session.next_logits(), self.yes, self.no)
+            session.end_answer()
         session.begin_answer(question, after)  # the same tail on the same cache: the same logits again
         if not answerable:
             return session.next_logits()
