@@ -97,11 +97,16 @@ def question_type(question: dict[str, Any]) -> str:
     return str(question.get("type", "answerable"))
 
 
+def says_not_known(answer: str, forbid: list[str]) -> bool:
+    """Whether `answer` says that the answer is not known (`NOT_KNOWN`) and gives none of the words it may not know
+    yet (`forbid`): a right answer to a question asked before its answer was said (here and in video-qa)."""
+    return is_right(answer, [NOT_KNOWN]) and not any(is_right(answer, [[word]]) for word in forbid)
+
+
 def scored(question: dict[str, Any], answer: str) -> bool:
-    """Whether `answer` is right: it holds the expected words, or for a not_yet question it says that the answer
-    is not known (`NOT_KNOWN`) and gives none of the words it may not know yet (`forbid`)."""
+    """Whether `answer` is right: it holds the expected words, or a not_yet question's `says_not_known`."""
     if question_type(question) == "not_yet":
-        return is_right(answer, [NOT_KNOWN]) and not any(is_right(answer, [[word]]) for word in question["forbid"])
+        return says_not_known(answer, question["forbid"])
     return is_right(answer, question["expect"])
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime.bench.answers import is_right
+from runtime.bench.answers import is_right, says_not_known
 from runtime.bench.timing import at_least, at_most, machine
 from runtime.chunks import SAMPLE_RATE
 from runtime.config import Profile, load_profile
@@ -127,9 +127,9 @@ def held_before(lines: list[tuple[float, str]], at: float, expect: list[list[str
     return is_right("\n".join(text for t, text in lines if t < at and not text.startswith("User: ")), expect)
 
 
-def score(question: dict[str, Any], answer: str, not_known: list[str]) -> bool:
+def score(question: dict[str, Any], answer: str) -> bool:
     if question["kind"] == "not_yet":
-        return is_right(answer, [not_known]) and not any(is_right(answer, [[f]]) for f in question["forbid"])
+        return says_not_known(answer, question["forbid"])
     return is_right(answer, question["expect"])
 
 
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> dict[str, An
             lines = context_lines(context)
             for q, a in zip(talk["questions"], got, strict=True):
                 rows.append({"talk": talk["id"], "at": q["at"], "kind": q["kind"], "question": q["q"],
-                             "answer": a["text"].strip(), "right": score(q, a["text"], data["not_known"]),
+                             "answer": a["text"].strip(), "right": score(q, a["text"]),
                              "answer_in_context": held_before(lines, q["at"], q["expect"]) if "expect" in q else None,
                              "first_token_s": round(a["first"] - a["created"], 3) if a["first"] else None,
                              "done_s": round(a["done"] - a["created"], 3) if a["done"] else None,
