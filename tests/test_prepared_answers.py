@@ -3,6 +3,8 @@ request prepared from the conversation as the turn would leave it equals the one
 commit; a start with that request gets the prepared answer, any other request (or the user speaking on) releases
 it before anything else starts on the stream."""
 
+import asyncio
+
 import pytest
 from session_fakes import TwoStepAnswer
 
@@ -11,7 +13,9 @@ from runtime.function_tools import ToolUse, parse_tools
 from runtime.memory.conversation import Conversation, Item
 from runtime.memory.screen_notes import ScreenNotes
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.models.lm.answering import AnswerRequest, Preparing, TextAnswer
+from runtime.models.lm.answering import AnswerRequest, Preparing, Step, TextAnswer
+from runtime.models.lm.backend import AnswerStep
+from runtime.models.tts.clauses import split_clauses
 from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.local_answers import OnWorker
 from runtime.pipeline.screen import NotesWithQuestion
@@ -80,6 +84,104 @@ async def test_a_request_with_tools_is_not_prepared():
         running = await answering.start(_request("what is the plan"))
         await running.close()
     assert backend.log == [("start", "what is the plan"), ("release", "what is the plan")]
+
+
+class _WordsAnswer:
+    """Says `text` a word a step, logging each step; `fail_at` makes that step raise."""
+
+    prompt_ids = [1]  # noqa: RUF012 - read only
+
+    def __init__(self, text: str, log: list[str], fail_at: int | None = None) -> None:
+        self.words, self.log, self.fail_at = [w + " " for w in text.split()], log, fail_at
+        self.words[-1] = self.words[-1].rstrip()
+        self.i = 0
+
+    def step(self) -> AnswerStep:
+        if self.i == self.fail_at:
+            raise RuntimeError("step failed")
+        self.i += 1
+        self.log.append(f"step {self.i}")
+        done = self.i >= len(self.words)
+        return AnswerStep(self.words[self.i - 1] if self.i <= len(self.words) else "", done, "stop" if done else None)
+
+    def release(self) -> None:
+        self.log.append("release")
+
+    def stats(self) -> None:
+        return None
+
+
+class _WordsBackend:
+    name = "words"
+
+    def __init__(self, text: str, fail_at: int | None = None) -> None:
+        self.text, self.fail_at, self.log = text, fail_at, []
+
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None) -> _WordsAnswer:
+        self.log.append("start")
+        return _WordsAnswer(self.text, self.log, self.fail_at)
+
+
+ANSWER = "The train to Boston leaves at seven from platform four."
+
+
+async def _all_steps(running) -> list[Step]:
+    steps = [await running.step()]
+    while not steps[-1].done:
+        steps.append(await running.step())
+    await running.close()
+    return steps
+
+
+@pytest.mark.asyncio
+async def test_a_prepared_answer_decodes_its_first_clause_ahead_and_then_goes_on_as_unprepared():
+    plain, ahead = _WordsBackend(ANSWER), _WordsBackend(ANSWER)
+    with DeviceWorker() as worker:
+        unprepared = await _all_steps(await OnWorker(plain, worker).start(_request("when")))
+        answering = OnWorker(ahead, worker)
+        answering.prepare(_request("when"))
+        for _ in range(200):  # the pause: the steps ahead run until the first clause is written
+            await asyncio.sleep(0.005)
+        before_start = list(ahead.log)
+        prepared = await _all_steps(await answering.start(_request("when")))
+    # the first clause by the voice's rule: "The train to Boston" (3 words at least, not ending on a function word)
+    first = split_clauses(ANSWER)[0]
+    assert first == "The train to Boston" and before_start == ["start", "step 1", "step 2", "step 3", "step 4"]
+    assert answering.steps_decoded_ahead == 4 and answering.prepared_used == 1
+    assert prepared == unprepared and "".join(s.text for s in prepared) == ANSWER
+    assert ahead.log == plain.log  # every step once, then the release
+
+
+@pytest.mark.asyncio
+async def test_steps_ahead_stop_at_the_cap_and_when_the_preparation_is_dropped():
+    backend = _WordsBackend("one two three four five six seven eight")
+    with DeviceWorker() as worker:
+        answering = OnWorker(backend, worker, steps_ahead=2)
+        answering.prepare(_request("count"))
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+        assert backend.log == ["start", "step 1", "step 2"]
+        answering.drop_prepared()
+        running = await answering.start(_request("count again"))
+        await running.close()
+    assert backend.log == ["start", "step 1", "step 2", "release", "start", "release"]
+
+
+@pytest.mark.asyncio
+async def test_a_step_ahead_that_fails_releases_and_the_start_begins_again():
+    backend = _WordsBackend(ANSWER, fail_at=1)  # its second step fails
+    with DeviceWorker() as worker:
+        answering = OnWorker(backend, worker)
+        answering.prepare(_request("when"))
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+        running = await answering.start(_request("when"))
+        assert (await running.step()).text == "The "
+        with pytest.raises(RuntimeError, match="step failed"):  # the fresh start's own error, at its own step
+            await running.step()
+        await running.close()
+    assert backend.log == ["start", "step 1", "release", "start", "step 1", "release"]
+    assert answering.prepared_used == 0
 
 
 class _Recording:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.events import new_id
@@ -25,38 +26,63 @@ from runtime.models.lm.tool_calls import CallText, ToolFormat, ToolPrompt
 from runtime.models.tts.clauses import ClauseSplitter
 from runtime.worker import DeviceWorker, Priority, Together
 
+# a prepared answer's steps decoded during the pause, at most: a first clause is 3-6 words (`ClauseRules`), 1-2 tokens
+# each, a drafted step one or more of them
+STEPS_AHEAD = 12
+
 
 class OnWorker:
     """A local backend's answers, each call a job on the device worker (model compute never runs on the loop).
 
-    Prepared answers (`Preparing`): `prepare` starts a plain answer (no tools) at once, and the next `start` with the
-    very same request takes it as it was started; a different request, or `drop_prepared`, releases it first. The
-    answer's view of the context is frozen when it starts (the engine's target group), so the prefill that goes on
-    meanwhile changes nothing: a prepared answer is the answer that `start` would have given then. One at a time: a
-    stream holds one open answer, so every release finishes before another start. It only starts: decoding steps
-    ahead as well held the worker when the turn's last chunk came (on 2 cores voice-to-voice p50 1.09 s with 6 steps
-    ahead against 0.98-1.05 s without; docs/model_card_piper_joe.md)."""
+    Prepared answers: `prepare` starts a plain answer (no tools) at once and decodes its opening ahead (`_Ahead`: its
+    steps until a first clause is written, at most `steps_ahead`), and the next `start` with the very same request
+    takes it as it was started, the steps decoded so far replayed first; a different request, or `drop_prepared`,
+    stops the steps and releases it. The answer's view of the context is frozen when it starts (the engine's target
+    group), so the prefill that goes on meanwhile changes nothing: a prepared answer is the answer that `start` would
+    have given then, step for step. One at a time: a stream holds one open answer, so every release finishes before
+    another start. Steps ahead once lost (voice-to-voice 1.09 s against 0.98-1.05 s without: they held the one worker
+    when the turn's last chunk came); with ASR on its own worker thread they no longer stand in its way
+    (docs/model_card_piper_joe.md)."""
 
-    def __init__(self, backend: AnswerBackend, worker: DeviceWorker, stream: LMStream | None = None) -> None:
-        self.backend, self.worker, self.stream = backend, worker, stream
+    def __init__(self, backend: AnswerBackend, worker: DeviceWorker, stream: LMStream | None = None,
+                 steps_ahead: int = STEPS_AHEAD) -> None:
+        self.backend, self.worker, self.stream, self.steps_ahead = backend, worker, stream, steps_ahead
         # a backend whose answers' steps share forwards (the engine's): each step goes through it
         self.together: Together[Answer, AnswerStep] | None = getattr(backend, "step_together", None)
         self.prepared_used = 0  # starts that found their answer prepared
         self.prepared_dropped = 0
-        self._prepared: tuple[AnswerRequest, asyncio.Task[Answer]] | None = None
+        self.steps_decoded_ahead = 0  # steps of prepared answers decoded before their start (used or not)
+        self._prepared: tuple[AnswerRequest, _Ahead, asyncio.Task[Answer]] | None = None
         self._releasing: set[asyncio.Task[None]] = set()
 
     def prepare(self, request: AnswerRequest) -> None:
         self.drop_prepared()
         if not request.tools.tools:
-            self._prepared = (request, asyncio.ensure_future(self._open(request.context, request.question,
-                                                                        request.max_tokens)))
+            ahead = _Ahead()
+            self._prepared = (request, ahead, asyncio.ensure_future(self._open_ahead(request, ahead)))
+
+    async def _open_ahead(self, request: AnswerRequest, ahead: _Ahead) -> Answer:
+        answer = await self._open(request.context, request.question, request.max_tokens)
+        opening = ClauseSplitter()
+        try:
+            while not ahead.stop and len(ahead.steps) < self.steps_ahead:
+                # below the openings and prefills of answers a user already waits for; taken, it goes on at OPENING
+                step = await _step(self.worker, Priority.DECODE, answer, self.together)
+                ahead.steps.append(step)
+                self.steps_decoded_ahead += 1
+                if step.done or opening.push(step.delta):
+                    break
+        except Exception:
+            await self.worker.run(Priority.CONTROL, answer.release)
+            raise
+        return answer
 
     def drop_prepared(self) -> None:
         prepared, self._prepared = self._prepared, None
         if prepared is not None:
             self.prepared_dropped += 1
-            task = asyncio.ensure_future(self._release(prepared[1]))
+            prepared[1].stop = True
+            task = asyncio.ensure_future(self._release(prepared[2]))
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
 
@@ -71,17 +97,19 @@ class OnWorker:
         prepared = self._prepared
         if prepared is not None and prepared[0] == request:
             self._prepared = None
+            _, ahead, task = prepared
+            ahead.stop = True  # the step in flight finishes; the rest are the answer's own, at its priority
             try:
-                answer = await prepared[1]
+                answer = await task
             except asyncio.CancelledError:  # (the session stops) what it started is still released
                 self._prepared = prepared
                 self.drop_prepared()
                 raise
-            except Exception:  # a failed preparation: started again below, which reports its own error
+            except Exception:  # a failed preparation (released): started again below, which reports its own error
                 pass
             else:
                 self.prepared_used += 1
-                return WorkerAnswer(answer, self.worker, together=self.together)
+                return WorkerAnswer(answer, self.worker, together=self.together, replay=deque(ahead.steps))
         self.drop_prepared()
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
@@ -136,6 +164,21 @@ class OnWorker:
 
 
 @dataclass(eq=False)
+class _Ahead:
+    """A prepared answer's steps decoded before its start; `stop` ends them after the step in flight."""
+
+    steps: list[AnswerStep] = field(default_factory=list)
+    stop: bool = False
+
+
+async def _step(worker: DeviceWorker, priority: Priority, answer: Answer,
+                together: Together[Answer, AnswerStep] | None) -> AnswerStep:
+    if together is not None:
+        return await worker.run_together(priority, together, answer)
+    return await worker.run(priority, answer.step)
+
+
+@dataclass(eq=False)
 class WorkerAnswer:
     """A local answer: each step a worker job. With `call`, its text is that call's arguments."""
 
@@ -148,6 +191,7 @@ class WorkerAnswer:
     # the answer's opening, until a first clause is written (the rule a voice cuts it by): its steps run at
     # `Priority.OPENING`, ahead of other conversations' question prefills; then at DECODE. None once it is written
     opening: ClauseSplitter | None = field(default_factory=ClauseSplitter)
+    replay: deque[AnswerStep] = field(default_factory=deque)  # its steps decoded ahead (`OnWorker.prepare`), first
 
     @property
     def prompt_tokens(self) -> int:
@@ -159,11 +203,8 @@ class WorkerAnswer:
         return Priority.OPENING if self.opening is not None else Priority.DECODE
 
     async def step(self) -> Step:
-        priority = self.priority
-        if self.together is not None:
-            step: AnswerStep = await self.worker.run_together(priority, self.together, self.answer)
-        else:
-            step = await self.worker.run(priority, self.answer.step)
+        step = self.replay.popleft() if self.replay else await _step(self.worker, self.priority, self.answer,
+                                                                      self.together)
         if self.opening is not None and self.opening.push(step.delta):
             self.opening = None
         parse = self.call_text
