@@ -64,6 +64,8 @@ class ASRConfig:
     final_pass_window_s: float = 30.0
     # the offline pass's search: beams of openai-whisper's beam search (whisper_beam.py); 1 = greedy
     final_pass_beam: int = 1
+    # in a captions session the offline pass also reads the turn before with the turn (final_pass.py, "Reading on")
+    final_pass_read_on: bool = True
     # causal-whisper: the decoders' vocabulary projection (stream and final pass): "" (the model's dtype) | int8
     # (weight-only, bfloat16 activations, on CPU: whisper_head.py)
     head_weights: str = ""

@@ -92,6 +92,11 @@ class SessionConfig:
         """How answers are spoken now, or None when they are text."""
         return self.output if self.output_modalities == ("audio",) else None
 
+    def captions_only(self) -> bool:
+        """Whether turn detection ends the user's turns without answering them (a captions session): the final pass
+        then reads each turn on from the one before (pipeline/audio.py, "Reading on")."""
+        return self.turn_detection is not None and not self.turn_detection.create_response
+
     def transcription_prompt(self) -> str:
         """`audio.input.transcription.prompt`: the user's own words (names, terms), which the ASR reads before each
         turn with the turns before it (Whisper's previous text; pipeline/audio.py)."""

@@ -143,7 +143,8 @@ async def _session(asr: StreamingASR, turn_models: TurnModels, audio: np.ndarray
     channel: BlockingChannel[AudioChunk | BufferEnd] = BlockingChannel(8, "audio")
     with DeviceWorker() as worker:
         processor = AudioProcessor(channel, open_asr, worker, emit, Conversation(), HeardClock(), ContextChanges(),
-                                   turns=TurnTaking(turn_models, settings, AnswerActivity()), speech_gate=gate)
+                                   turns=TurnTaking(turn_models, settings, AnswerActivity()), speech_gate=gate,
+                                   reads_on=settings.config.captions_only if context else None)
         task = asyncio.create_task(processor.run())
         for start in range(0, len(audio), step):
             await channel.put(AudioChunk(audio[start : start + step], start))
@@ -301,7 +302,7 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
     `--adapter` and `--graph-runtime` as for the systems). `shared`: models `asr_systems.build` loaded (reused)."""
     from dataclasses import replace
 
-    from runtime.bench.asr_systems import OFFLINE_TOKENS, faster_whisper, stream_adapter
+    from runtime.bench.asr_systems import OFFLINE_TOKENS, faster_whisper, stream_adapter, stream_reads_on
     from runtime.config import ASRConfig, load_profile
     from runtime.errors import CheckpointNotFound
     from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
@@ -319,14 +320,15 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
         return {"reason": f"no voice activity detector: {err}"}
     shared = shared or {}
     profile = load_profile("whisper-tiny-en").asr
+    read_on = stream_reads_on(ref, profile.final_pass_read_on)
     cfg = replace(profile, model=ref, chunk_ms=300, preview_ms=0, final_pass="offline",
-                  adapter=stream_adapter(args, ref, profile.adapter),
+                  adapter=stream_adapter(args, ref, profile.adapter), final_pass_read_on=read_on,
                   graph_runtime=getattr(args, "graph_runtime", None) or profile.graph_runtime)
     if "causal" in shared and "pass" in shared:  # the systems' stream and offline pass, as the two-pass rows run
         first, (second, search) = shared["causal"], shared["pass"]
-        cfg = replace(first.cfg, chunk_ms=300, preview_ms=0, final_pass="offline")
+        cfg = replace(first.cfg, chunk_ms=300, preview_ms=0, final_pass="offline", final_pass_read_on=read_on)
         asr = CausalWhisperASR(first.model, first.tokenizer, cfg, name=first.name,
-                               final_pass=OfflinePass(second, search), onnx_step=first.onnx_step,
+                               final_pass=OfflinePass(second, search, read_on=read_on), onnx_step=first.onnx_step,
                                encoder_graph=first.encoder_graph)
     else:
         asr = load_asr(cfg, device=device, dtype=dtype, progress=status)

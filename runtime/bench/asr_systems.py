@@ -74,6 +74,14 @@ def stream_adapter(args: argparse.Namespace, ref: str, profile_adapter: str) -> 
     return base.adapter if ref == base.model else ""
 
 
+def stream_reads_on(ref: str, profile_reads_on: bool) -> bool:
+    """Whether the captions of `ref` read on from the turn before (`asr.final_pass_read_on`): the whisper-tiny-en
+    profile's (`profile_reads_on`), or the whisper-base profile's when `ref` is that one's Whisper, as a session runs
+    it."""
+    base = load_profile("whisper-base").asr
+    return base.final_pass_read_on if ref == base.model else profile_reads_on
+
+
 def causal_id(ms: int, final_pass: str = "", preview: int = 0) -> str:
     return f"causal-whisper-{ms}ms" + (f"-preview{preview}ms" if preview else "") + (
         f"+{final_pass}" if final_pass else "")

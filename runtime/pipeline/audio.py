@@ -33,6 +33,13 @@ whether the preparation was in time; a client's commit in a pause keeps it (what
 transcript the prepared pass will likely give goes to the `TurnSink` (`turn_may_end`), which may start on the answer
 before the rule has decided (`QuestionProcessor.prepare`); speech that resumes takes it back (`turn_goes_on`).
 
+Reading on (`read_on`, the `ReadsOn` streams': causal Whisper with its offline pass): in a session that does not
+answer turns (captions: `turn_detection.create_response` off), a committed buffer's turn is handed to the next
+buffer's stream, whose final pass then reads it together with its own audio (final_pass.py, "Reading on"): a reader's
+sentence cut at a pause is heard as one. Not in a session that answers: there the turns are questions with an answer
+between them, and the pass's extra decode would come after the answer was prepared from the turn's own transcript
+(`turn_may_end`), which a different final transcript would drop. A cleared or empty buffer hands nothing on.
+
 One chunk is one worker job at ASR priority (the highest after control: captions are the latency budget), so
 the loop never runs the model.
 """
@@ -63,7 +70,7 @@ from runtime.events import (
     new_id,
 )
 from runtime.memory.conversation import Conversation, Item
-from runtime.models.asr.base import ASRStream, Speech, SpeechEnds, TranscriptUpdate
+from runtime.models.asr.base import ASRStream, ReadsOn, Speech, SpeechEnds, TranscriptUpdate
 from runtime.pipeline import Emit
 from runtime.pipeline.input_buffer import BufferTranscript
 from runtime.pipeline.turn_signals import IdleTimeout, TurnEvent, Turns, TurnSink
@@ -104,12 +111,13 @@ class AudioProcessor:
                  worker: DeviceWorker, emit: Emit, conversation: Conversation, heard: HeardClock,
                  changes: ContextChanges, *, first_stream: ASRStream | None = None, turns: Turns | None = None,
                  sink: TurnSink | None = None, speech_gate: bool = False,
-                 vocabulary: Callable[[], str] | None = None, speech: Callable[[], Speech | None] | None = None
-                 ) -> None:
+                 vocabulary: Callable[[], str] | None = None, speech: Callable[[], Speech | None] | None = None,
+                 reads_on: Callable[[], bool] | None = None) -> None:
         """`first_stream`: the first buffer's stream, opened by the builder (so a broken model fails the session
         before it starts); later buffers open theirs with `open_asr`. `speech_gate`: see the module doc.
         `vocabulary`: the session's transcription prompt now (read as each buffer opens). `speech`: the language and
-        task the session asks for now (None: the profile's), given to each buffer's stream as it opens."""
+        task the session asks for now (None: the profile's), given to each buffer's stream as it opens. `reads_on`:
+        whether a buffer's stream reads on from the buffer committed before it now (module doc; None: never)."""
         self.channel, self.open_asr, self.worker, self.emit = channel, open_asr, worker, emit
         self.conversation, self.heard, self.changes = conversation, heard, changes
         self.turns, self.sink = turns, sink
@@ -131,6 +139,8 @@ class AudioProcessor:
         self._said: deque[str] = deque()  # the committed buffers' transcripts, the most recent CONTEXT_CHARS
         self._speech_end: int | None = None  # the open buffer's speech end given to its stream (`end_speech`)
         self._said_chars = 0
+        self.reads_on = reads_on
+        self._turn_before: object | None = None  # the last committed buffer's turn, for the next stream (`ReadsOn`)
 
     async def run(self) -> None:
         try:
@@ -163,6 +173,10 @@ class AudioProcessor:
             self._listened_from_open = self.turns is not None and self.turns.listening()
             self.buffer_samples = 0
             await self._set_context(self.stream, chunk.start)
+            before, self._turn_before = self._turn_before, None
+            if before is not None and isinstance(self.stream, ReadsOn) and self.reads_on is not None \
+                    and self.reads_on():
+                await self.worker.run(Priority.ASR, self.stream.read_on, before)
         self.buffer_samples += len(chunk.samples)
         self.audio_end = chunk.end
         updates = await self._step(self.stream.accept, chunk, chunk.start)
@@ -341,6 +355,7 @@ class AudioProcessor:
         buffer, stream = self.buffer, self.stream
         at = self.audio_end
         if end.clear:
+            self._turn_before = None  # the next buffer does not follow what was dropped
             if buffer is not None:
                 self.conversation.delete(buffer.item_id)
                 self.changes.mark()
@@ -370,6 +385,8 @@ class AudioProcessor:
             await self._publish(final)
             done = buffer.complete(at)
         self.conversation.apply(done)
+        if done.transcript.strip() and isinstance(stream, ReadsOn):
+            self._turn_before = stream.turn_before()
         self._remember(done.transcript)
         await self.emit(transcript_event(done))
         await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=at))

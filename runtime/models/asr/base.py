@@ -85,6 +85,20 @@ class SpeechEnds(Protocol):
         ...
 
 
+@runtime_checkable
+class ReadsOn(Protocol):
+    """A stream whose final pass can read the turn before it with its own (a reader's sentence carried across a
+    pause; captions sessions, pipeline/audio.py)."""
+
+    def read_on(self, before: object) -> None:
+        """Before the first chunk: the turn before, as another stream of the same model gave it (`turn_before`)."""
+        ...
+
+    def turn_before(self) -> object | None:
+        """After `finish`: this stream's turn for the next stream to read on from; None when it held no words."""
+        ...
+
+
 class StreamingASR(Protocol):
     """A loaded model shared by sessions."""
 

@@ -48,6 +48,10 @@ Every item of the stream starts from it (after a reset, followed by the carried 
 its previews decode on from it, and the final pass decodes with it too: the causal stream, its previews and the
 final pass all read the same words before the turn.
 
+The turn before, read on (`read_on`, before the first chunk; a captions session's, pipeline/audio.py): the offline
+pass of the stream's first item also decodes that turn's audio and ids with its own (final_pass.py, `TurnBefore`);
+`turn_before` gives the finished stream's last item for the next stream.
+
 `reference.offline_run` is the exactness reference (`reference.offline_transcript` its transcript): one
 `forward_full` per segment, `RecomputeDecoder` (no caches, per-position cross-attention masks), the same rule,
 steps, resets and previews.
@@ -80,7 +84,7 @@ from runtime.models.asr.causal_whisper.encoder import (
     block_frames_for,
     emission_sample,
 )
-from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, check
+from runtime.models.asr.causal_whisper.final_pass import DecoderPass, FinalPass, OfflinePass, TurnBefore, check
 from runtime.models.asr.causal_whisper.graph_choice import pass_graph, stream_graphs, wants_graphs
 from runtime.models.asr.causal_whisper.onnx_decoder import OnnxDecoder, OnnxStep
 from runtime.models.asr.causal_whisper.onnx_encoder import OnnxEncoderLayers
@@ -225,7 +229,7 @@ class CausalWhisperASR:
                                           cfg.final_pass_dtype or dtype)
                 searched = graphs and cfg.final_pass_beam == 1  # the graph runs greedy searches only
                 final = OfflinePass(offline, pass_graph(copy.deepcopy(model), offline, cfg, device, progress)
-                                    if searched else None)
+                                    if searched else None, read_on=cfg.final_pass_read_on)
             if cfg.adapter:
                 from runtime.models.asr.causal_whisper.lora import load_adapter
 
@@ -302,7 +306,8 @@ class CausalWhisperASR:
         room = max(0, self.prompt_tokens - len(carry.forced))
         return replace(carry, previous=fit_previous(context.vocabulary, [*context.recent, *carry.previous], room))
 
-    def final_ids(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
+    def final_ids(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None,
+                  before: TurnBefore | None = None) -> list[int]:
         """The committed item's final ids: its stream's, or the final pass's when the stream heard any words or the
         pass judges speech itself (the `offline` pass: a stream given the turns before as context sometimes writes
         nothing for a short turn, "two" after "one", that the pass hears; over silence Whisper's no-speech
@@ -310,7 +315,7 @@ class CausalWhisperASR:
         ids = [t.id for t in item.tokens]
         if self.final_pass is None or not (self.final_pass.judges_speech or self.text(ids).strip()):
             return ids
-        return self.final_pass.revise(item, audio, speech)
+        return self.final_pass.revise(item, audio, speech, before)
 
 
 def offline_decoder(model: WhisperForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, path: Path,
@@ -353,6 +358,8 @@ class CausalWhisperStream:
         self._asr = asr
         self._next_sample: int | None = None  # where the next chunk must start
         self._speech_until: int | None = None  # the final pass's last sample, once turn detection heard the speech end
+        self._before: TurnBefore | None = None  # the turn before, for the first item's final pass (`read_on`)
+        self._finished: TurnBefore | None = None  # its own last item, once finished (`turn_before`)
         self._history: list[Token] = []
         self._state = "open"
         self._item_start = 0.0
@@ -389,6 +396,19 @@ class CausalWhisperStream:
         self._context = self._asr.context(previous, vocabulary)
         self._first = self._asr.first_carry(self._context)
         self._open_segment(0, self._first, _Samples())
+
+    def read_on(self, before: object) -> None:
+        """The turn before this one (another stream's `turn_before`), which the final pass of this stream's first
+        item reads first (module docstring); before the first chunk."""
+        if self._next_sample is not None or self._state != "open":
+            raise RuntimeError("read_on must come before the stream's first chunk")
+        if not isinstance(before, TurnBefore):
+            raise TypeError(f"read_on takes a causal Whisper stream's turn_before, not {type(before).__name__}")
+        self._before = before
+
+    def turn_before(self) -> TurnBefore | None:
+        """After `finish`: its last item as the next stream's turn before (`read_on`); None when it held no words."""
+        return self._finished
 
     def _open_segment(self, start_sample: int, carry: Carry | None, audio: _Samples) -> None:
         asr = self._asr
@@ -475,6 +495,7 @@ class CausalWhisperStream:
         item_from = self._frames * FRAME_SAMPLES - restart  # the next item starts where this one ended
         self._open_segment(self._seg_start + restart, carry, _Samples(self._audio.view(restart)))
         self._item_from = item_from
+        self._before = None  # the next item is not the turn's start: its pass reads no turn before it
         return update
 
     def finish(self) -> list[TranscriptUpdate]:
@@ -493,7 +514,9 @@ class CausalWhisperStream:
         if final is not None:
             final.last_language = ""  # set again only if the pass runs on this item (one worker thread runs both)
         speech = Speech(self._speech.language, self._speech.task)
-        ids = self._asr.final_ids(self._item, self._final_audio(), speech)
+        audio = self._final_audio()
+        ids = self._asr.final_ids(self._item, audio, speech, self._before)
+        self._finished = TurnBefore(audio.copy(), tuple(ids)) if ids else None
         if final is not None and final.last_language:
             self._language = final.last_language
         return [self._complete(ids, end_frame=None, revisable=self._asr.final_pass is not None)]

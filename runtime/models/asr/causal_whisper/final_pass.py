@@ -66,6 +66,17 @@ together each replaced the other's, and both commits computed their pass again (
 thread, in the final transcript's time at two conversations: 0.10 s p50 against 0.015 s at one). What depends on
 the stream's own words (the loop fallback, the witness check, a beam search's draft) is decided at the commit, on the
 words the stream has then.
+
+Reading on from the turn before (`TurnBefore`, captions sessions: pipeline/audio.py). A turn alone loses words a
+reader's sentence carries across a pause, and the previous text alone does not bring them back: on `bench
+asr-quality`'s passage read by two held-out voices, tiny.en's captions had 13.6 % and 10.5 % WER against
+faster-whisper's 11.7 % and 7.4 % over the whole file, whose 30 s windows hold the sentences before. So where the
+turn before is given, the pass also decodes that turn's audio and this one's in one window, the turn before's final
+ids forced as the start of the transcript (as Whisper, trained on 30 s windows, reads a sentence that follows
+another), and keeps what comes after them when the stream is its witness (`agrees` and `covers`, and no loop); else
+the turn's own pass stands. A forced prefix that was misheard can derail a greedy search (tried on a sentence at a
+time: byte tokens from the second sentence on), which the witness catches. It runs at the commit (not prepared),
+once the turn's own pass has judged it speech, and only while both turns fit Whisper's 30 s.
 """
 
 from __future__ import annotations
@@ -80,6 +91,7 @@ from typing import Protocol
 
 import numpy as np
 
+from runtime.chunks import SAMPLE_RATE
 from runtime.errors import ConfigError
 from runtime.models.asr.causal_whisper.emission import ItemDecoder
 from runtime.models.asr.whisper_language import Speech
@@ -169,9 +181,11 @@ class FinalPass(Protocol):
     name: str
     judges_speech: bool  # it says itself whether an item holds speech (run even where the stream wrote nothing)
 
-    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
+    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None,
+               before: TurnBefore | None = None) -> list[int]:
         """The item's final token ids, given its decoder state after the last block and the audio it covers, in
-        `speech`'s language and task (None: the model's)."""
+        `speech`'s language and task (None: the model's); `before`: the turn before it, which a pass may read
+        first (module doc)."""
         ...
 
 
@@ -179,7 +193,8 @@ class DecoderPass:
     name = "decoder"
     judges_speech = False
 
-    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
+    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None,
+               before: TurnBefore | None = None) -> list[int]:
         item.redecode()  # in the stream's own language and task
         return [t.id for t in item.tokens]
 
@@ -196,6 +211,18 @@ class _Prepared:
     no_speech: float | None  # the judgement of `ids` with the previous text
 
 
+WINDOW_SAMPLES = 30 * SAMPLE_RATE  # Whisper's window: a turn and the turn before it are read together only within it
+
+
+@dataclass(frozen=True, eq=False)
+class TurnBefore:
+    """The turn before an item, as its final pass may read it first: the audio that turn's pass read, and the ids
+    it gave."""
+
+    audio: np.ndarray
+    ids: tuple[int, ...]
+
+
 PREPARED = 8  # preparations kept (each 1-3 MB: 1,500 encoder states), for conversations that pause at once
 
 
@@ -208,11 +235,13 @@ class OfflinePass:
     name = "offline"
     judges_speech = True
 
-    def __init__(self, offline: Hypothesis, search: Search | None = None, no_speech: float = NO_SPEECH) -> None:
+    def __init__(self, offline: Hypothesis, search: Search | None = None, no_speech: float = NO_SPEECH,
+                 read_on: bool = True) -> None:
         """`search`: the greedy search run elsewhere than `offline`'s own decoder (an ONNX Runtime graph of it,
         onnx_pass.py); the encoding, the loop check and the beam retry stay `offline`'s. `no_speech`: the
-        no-speech probability above which an item completes empty (above 1: never; the bench's ungated row)."""
-        self.offline, self.search, self.no_speech = offline, search, no_speech
+        no-speech probability above which an item completes empty (above 1: never; the bench's ungated row).
+        `read_on`: whether it reads on from a turn before given to `revise` (`asr.final_pass_read_on`)."""
+        self.offline, self.search, self.no_speech, self.reads_on = offline, search, no_speech, read_on
         self.retried = 0  # items whose transcript looped and were decoded again with RETRY_BEAMS
         self.kept_stream = 0  # items that looped with beams too and kept the stream's text
         self.silent = 0  # items Whisper heard no speech in (completed empty)
@@ -221,6 +250,7 @@ class OfflinePass:
         self.last_no_speech = 0.0  # the no-speech probability of the last item revised
         self.last_language = ""  # the language the last item was decoded in (detected over it when not given)
         self.prepared_used = 0  # revisions that found their pure parts prepared (module doc)
+        self.read_on = 0  # items whose transcript came from reading on from the turn before (module doc)
         self._prepared: OrderedDict[tuple[object, ...], _Prepared] = OrderedDict()  # by key, oldest first
 
     def prepare(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int] | None:
@@ -243,9 +273,32 @@ class OfflinePass:
             return None
         return [] if no_speech > self.no_speech else list(ids)
 
-    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None) -> list[int]:
+    def revise(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None,
+               before: TurnBefore | None = None) -> list[int]:
         """As `FinalPass.revise`; a language `speech` does not give is detected over the item's audio (its first 30 s
         window: Whisper's own language identification), which may differ from what the stream detected early."""
+        ids = self._own(item, audio, speech)
+        if before is None or not self.reads_on or not ids or len(before.audio) + len(audio) > WINDOW_SAMPLES:
+            return ids
+        return self._read_on(item, audio, speech, before, ids)
+
+    def _read_on(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None, before: TurnBefore,
+                 ids: list[int]) -> list[int]:
+        """The item read on from the turn before in one window (module doc), if the stream agrees; else `ids`."""
+        offline, forced = self.offline, list(before.ids)
+        encoded = offline.encode(np.concatenate([before.audio, audio]))
+        # in the language the item's own pass decoded in (detected over the item alone when not given)
+        known = Speech(self.last_language, speech.task) if speech is not None and self.last_language else speech
+        sot, _ = offline.sot_for(encoded, known)
+        read = offline.decode(encoded, forced=forced, beams=1, previous=item.previous, sot=sot)[len(forced):]
+        stream, text = offline.text([t.id for t in item.tokens]), offline.text(read)
+        if not read or loops(text) or not (agrees(stream, text) and covers(stream, text)):
+            return ids
+        self.read_on += 1
+        return read
+
+    def _own(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None) -> list[int]:
+        """The item's transcript from its own audio (module doc: the witness, the beams and the no-speech rule)."""
         offline, previous = self.offline, item.previous
         ready = self._prepared.pop(_key(audio, previous, speech), None)
         self.prepared_used += ready is not None

@@ -1,0 +1,214 @@
+"""Reading on from the turn before (final_pass.py, "Reading on"; pipeline/audio.py): in a captions session a turn's
+offline pass also decodes the turn before's audio with its own, that turn's ids forced, and keeps what follows them
+when the stream agrees.
+
+- The pass: the window it encodes is exactly the turn before's audio then the item's, the forced ids are the turn
+  before's, and it keeps the part after them only with the stream as witness; silence and turns over 30 s are not
+  read on.
+- The stream: its first item's pass gets the turn before, an item after a 30 s reset does not; `turn_before` is the
+  audio and ids its own pass read and gave.
+- The processor hands a committed buffer's turn to the next buffer's stream only in a session that does not answer
+  turns, and not across a clear.
+- On the real tiny.en, the pass's read-on transcript is a plain greedy decode (transformers, no cache) of the same
+  window after the same forced ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from session_fakes import WordASR, WordStream
+from test_causal_whisper_decoder import make_audio, run_stream
+from test_causal_whisper_final_pass import Recorder, cfg, item_with
+
+from runtime.channels import BlockingChannel
+from runtime.chunks import SAMPLE_RATE, AudioChunk
+from runtime.memory.conversation import Conversation
+from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+from runtime.models.asr.causal_whisper.final_pass import OfflinePass, TurnBefore
+from runtime.models.asr.whisper_window import Encoded
+from runtime.pipeline.audio import AudioProcessor, BufferEnd
+from runtime.session_state import ContextChanges, HeardClock
+from runtime.worker import DeviceWorker
+
+WORDS = [" the", " ferry", " leaves", " at", " six", ".", " Captain", " Marwood", " checks", " ropes"]
+
+
+class Reader(Recorder):
+    """A full-context decoder that writes `own` for a turn's audio and, given forced ids, writes them and `read`."""
+
+    def __init__(self, own: list[int], read: list[int]) -> None:
+        super().__init__(own, words=WORDS)
+        self.read = read
+        self.forced: list[list[int]] = []
+
+    def decode(self, encoded: Encoded, forced: Sequence[int] = (), beams: int | None = None,
+               draft: Sequence[int] = (), previous: Sequence[int] = (), sot: Sequence[int] | None = None) -> list[int]:
+        ids = super().decode(encoded, forced, beams, draft, previous, sot)
+        self.forced.append(list(forced))
+        return [*forced, *self.read] if forced else ids
+
+    def text(self, ids: Sequence[int]) -> str:  # a random model's stream writes other ids: no words, no witness
+        return "".join(WORDS[i] for i in ids if i < len(WORDS))
+
+
+@pytest.fixture(scope="module")
+def base() -> CausalWhisperASR:
+    return CausalWhisperASR.load(cfg(), device="cpu", dtype="float32")
+
+
+def test_the_pass_reads_the_turn_before_and_its_own_audio_in_one_window(base: CausalWhisperASR) -> None:
+    before = TurnBefore(make_audio(1.0), (0, 1, 2, 3, 4, 5))
+    audio = make_audio(1.5)
+    reader = Reader(own=[6, 7, 9], read=[6, 7, 8, 9])  # alone it lost " checks"; read on, it hears it
+    final = OfflinePass(reader)
+    assert final.revise(item_with(base, [6, 7, 8, 9]), audio, before=before) == [6, 7, 8, 9]
+    assert final.read_on == 1 and reader.forced[-1] == [0, 1, 2, 3, 4, 5]
+    np.testing.assert_array_equal(reader.heard[0], audio)  # its own pass first (the no-speech rule, the witness)
+    np.testing.assert_array_equal(reader.heard[-1], np.concatenate([before.audio, audio]))
+    assert final.revise(item_with(base, [6, 7, 8, 9]), audio) == [6, 7, 9]  # no turn before: its own
+    off = Reader(own=[6, 7, 9], read=[6, 7, 8, 9])  # a profile that does not read on (whisper-base's)
+    assert OfflinePass(off, read_on=False).revise(item_with(base, [6, 7, 8, 9]), audio, before=before) == [6, 7, 9]
+    assert len(off.heard) == 1 and off.forced == [[]]
+
+
+def test_a_reading_the_stream_does_not_witness_is_dropped(base: CausalWhisperASR) -> None:
+    before = TurnBefore(make_audio(1.0), (0, 1, 2))
+    for read in ([5, 5], []):  # other words than the stream's, or nothing after the forced ids
+        final = OfflinePass(Reader(own=[6, 7, 9], read=read))
+        assert final.revise(item_with(base, [6, 7, 8, 9]), make_audio(1.5), before=before) == [6, 7, 9]
+        assert final.read_on == 0
+
+
+def test_silence_and_turns_over_whisper_s_window_are_not_read_on(base: CausalWhisperASR) -> None:
+    reader = Reader(own=[6, 7], read=[6, 7, 8])
+    reader.no_speech = 0.9  # Whisper hears no speech in the turn: it completes empty, nothing is read on
+    assert OfflinePass(reader).revise(item_with(base, []), make_audio(1.0), before=TurnBefore(make_audio(1.0),
+                                                                                                (0, 1))) == []
+    assert len(reader.heard) == 1
+    reader = Reader(own=[6, 7], read=[6, 7, 8])
+    long_before = TurnBefore(np.zeros(29 * SAMPLE_RATE, np.float32), (0, 1))
+    assert OfflinePass(reader).revise(item_with(base, [6, 7, 8]), make_audio(1.5), before=long_before) == [6, 7]
+    assert len(reader.heard) == 1 and reader.forced == [[]]
+
+
+def test_a_streams_first_item_reads_on_and_hands_its_own_turn_to_the_next(base: CausalWhisperASR) -> None:
+    reader = Reader(own=[6, 7], read=[6, 7, 8])
+    asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="offline", reset_s=30.0),
+                           final_pass=OfflinePass(reader))
+    first, second = make_audio(1.2), make_audio(1.0) * 0.5
+    stream = asr.open_stream()
+    run_stream(stream, first, [len(first)])
+    handed = stream.turn_before()
+    assert handed is not None and handed.ids == (6, 7) and reader.forced == [[]]
+    np.testing.assert_array_equal(handed.audio, first)  # the audio its own pass read
+    nxt = asr.open_stream()
+    nxt.read_on(handed)
+    done = [u for u in run_stream(nxt, second, [len(second)]) if u.completed]
+    assert reader.forced[-1] == [6, 7] and done[-1].transcript == asr.text([6, 7, 8])
+    np.testing.assert_array_equal(reader.heard[-1], np.concatenate([first, second]))
+    late = asr.open_stream()
+    run_stream(late, second, [len(second)])
+    with pytest.raises(RuntimeError, match="before the stream's first chunk"):
+        late.read_on(handed)
+    with pytest.raises(TypeError, match="turn_before"):
+        asr.open_stream().read_on(("audio", [1]))
+
+
+def test_an_item_after_a_30_s_reset_is_not_read_on(base: CausalWhisperASR) -> None:
+    reader = Reader(own=[6, 7], read=[6, 7, 8])
+    asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="offline"), final_pass=OfflinePass(reader))
+    stream = asr.open_stream()  # reset_s 3.0: the committed item of 4.5 s starts after a reset
+    stream.read_on(TurnBefore(make_audio(1.0), (0, 1)))
+    done = [u for u in run_stream(stream, make_audio(4.5), [16_000] * 5) if u.completed]
+    assert len(done) >= 2 and all(not f for f in reader.forced)
+
+
+@dataclass
+class _ReadingStream(WordStream):
+    """A word stream that records what it was handed to read on from, and hands on its words."""
+
+    handed: list[object] = field(default_factory=list)
+
+    def read_on(self, before: object) -> None:
+        self.handed.append(before)
+
+    def turn_before(self) -> object | None:
+        return ("turn", tuple(self.chunks))
+
+
+class _ReadingASR(WordASR):
+    def open_stream(self) -> _ReadingStream:
+        self.streams.append(_ReadingStream(self))
+        return self.streams[-1]  # type: ignore[return-value]
+
+
+async def _buffers(ends: list[BufferEnd], captions: bool) -> list[_ReadingStream]:
+    """Three buffers of two chunks, each ended by `ends[i]`, through the audio processor."""
+    asr = _ReadingASR(per_item=1000)
+    channel: BlockingChannel[AudioChunk | BufferEnd] = BlockingChannel(16, "audio")
+    step = SAMPLE_RATE // 10
+    for i in range(6):
+        await channel.put(AudioChunk(np.full(step, 0.1, np.float32), i * step))
+        if i % 2:
+            await channel.put(ends[i // 2])
+    channel.close()
+
+    async def emit(event) -> None:
+        pass
+
+    with DeviceWorker() as worker:
+        await AudioProcessor(channel, asr.open_stream, worker, emit, Conversation(), HeardClock(), ContextChanges(),
+                             reads_on=lambda: captions).run()
+    return asr.streams  # type: ignore[return-value]
+
+
+@pytest.mark.asyncio
+async def test_a_captions_session_hands_each_committed_turn_to_the_next_stream() -> None:
+    streams = await _buffers([BufferEnd(), BufferEnd(), BufferEnd()], captions=True)
+    assert [s.handed for s in streams] == [[], [("turn", (0, 1))], [("turn", (2, 3))]]
+    streams = await _buffers([BufferEnd(), BufferEnd(), BufferEnd()], captions=False)  # a session that answers
+    assert all(not s.handed for s in streams)
+    streams = await _buffers([BufferEnd(), BufferEnd(clear=True), BufferEnd()], captions=True)
+    assert [s.handed for s in streams] == [[], [("turn", (0, 1))], []]  # nothing follows a dropped buffer
+
+
+@pytest.mark.slow
+def test_the_real_pass_reads_on_as_a_plain_greedy_decode_of_the_same_window(base: CausalWhisperASR) -> None:
+    """tiny.en over two sentences said by espeak-ng: the read-on ids are what a cache-free greedy loop over the
+    model (transformers' forward, every step from scratch) writes after the same forced ids."""
+    from runtime.bench.asr_captions import READING
+    from runtime.config import ASRConfig
+    from runtime.models.asr.registry import load_asr
+    from runtime.train.synthesizers import Voice, resample, synthesize
+
+    offline = load_asr(ASRConfig(backend="whisper-buffered", model="builtin:whisper-tiny.en"), device="cpu",
+                       dtype="float32")
+    final = OfflinePass(offline)
+    said = []
+    for text in READING[3:5]:
+        samples, rate, _ = synthesize(Voice("espeak", "en-us"), text, np.random.default_rng(0))
+        said.append(resample(samples, rate, SAMPLE_RATE).astype(np.float32))
+    before = TurnBefore(said[0], tuple(offline.decode(offline.encode(said[0]))))
+    own = offline.decode(offline.encode(said[1]))
+    read = final.revise(item_with(base, own), said[1], before=before)  # a stream that wrote what the pass did
+    assert final.read_on == 1
+    window = np.concatenate([said[0], said[1]])
+    features = offline.feature_extractor(window, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+    ids = offline.prefix([], offline.sot_for(offline.encode(window))[0]) + list(before.ids)
+    written: list[int] = []
+    with torch.inference_mode():
+        for _ in range(60):
+            logits = offline.model(input_features=features,
+                                   decoder_input_ids=torch.tensor([ids + written])).logits[0, -1].float()
+            if offline.suppress:
+                logits[offline.suppress] = float("-inf")
+            token = int(logits.argmax())
+            if token == offline.eos_id:
+                break
+            written.append(token)
+    assert read == written and offline.text(read).strip()
