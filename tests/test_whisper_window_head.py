@@ -169,9 +169,9 @@ def test_the_offline_pass_decodes_the_windowed_states_streamed_or_offline(buffer
     passes: list[list[int]] = []  # each item's previous text as the pass received it (a spy: nothing changes)
     revise = asr.final_pass.revise
 
-    def spy(item, audio, speech=None):  # noqa: ANN001, ANN202
+    def spy(item, audio, speech=None, before=None):  # noqa: ANN001, ANN202
         passes.append(list(item.previous))
-        return revise(item, audio, speech)
+        return revise(item, audio, speech, before)
 
     asr.final_pass.revise = spy  # type: ignore[method-assign]
     reference = offline_transcript(asr, audio)
