@@ -202,9 +202,10 @@ def test_the_real_pass_reads_on_as_a_plain_greedy_decode_of_the_same_window(base
     ids = offline.prefix([], offline.sot_for(offline.encode(window))[0]) + list(before.ids)
     written: list[int] = []
     with torch.inference_mode():
+        states = offline.model.model.encoder(features)  # once: every step below runs the whole decoder again
         for _ in range(60):
-            logits = offline.model(input_features=features,
-                                   decoder_input_ids=torch.tensor([ids + written])).logits[0, -1].float()
+            logits = offline.model(encoder_outputs=states, decoder_input_ids=torch.tensor([ids + written]),
+                                   use_cache=False).logits[0, -1].float()
             if offline.suppress:
                 logits[offline.suppress] = float("-inf")
             token = int(logits.argmax())
