@@ -71,6 +71,7 @@ class Captioned:
     words_shown: int = 0
     turns: int = 0
     compute_s: float = 0.0
+    read_on: int = 0  # turns whose transcript the final pass read on from the turn before (final_pass.py)
 
     @property
     def text(self) -> str:
@@ -100,10 +101,12 @@ def caption(asr: StreamingASR, turn_models: TurnModels, audio: np.ndarray, *, ga
     threshold = final.no_speech if isinstance(final, OfflinePass) else None
     if isinstance(final, OfflinePass):
         final.no_speech = NO_SPEECH if gate else float("inf")
+    read_on = final.read_on if isinstance(final, OfflinePass) else 0
     try:
         began = time.perf_counter()
         out = asyncio.run(_session(asr, turn_models, audio, gate, context))
         out.compute_s = time.perf_counter() - began
+        out.read_on = final.read_on - read_on if isinstance(final, OfflinePass) else 0
         return out
     finally:
         if isinstance(final, OfflinePass) and threshold is not None:
@@ -254,7 +257,7 @@ def long_form_row(asr: StreamingASR, turn_models: TurnModels, audio: np.ndarray,
     without = caption(asr, turn_models, audio, context=False)
     row: dict[str, Any] = {"audio_s": round(len(audio) / SAMPLE_RATE, 2), "reference": normalize(ref)}
     for key, run in (("streamed_with_context", with_context), ("streamed_without_context", without)):
-        row[key] = {"wer": round(100 * wer([ref], [run.text]), 2), "turns": run.turns,
+        row[key] = {"wer": round(100 * wer([ref], [run.text]), 2), "turns": run.turns, "turns_read_on": run.read_on,
                     "compute_s_per_audio_s": round(run.compute_s / (len(audio) / SAMPLE_RATE), 4),
                     "transcript": normalize(run.text)}
     if offline is not None:
