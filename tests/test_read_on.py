@@ -52,8 +52,18 @@ class Reader(Recorder):
         self.forced.append(list(forced))
         return [*forced, *self.read] if forced else ids
 
-    def text(self, ids: Sequence[int]) -> str:  # a random model's stream writes other ids: no words, no witness
+    def text(self, ids: Sequence[int]) -> str:
         return "".join(WORDS[i] for i in ids if i < len(WORDS))
+
+
+class Witnessed(Reader):
+    """A `Reader` for a real (random-weight) stream: whatever ids the stream wrote, spelled as the reading's words
+    (a witness that agrees with it)."""
+
+    def text(self, ids: Sequence[int]) -> str:
+        if ids and all(i < len(WORDS) for i in ids):
+            return super().text(ids)
+        return super().text(self.read) if ids else ""
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +92,9 @@ def test_a_reading_the_stream_does_not_witness_is_dropped(base: CausalWhisperASR
         final = OfflinePass(Reader(own=[6, 7, 9], read=read))
         assert final.revise(item_with(base, [6, 7, 8, 9]), make_audio(1.5), before=before) == [6, 7, 9]
         assert final.read_on == 0
+    reader = Reader(own=[6, 7, 9], read=[6, 7, 8, 9])  # a stream that wrote nothing is no witness: not read on
+    assert OfflinePass(reader).revise(item_with(base, []), make_audio(1.5), before=before) == [6, 7, 9]
+    assert len(reader.heard) == 1 and reader.forced == [[]]
 
 
 def test_silence_and_turns_over_whisper_s_window_are_not_read_on(base: CausalWhisperASR) -> None:
@@ -97,7 +110,7 @@ def test_silence_and_turns_over_whisper_s_window_are_not_read_on(base: CausalWhi
 
 
 def test_a_streams_first_item_reads_on_and_hands_its_own_turn_to_the_next(base: CausalWhisperASR) -> None:
-    reader = Reader(own=[6, 7], read=[6, 7, 8])
+    reader = Witnessed(own=[6, 7], read=[6, 7, 8])
     asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="offline", reset_s=30.0),
                            final_pass=OfflinePass(reader))
     first, second = make_audio(1.2), make_audio(1.0) * 0.5
@@ -120,7 +133,7 @@ def test_a_streams_first_item_reads_on_and_hands_its_own_turn_to_the_next(base: 
 
 
 def test_an_item_after_a_30_s_reset_is_not_read_on(base: CausalWhisperASR) -> None:
-    reader = Reader(own=[6, 7], read=[6, 7, 8])
+    reader = Witnessed(own=[6, 7], read=[6, 7, 8])
     asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="offline"), final_pass=OfflinePass(reader))
     stream = asr.open_stream()  # reset_s 3.0: the committed item of 4.5 s starts after a reset
     stream.read_on(TurnBefore(make_audio(1.0), (0, 1)))

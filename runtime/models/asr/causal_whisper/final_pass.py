@@ -73,10 +73,10 @@ asr-quality`'s passage read by two held-out voices, tiny.en's captions had 13.6 
 faster-whisper's 11.7 % and 7.4 % over the whole file, whose 30 s windows hold the sentences before. So where the
 turn before is given, the pass also decodes that turn's audio and this one's in one window, the turn before's final
 ids forced as the start of the transcript (as Whisper, trained on 30 s windows, reads a sentence that follows
-another), and keeps what comes after them when the stream is its witness (`agrees` and `covers`, and no loop); else
-the turn's own pass stands. A forced prefix that was misheard can derail a greedy search (tried on a sentence at a
-time: byte tokens from the second sentence on), which the witness catches. It runs at the commit (not prepared),
-once the turn's own pass has judged it speech, and only while both turns fit Whisper's 30 s.
+another), and keeps what comes after them when the stream is its witness (it wrote words, `agrees` and `covers`, and
+no loop); else the turn's own pass stands. A forced prefix that was misheard can derail a greedy search (tried on a
+sentence at a time: byte tokens from the second sentence on), which the witness catches. It runs at the commit (not
+prepared), once the turn's own pass has judged it speech, and only while both turns fit Whisper's 30 s.
 """
 
 from __future__ import annotations
@@ -286,12 +286,15 @@ class OfflinePass:
                  ids: list[int]) -> list[int]:
         """The item read on from the turn before in one window (module doc), if the stream agrees; else `ids`."""
         offline, forced = self.offline, list(before.ids)
+        stream = offline.text([t.id for t in item.tokens])
+        if not words(stream):  # no witness: a forced prefix that derailed would go unseen
+            return ids
         encoded = offline.encode(np.concatenate([before.audio, audio]))
         # in the language the item's own pass decoded in (detected over the item alone when not given)
         known = Speech(self.last_language, speech.task) if speech is not None and self.last_language else speech
         sot, _ = offline.sot_for(encoded, known)
         read = offline.decode(encoded, forced=forced, beams=1, previous=item.previous, sot=sot)[len(forced):]
-        stream, text = offline.text([t.id for t in item.tokens]), offline.text(read)
+        text = offline.text(read)
         if not read or loops(text) or not (agrees(stream, text) and covers(stream, text)):
             return ids
         self.read_on += 1
