@@ -184,6 +184,24 @@ async def test_a_step_ahead_that_fails_releases_and_the_start_begins_again():
     assert answering.prepared_used == 0
 
 
+@pytest.mark.asyncio
+async def test_a_start_cancelled_while_its_preparation_runs_still_releases_the_answer():
+    backend = _WordsBackend(ANSWER)
+    with DeviceWorker() as worker:
+        answering = OnWorker(backend, worker)
+        answering.prepare(_request("when"))
+        start = asyncio.ensure_future(answering.start(_request("when")))
+        await asyncio.sleep(0)  # the start is waiting for the preparation
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        for _ in range(200):
+            if "release" in backend.log:
+                break
+            await asyncio.sleep(0.005)
+    assert backend.log[0] == "start" and backend.log[-1] == "release" and backend.log.count("release") == 1
+
+
 class _Recording:
     """An answerer that can prepare: records what it was asked to prepare and to start."""
 

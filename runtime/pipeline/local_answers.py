@@ -89,7 +89,7 @@ class OnWorker:
     async def _release(self, started: asyncio.Task[Answer]) -> None:
         try:
             answer = await started
-        except Exception:  # it failed to start: nothing is open (a real start reports its own error)
+        except (Exception, asyncio.CancelledError):  # it failed to start (or was cancelled): nothing is open
             return
         await self.worker.run(Priority.CONTROL, answer.release)
 
@@ -99,8 +99,8 @@ class OnWorker:
             self._prepared = None
             _, ahead, task = prepared
             ahead.stop = True  # the step in flight finishes; the rest are the answer's own, at its priority
-            try:
-                answer = await task
+            try:  # shielded: a cancelled start leaves the preparation running, and its release awaits it
+                answer = await asyncio.shield(task)
             except asyncio.CancelledError:  # (the session stops) what it started is still released
                 self._prepared = prepared
                 self.drop_prepared()

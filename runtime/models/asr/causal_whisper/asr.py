@@ -516,7 +516,8 @@ class CausalWhisperStream:
         speech = Speech(self._speech.language, self._speech.task)
         audio = self._final_audio()
         ids = self._asr.final_ids(self._item, audio, speech, self._before)
-        self._finished = TurnBefore(audio.copy(), tuple(ids)) if ids else None
+        reads_on = final is not None and final.reads_on  # (the next stream's pass reads it: kept only then)
+        self._finished = TurnBefore(audio.copy(), tuple(ids)) if ids and reads_on else None
         if final is not None and final.last_language:
             self._language = final.last_language
         return [self._complete(ids, end_frame=None, revisable=self._asr.final_pass is not None)]
