@@ -336,7 +336,7 @@ async def test_page_plays_the_spoken_answer_and_cancel_silences_it(tmp_path):
                            problems)
             await wait_for(page, "window.speakingLog.some(([, s]) => s === '')", deadline, "the sound did not stop",
                            problems)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(1.5)  # the silence after it, past the jitter buffer's lag (below)
             answer = await text_of(page, "#answer")
             first_log, levels = await page.evaluate("[window.speakingLog, window.levels]")
 
@@ -360,7 +360,9 @@ async def test_page_plays_the_spoken_answer_and_cancel_silences_it(tmp_path):
     assert 2.0 <= (stopped - started) / 1000 <= 8.0, first_log  # the answer plays at real time (about 3.5 s)
     before = levels_between(levels, levels[0][0], started)
     during = levels_between(levels, started, stopped + 300)  # the sound lags the event by the jitter buffer
-    after = levels_between(levels, stopped + 400, float("inf"))
+    # the page plays the track behind its jitter buffer: 0.3-0.4 s on a quiet machine, more beside CI's other tests (a
+    # run there still heard the answer 0.4 s after .stopped, 2026-11-30)
+    after = levels_between(levels, stopped + 900, float("inf"))
     assert len(before) >= 15 and max(before) < QUIET, before  # a second of silence before the answer
     assert max(during) > 2 * LOUD and sum(rms > LOUD for rms in during) >= len(during) // 2, during  # speech
     assert after and max(after) < QUIET, after
