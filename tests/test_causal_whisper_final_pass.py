@@ -26,8 +26,11 @@ from runtime.models.asr.causal_whisper.final_pass import (
     PREPARED,
     DecoderPass,
     OfflinePass,
+    agrees,
     compression_ratio,
     loops,
+    shared_words,
+    words,
 )
 from runtime.models.asr.causal_whisper.reference import offline_transcript
 from runtime.models.asr.whisper_window import Encoded
@@ -283,3 +286,13 @@ def test_a_pass_cut_short_is_decoded_again_with_beams_and_kept_if_it_holds_more_
     final = OfflinePass(recorder)
     assert final.revise(item_with(base, [4]), make_audio(1.0)) == SENTENCE and recorder.searches == [1]
     assert final.beamed == 0
+
+
+def test_the_witness_compares_words_of_any_script() -> None:
+    """The witness and the loop fallback compare words; the whisper-base profile writes other languages than English,
+    whose letters must not cut words apart (a stream's "años" agreed with a pass's "años, a os" before)."""
+    assert words("Hace dos AÑOS, él llegó.") == ["hace", "dos", "años", "él", "llegó"]
+    assert words("Don't stop: it's 7 o'clock") == ["don't", "stop", "it's", "7", "o'clock"]
+    assert words("我们去 Tokyo 吧") == ["我", "们", "去", "tokyo", "吧"]  # no spaces between words: each character
+    assert shared_words("Die Straße über der Brücke", "die straße unter der brücke") == 4
+    assert agrees("Über den Fluß", "über den Fluß.") and not agrees("años", "a os")

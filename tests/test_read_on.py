@@ -30,11 +30,13 @@ from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.memory.conversation import Conversation
 from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
 from runtime.models.asr.causal_whisper.final_pass import OfflinePass, TurnBefore
+from runtime.models.asr.whisper_language import Speech
 from runtime.models.asr.whisper_window import Encoded
 from runtime.pipeline.audio import AudioProcessor, BufferEnd
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker
 
+EN = Speech("en")  # what the fakes' passes decode in (`Recorder.sot_for`)
 WORDS = [" the", " ferry", " leaves", " at", " six", ".", " Captain", " Marwood", " checks", " ropes"]
 
 
@@ -72,7 +74,7 @@ def base() -> CausalWhisperASR:
 
 
 def test_the_pass_reads_the_turn_before_and_its_own_audio_in_one_window(base: CausalWhisperASR) -> None:
-    before = TurnBefore(make_audio(1.0), (0, 1, 2, 3, 4, 5))
+    before = TurnBefore(make_audio(1.0), (0, 1, 2, 3, 4, 5), EN)
     audio = make_audio(1.5)
     reader = Reader(own=[6, 7, 9], read=[6, 7, 8, 9])  # alone it lost " checks"; read on, it hears it
     final = OfflinePass(reader)
@@ -87,7 +89,7 @@ def test_the_pass_reads_the_turn_before_and_its_own_audio_in_one_window(base: Ca
 
 
 def test_a_reading_the_stream_does_not_witness_is_dropped(base: CausalWhisperASR) -> None:
-    before = TurnBefore(make_audio(1.0), (0, 1, 2))
+    before = TurnBefore(make_audio(1.0), (0, 1, 2), EN)
     for read in ([5, 5], []):  # other words than the stream's, or nothing after the forced ids
         final = OfflinePass(Reader(own=[6, 7, 9], read=read))
         assert final.revise(item_with(base, [6, 7, 8, 9]), make_audio(1.5), before=before) == [6, 7, 9]
@@ -97,14 +99,37 @@ def test_a_reading_the_stream_does_not_witness_is_dropped(base: CausalWhisperASR
     assert len(reader.heard) == 1 and reader.forced == [[]]
 
 
+def test_a_turn_before_in_another_language_or_task_is_not_read_on(base: CausalWhisperASR) -> None:
+    for speech in (Speech("de"), Speech("en", "translate")):
+        reader = Reader(own=[6, 7, 9], read=[6, 7, 8, 9])
+        final = OfflinePass(reader)
+        assert final.revise(item_with(base, [6, 7, 8, 9]), make_audio(1.5), Speech("en"),
+                            before=TurnBefore(make_audio(1.0), (0, 1), speech)) == [6, 7, 9]
+        assert final.read_on == 0 and reader.forced == [[]]
+
+
+def test_a_failure_while_reading_on_leaves_the_turns_own_transcript(base: CausalWhisperASR,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    class Failing(Reader):
+        def decode(self, encoded: Encoded, forced: Sequence[int] = (), *args: object, **kwargs: object) -> list[int]:
+            if forced:
+                raise RuntimeError("out of memory")
+            return super().decode(encoded, forced, *args, **kwargs)  # type: ignore[arg-type]
+
+    final = OfflinePass(Failing(own=[6, 7, 9], read=[6, 7, 8, 9]))
+    assert final.revise(item_with(base, [6, 7, 8, 9]), make_audio(1.5), before=TurnBefore(make_audio(1.0), (0, 1),
+                                                                                             EN)) == [6, 7, 9]
+    assert final.read_on == 0 and "reading on from the turn before failed" in caplog.text
+
+
 def test_silence_and_turns_over_whisper_s_window_are_not_read_on(base: CausalWhisperASR) -> None:
     reader = Reader(own=[6, 7], read=[6, 7, 8])
     reader.no_speech = 0.9  # Whisper hears no speech in the turn: it completes empty, nothing is read on
     assert OfflinePass(reader).revise(item_with(base, []), make_audio(1.0), before=TurnBefore(make_audio(1.0),
-                                                                                                (0, 1))) == []
+                                                                                                (0, 1), EN)) == []
     assert len(reader.heard) == 1
     reader = Reader(own=[6, 7], read=[6, 7, 8])
-    long_before = TurnBefore(np.zeros(29 * SAMPLE_RATE, np.float32), (0, 1))
+    long_before = TurnBefore(np.zeros(29 * SAMPLE_RATE, np.float32), (0, 1), EN)
     assert OfflinePass(reader).revise(item_with(base, [6, 7, 8]), make_audio(1.5), before=long_before) == [6, 7]
     assert len(reader.heard) == 1 and reader.forced == [[]]
 
@@ -117,7 +142,7 @@ def test_a_streams_first_item_reads_on_and_hands_its_own_turn_to_the_next(base: 
     stream = asr.open_stream()
     run_stream(stream, first, [len(first)])
     handed = stream.turn_before()
-    assert handed is not None and handed.ids == (6, 7) and reader.forced == [[]]
+    assert handed is not None and handed.ids == (6, 7) and handed.speech == EN and reader.forced == [[]]
     np.testing.assert_array_equal(handed.audio, first)  # the audio its own pass read
     nxt = asr.open_stream()
     nxt.read_on(handed)
@@ -136,7 +161,7 @@ def test_an_item_after_a_30_s_reset_is_not_read_on(base: CausalWhisperASR) -> No
     reader = Witnessed(own=[6, 7], read=[6, 7, 8])
     asr = CausalWhisperASR(base.model, base.tokenizer, cfg(final_pass="offline"), final_pass=OfflinePass(reader))
     stream = asr.open_stream()  # reset_s 3.0: the committed item of 4.5 s starts after a reset
-    stream.read_on(TurnBefore(make_audio(1.0), (0, 1)))
+    stream.read_on(TurnBefore(make_audio(1.0), (0, 1), EN))
     done = [u for u in run_stream(stream, make_audio(4.5), [16_000] * 5) if u.completed]
     assert len(done) >= 2 and all(not f for f in reader.forced)
 
@@ -206,7 +231,7 @@ def test_the_real_pass_reads_on_as_a_plain_greedy_decode_of_the_same_window(base
     for text in READING[3:5]:
         samples, rate, _ = synthesize(Voice("espeak", "en-us"), text, np.random.default_rng(0))
         said.append(resample(samples, rate, SAMPLE_RATE).astype(np.float32))
-    before = TurnBefore(said[0], tuple(offline.decode(offline.encode(said[0]))))
+    before = TurnBefore(said[0], tuple(offline.decode(offline.encode(said[0]))), EN)
     own = offline.decode(offline.encode(said[1]))
     read = final.revise(item_with(base, own), said[1], before=before)  # a stream that wrote what the pass did
     assert final.read_on == 1

@@ -517,9 +517,10 @@ class CausalWhisperStream:
         audio = self._final_audio()
         ids = self._asr.final_ids(self._item, audio, speech, self._before)
         reads_on = final is not None and final.reads_on  # (the next stream's pass reads it: kept only then)
-        self._finished = TurnBefore(audio.copy(), tuple(ids)) if ids and reads_on else None
         if final is not None and final.last_language:
             self._language = final.last_language
+        self._finished = (TurnBefore(audio.copy(), tuple(ids), Speech(self._language, speech.task))
+                          if ids and reads_on else None)
         return [self._complete(ids, end_frame=None, revisable=self._asr.final_pass is not None)]
 
     def end_speech(self, until_sample: int | None) -> str | None:

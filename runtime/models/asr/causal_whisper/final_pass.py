@@ -82,6 +82,7 @@ prepared), once the turn's own pass has judged it speech, and only while both tu
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import zlib
 from collections import OrderedDict
@@ -98,6 +99,7 @@ from runtime.models.asr.whisper_language import Speech
 from runtime.models.asr.whisper_window import Encoded
 
 FINAL_PASSES = ("none", "decoder", "offline")
+_log = logging.getLogger(__name__)
 
 
 # openai-whisper's `compression_ratio_threshold`: a transcript that zlib compresses more than this is a decoding loop
@@ -148,9 +150,15 @@ def loops(text: str) -> bool:
     return compression_ratio(text) > LOOP_RATIO
 
 
+# Scripts written without spaces between words (Han, kana, Thai, ...): each character counts as a word there.
+_UNSPACED = "\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_WORD = re.compile(f"[{_UNSPACED}]|[^\\W_{_UNSPACED}]+(?:'[^\\W_{_UNSPACED}]+)*")
+
+
 def words(text: str) -> list[str]:
-    """Lower-case words, punctuation dropped: what two transcripts are compared by."""
-    return re.findall(r"[a-z0-9']+", text.lower())
+    """Lower-case words of any script, punctuation dropped: what two transcripts are compared by (the whisper-base
+    profile writes German, Spanish, French, ...: "años" is one word, not "a" and "os")."""
+    return _WORD.findall(text.lower())
 
 
 def shared_words(a: str, b: str) -> int:
@@ -216,11 +224,13 @@ WINDOW_SAMPLES = 30 * SAMPLE_RATE  # Whisper's window: a turn and the turn befor
 
 @dataclass(frozen=True, eq=False)
 class TurnBefore:
-    """The turn before an item, as its final pass may read it first: the audio that turn's pass read, and the ids
-    it gave."""
+    """The turn before an item, as its final pass may read it first: the audio that turn's pass read, the ids it
+    gave, and the language and task they were written in (a turn in another language or task is not read on: its
+    ids, forced, would ask the model to go on in a language the item is not in)."""
 
     audio: np.ndarray
     ids: tuple[int, ...]
+    speech: Speech
 
 
 PREPARED = 8  # preparations kept (each 1-3 MB: 1,500 encoder states), for conversations that pause at once
@@ -280,7 +290,13 @@ class OfflinePass:
         ids = self._own(item, audio, speech)
         if before is None or not self.reads_on or not ids or len(before.audio) + len(audio) > WINDOW_SAMPLES:
             return ids
-        return self._read_on(item, audio, speech, before, ids)
+        if before.speech != Speech(self.last_language, speech.task if speech is not None else before.speech.task):
+            return ids  # the turn before was in another language or task
+        try:
+            return self._read_on(item, audio, speech, before, ids)
+        except Exception:  # reading on only improves a transcript the item already has: a failure must not lose it
+            _log.exception("reading on from the turn before failed; the turn's own transcript stands")
+            return ids
 
     def _read_on(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None, before: TurnBefore,
                  ids: list[int]) -> list[int]:
@@ -290,9 +306,9 @@ class OfflinePass:
         if not words(stream):  # no witness: a forced prefix that derailed would go unseen
             return ids
         encoded = offline.encode(np.concatenate([before.audio, audio]))
-        # in the language the item's own pass decoded in (detected over the item alone when not given)
-        known = Speech(self.last_language, speech.task) if speech is not None and self.last_language else speech
-        sot, _ = offline.sot_for(encoded, known)
+        # in the language the item's own pass decoded in (detected over the item alone when not given): the turn
+        # before's (revise checked)
+        sot, _ = offline.sot_for(encoded, before.speech)
         read = offline.decode(encoded, forced=forced, beams=1, previous=item.previous, sot=sot)[len(forced):]
         text = offline.text(read)
         if not read or loops(text) or not (agrees(stream, text) and covers(stream, text)):
