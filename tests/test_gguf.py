@@ -303,3 +303,30 @@ def test_transformers_conversion_kept_reads_back_as_converted(tmp_path: Path, mo
     with torch.inference_mode():
         assert torch.equal(repaired(ids).logits, want)
     assert transformers_model(path, torch.float32, keep=True).config._name_or_path == str(kept[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_tokenizer_is_the_one_autotokenizer_converts(arch: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`load_tokenizer` picks the tokenizer class from the file's architecture instead of letting AutoTokenizer parse
+    the whole file for a model config (tokenizer.py, `_convert`): the result, saved to and read back from the cache,
+    is the tokenizer AutoTokenizer converts from the same file, class and files alike."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from runtime.models.lm.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(tiny(arch), path, arch, GGMLQuantizationType.Q8_0)
+    want = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    want.save_pretrained(tmp_path / "want")
+    for _ in range(2):  # converted, then read back from the cache
+        ours, eos = load_tokenizer(path)
+        assert type(ours) is type(want) and eos == [2]
+        ours.save_pretrained(tmp_path / "ours")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            assert (json.loads((tmp_path / "ours" / name).read_text())
+                    == json.loads((tmp_path / "want" / name).read_text())), name
+    assert len(list((tmp_path / "cache" / "gguf-tokenizers").iterdir())) >= 1

@@ -5,6 +5,7 @@ Q6_K, Q4_K), in `lm.weights = native`. Locally a missing llama-cpp-python skips;
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,17 @@ def _llama_cpp() -> None:
         pytest.skip(reason)
 
 
+def llama_cpp_tokens(file: Path, text: str) -> list[int]:
+    """llama.cpp's own tokenization of `text` from the GGUF's vocabulary (the file's weights are not read)."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(file), vocab_only=True, verbose=False)
+    try:
+        return list(llm.tokenize(text.encode(), add_bos=False, special=False))
+    finally:
+        llm.close()
+
+
 @pytest.mark.slow
 @ON_QWEN_CODER
 def test_native_logits_match_llama_cpp_on_the_0_5b() -> None:
@@ -39,6 +51,7 @@ def test_native_logits_match_llama_cpp_on_the_0_5b() -> None:
     tokenizer, eos = load_tokenizer(path)
     assert eos and tokenizer.convert_ids_to_tokens(eos[0]).startswith("<|")
     ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert ids == llama_cpp_tokens(gguf_file(path), TEXT)  # the tokenizer converted from the file reads as llama.cpp
     model = load_model(path, device="cpu", dtype=torch.float32, weights="native")
     kinds = {type(m) for m in model.modules()}
     assert Int4Linear in kinds and Int8Linear in kinds  # the Q4_K down projections and the finer rest

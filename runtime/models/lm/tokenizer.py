@@ -2,7 +2,7 @@
 
 A transformers checkpoint keeps them in `tokenizer.json` / `tokenizer_config.json` (a VLM's template may sit in
 `chat_template.json`) and `generation_config.json`. A GGUF file keeps them in its metadata; transformers'
-GGUF converter turns that into a fast tokenizer in a few seconds, so the result is saved once in the runtime
+GGUF converter turns that into a fast tokenizer in about a second, so the result is saved once in the runtime
 cache under the file's name, size and modification time and read back from there afterwards.
 """
 
@@ -14,7 +14,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
 from runtime.errors import CheckpointNotFound
 from runtime.models.build_lock import building
@@ -26,7 +28,7 @@ EOS_FILE = "runtime-eos-ids.json"  # beside the saved tokenizer: the file's end-
 
 def _gguf_tokenizer(file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
     """(tokenizer, end-of-turn ids) of a GGUF file, from the runtime cache when it was converted before: parsing the
-    file's metadata again takes gguf's reader seconds (17 s for Qwen2.5's 151k-token vocabulary and merges)."""
+    file's 151k-token vocabulary and merges again would take a second or more on every load."""
     stat = file.stat()
     cached = cache_dir() / "gguf-tokenizers" / f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if cached.is_dir():
@@ -34,12 +36,12 @@ def _gguf_tokenizer(file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
     with building(cached):  # processes started together: one converts, the others read what it saved
         if cached.is_dir():
             return _read_converted(cached, file)
+        ckpt = open_gguf(file)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+            tokenizer = _convert(file, ckpt.arch)
         except (KeyError, ValueError, TypeError) as err:  # transformers' converter on incomplete metadata
             raise CheckpointNotFound(f"lm checkpoint {file}: no usable tokenizer in the GGUF metadata "
                                      f"({type(err).__name__}: {err})") from None
-        ckpt = open_gguf(file)
         template = ckpt.field("tokenizer.chat_template")
         if template and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = str(template)
@@ -57,11 +59,27 @@ def _gguf_tokenizer(file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
     return tokenizer, ckpt.eos_ids
 
 
+def _convert(file: Path, arch: str) -> PreTrainedTokenizerBase:
+    """The tokenizer transformers converts from `file`, of the class AutoTokenizer would choose for it.
+
+    Why not AutoTokenizer alone: to choose the class it first builds the architecture's whole model config, for
+    Qwen2 and Llama files by parsing every field of the file again with gguf's reader (16 of the 17 s for Qwen2.5's
+    151k-token vocabulary; the tokenizer itself converts in 1 s). The file's architecture is that model type: a type
+    with a tokenizer class of its own (Qwen2) gets it, one without (Llama) the generic fast tokenizer AutoTokenizer
+    falls back to (tests/test_gguf.py: both equal AutoTokenizer's)."""
+    if arch in TOKENIZER_MAPPING_NAMES:
+        return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, tokenizer_type=arch)
+    return PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name)
+
+
 def _read_converted(cached: Path, file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
     eos_file = cached / EOS_FILE
     if not eos_file.is_file():  # converted by an older runtime: saved now
         _write_atomic(eos_file, json.dumps(open_gguf(file).eos_ids))
-    return AutoTokenizer.from_pretrained(cached), list(json.loads(eos_file.read_text()))
+    # the saved backend handed over whole: read from the folder alone, a class with a pre-tokenizer of its own (Qwen2's)
+    # puts that in place of the file's, which a GGUF of that architecture with another pre-tokenizer does not use
+    backend = Tokenizer.from_file(str(cached / "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(cached, tokenizer_object=backend), list(json.loads(eos_file.read_text()))
 
 
 def _write_atomic(path: Path, text: str) -> None:
