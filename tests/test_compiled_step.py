@@ -16,10 +16,6 @@ from runtime.models.lm.compiled_step import CompiledStep, wanted
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_session import EngineSession
 
-# On one worker under `make test` (pytest-xdist's loadgroup): each module fixture below compiles for seconds, and
-# split over two workers every parameter compiled twice (36 s of setup in CI where 20 would do).
-pytestmark = pytest.mark.xdist_group("compiled_step")
-
 WORDS = ["the", "team", "talks", "about", "budget", "for", "next", "year", "in", "morning", "meeting", "and"]
 
 
