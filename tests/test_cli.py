@@ -194,9 +194,10 @@ def test_serve_with_a_file_source_takes_questions_on_stdin(demo_file):
     assert heard == pytest.approx(len(demo_speech()) / 16000, abs=0.05)
 
 
-def test_transcribe_text_output(demo_file):
-    result = _subprocess("transcribe", str(demo_file), "--speed", "0")
-    assert result.returncode == 0, result.stderr
+def test_transcribe_text_output_and_quiet_means_nothing_on_stderr(demo_file):
+    """One process for both (each cost a worker 9 s in CI): the text lines, and `-q` leaving stderr empty."""
+    result = _subprocess("transcribe", str(demo_file), "--speed", "0", "-q")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
     assert "[00:0" in result.stdout  # live lines stamped with media time
 
 
@@ -302,8 +303,3 @@ def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, demo_
     code, _, err = run_cli(capsys, "transcribe", str(demo_file), "-q")
     assert code == 1 and "error: " in err
     assert "runtime: the session reported" in err.splitlines()[-1]
-
-
-def test_quiet_means_nothing_on_stderr(demo_file):
-    result = _subprocess("transcribe", str(demo_file), "-q")
-    assert result.returncode == 0 and result.stderr == "", result.stderr
