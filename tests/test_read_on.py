@@ -88,6 +88,19 @@ def test_the_pass_reads_the_turn_before_and_its_own_audio_in_one_window(base: Ca
     assert len(off.heard) == 1 and off.forced == [[]]
 
 
+def test_the_turn_before_is_forced_once_not_also_in_the_previous_text(base: CausalWhisperASR) -> None:
+    """A captions session's previous text ends with the turn before's words: the window's forced ids hold them, so
+    the forced decode's previous text is what came before them; other previous text is passed whole."""
+    before = TurnBefore(make_audio(1.0), (0, 1, 2), EN)
+    for previous, passed in (([9, 4, 0, 1, 2], [9, 4]), ([9, 4, 0, 1], [9, 4, 0, 1])):
+        reader = Reader(own=[6, 7, 9], read=[6, 7, 8, 9])
+        item = item_with(base, [6, 7, 8, 9])
+        item.previous = list(previous)
+        assert OfflinePass(reader).revise(item, make_audio(1.5), before=before) == [6, 7, 8, 9]
+        assert reader.forced[-1] == [0, 1, 2] and reader.previous[-1] == passed
+        assert reader.previous[0] == previous  # the turn's own pass reads the previous text as it is
+
+
 def test_a_reading_the_stream_does_not_witness_is_dropped(base: CausalWhisperASR) -> None:
     before = TurnBefore(make_audio(1.0), (0, 1, 2), EN)
     for read in ([5, 5], []):  # other words than the stream's, or nothing after the forced ids

