@@ -4,6 +4,7 @@ commit; a start with that request gets the prepared answer, any other request (o
 it before anything else starts on the stream."""
 
 import asyncio
+import threading
 
 import pytest
 from session_fakes import TwoStepAnswer
@@ -20,7 +21,7 @@ from runtime.pipeline.answers import Question, QuestionProcessor
 from runtime.pipeline.local_answers import OnWorker
 from runtime.pipeline.screen import NotesWithQuestion
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
-from runtime.worker import DeviceWorker
+from runtime.worker import DeviceWorker, Priority
 
 
 class _Backend:
@@ -200,6 +201,59 @@ async def test_a_start_cancelled_while_its_preparation_runs_still_releases_the_a
                 break
             await asyncio.sleep(0.005)
     assert backend.log[0] == "start" and backend.log[-1] == "release" and backend.log.count("release") == 1
+
+
+class _BusyAfterFirstStep(_WordsBackend):
+    """Its answers' first step hands the worker a job that holds it until `free` is set (another conversation's
+    clause being synthesised, say): the step ahead that follows waits in the queue behind it."""
+
+    def __init__(self, text: str, worker: DeviceWorker) -> None:
+        super().__init__(text)
+        self.worker, self.free = worker, threading.Event()
+
+    def start(self, context, question, *, seed=None, stream=None, suffix=None, max_tokens=None) -> _WordsAnswer:
+        answer = super().start(context, question)
+        step = answer.step
+
+        def first_then_busy() -> AnswerStep:
+            out = step()
+            if answer.i == 1:
+                self.worker.submit(Priority.SPEECH, self.free.wait)
+            return out
+
+        answer.step = first_then_busy  # type: ignore[method-assign]
+        return answer
+
+
+@pytest.mark.asyncio
+async def test_a_step_ahead_still_queued_at_the_start_is_withdrawn_and_taken_at_the_openings_priority():
+    with DeviceWorker() as worker:
+        unprepared = await _all_steps(await OnWorker(_WordsBackend(ANSWER), worker).start(_request("when")))
+        backend = _BusyAfterFirstStep(ANSWER, worker)
+        answering = OnWorker(backend, worker)
+        answering.prepare(_request("when"))
+        for _ in range(200):  # step 1 ran; step 2 waits at DECODE behind the busy job
+            if answering._prepared[1].queued is not None:  # noqa: SLF001 - the state this test is about
+                break
+            await asyncio.sleep(0.005)
+        try:  # at once: it does not wait for the queued step (which waits for `free`)
+            running = await asyncio.wait_for(answering.start(_request("when")), 5)
+            assert answering.steps_withdrawn == 1 and answering.prepared_used == 1
+            first = await running.step()  # replayed
+            second = asyncio.ensure_future(running.step())  # step 2 again, now at OPENING
+            await asyncio.sleep(0.05)
+            other = worker.submit(Priority.PREFILL, backend.log.append, "another conversation's prefill")
+        finally:
+            backend.free.set()
+        steps = [first, await second]
+        while not steps[-1].done:
+            steps.append(await running.step())
+        await running.close()
+        other.result(timeout=5)
+    assert steps == unprepared
+    assert backend.log[:3] == ["start", "step 1", "step 2"]  # the opening's step before the other's prefill
+    assert "another conversation's prefill" in backend.log[3:]
+    assert backend.log.count("step 2") == 1 and backend.log[-1] == "release"
 
 
 class _Recording:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from runtime.events import new_id
@@ -52,6 +53,7 @@ class OnWorker:
         self.prepared_used = 0  # starts that found their answer prepared
         self.prepared_dropped = 0
         self.steps_decoded_ahead = 0  # steps of prepared answers decoded before their start (used or not)
+        self.steps_withdrawn = 0  # steps ahead still queued when their answer started: taken by it at OPENING
         self._prepared: tuple[AnswerRequest, _Ahead, asyncio.Task[Answer]] | None = None
         self._releasing: set[asyncio.Task[None]] = set()
 
@@ -67,7 +69,17 @@ class OnWorker:
         try:
             while not ahead.stop and len(ahead.steps) < self.steps_ahead:
                 # below the openings and prefills of answers a user already waits for; taken, it goes on at OPENING
-                step = await _step(self.worker, Priority.DECODE, answer, self.together)
+                # (one step of each conversation's queued at a time: outside the worker's slots, which bound the
+                # jobs a user waits for)
+                queued = ahead.queued = _submit(self.worker, Priority.DECODE, answer, self.together)
+                try:
+                    step = await asyncio.wrap_future(queued)
+                except asyncio.CancelledError:
+                    if ahead.stop and queued.cancelled():  # withdrawn by the start before it ran: not decoded
+                        break
+                    raise
+                finally:
+                    ahead.queued = None
                 ahead.steps.append(step)
                 self.steps_decoded_ahead += 1
                 if step.done or opening.push(step.delta):
@@ -81,7 +93,7 @@ class OnWorker:
         prepared, self._prepared = self._prepared, None
         if prepared is not None:
             self.prepared_dropped += 1
-            prepared[1].stop = True
+            prepared[1].withdraw()
             task = asyncio.ensure_future(self._release(prepared[2]))
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
@@ -98,7 +110,9 @@ class OnWorker:
         if prepared is not None and prepared[0] == request:
             self._prepared = None
             _, ahead, task = prepared
-            ahead.stop = True  # the step in flight finishes; the rest are the answer's own, at its priority
+            # a step running finishes; one still queued below other conversations' jobs is withdrawn, and with the
+            # rest is the answer's own, at its priority (OPENING)
+            self.steps_withdrawn += ahead.withdraw()
             try:  # shielded: a cancelled start leaves the preparation running, and its release awaits it
                 answer = await asyncio.shield(task)
             except asyncio.CancelledError:  # (the session stops) what it started is still released
@@ -165,10 +179,25 @@ class OnWorker:
 
 @dataclass(eq=False)
 class _Ahead:
-    """A prepared answer's steps decoded before its start; `stop` ends them after the step in flight."""
+    """A prepared answer's steps decoded before its start; `withdraw` ends them."""
 
     steps: list[AnswerStep] = field(default_factory=list)
     stop: bool = False
+    queued: Future[AnswerStep] | None = None  # the step submitted to the worker and not yet done
+
+    def withdraw(self) -> bool:
+        """No more steps: one running finishes (its step is kept), one not yet started is withdrawn from the
+        worker's queue (True). At a start it waited at DECODE, below the other conversations' openings, prefills
+        and speech; the answer takes it at OPENING."""
+        self.stop = True
+        return self.queued is not None and self.queued.cancel()
+
+
+def _submit(worker: DeviceWorker, priority: Priority, answer: Answer,
+            together: Together[Answer, AnswerStep] | None) -> Future[AnswerStep]:
+    if together is not None:
+        return worker.submit_together(priority, together, answer)
+    return worker.submit(priority, answer.step)
 
 
 async def _step(worker: DeviceWorker, priority: Priority, answer: Answer,
