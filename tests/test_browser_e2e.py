@@ -336,7 +336,7 @@ async def test_page_plays_the_spoken_answer_and_cancel_silences_it(tmp_path):
                            problems)
             await wait_for(page, "window.speakingLog.some(([, s]) => s === '')", deadline, "the sound did not stop",
                            problems)
-            await asyncio.sleep(1.5)  # the silence after it, past the jitter buffer's lag (below)
+            await asyncio.sleep(2.0)  # the silence after it, past the jitter buffer's lag (below)
             answer = await text_of(page, "#answer")
             first_log, levels = await page.evaluate("[window.speakingLog, window.levels]")
 
@@ -360,12 +360,15 @@ async def test_page_plays_the_spoken_answer_and_cancel_silences_it(tmp_path):
     assert 2.0 <= (stopped - started) / 1000 <= 8.0, first_log  # the answer plays at real time (about 3.5 s)
     before = levels_between(levels, levels[0][0], started)
     during = levels_between(levels, started, stopped + 300)  # the sound lags the event by the jitter buffer
-    # the page plays the track behind its jitter buffer: 0.3-0.4 s on a quiet machine, more beside CI's other tests (a
-    # run there still heard the answer 0.4 s after .stopped, 2026-11-30)
-    after = levels_between(levels, stopped + 900, float("inf"))
     assert len(before) >= 15 and max(before) < QUIET, before  # a second of silence before the answer
     assert max(during) > 2 * LOUD and sum(rms > LOUD for rms in during) >= len(during) // 2, during  # speech
-    assert after and max(after) < QUIET, after
+    # The page plays the track behind its jitter buffer: 0.3-0.4 s on a quiet machine, past a second beside CI's other
+    # tests on a slow hour (2026-11-30: still heard 1.1 s after .stopped). So the sound must end as the event says,
+    # behind the lag its start showed, and the track stay silent after it.
+    lag = next(t for t, rms in levels if t >= started and rms > LOUD) - started
+    heard_until = max(t for t, rms in levels if rms >= QUIET)
+    assert heard_until <= stopped + lag + 600, {"lag_ms": lag, "heard_after_stopped_ms": heard_until - stopped}
+    assert levels[-1][0] - heard_until >= 400 and max(levels_between(levels, heard_until + 1, float("inf"))) < QUIET
     cleared = when(second_log, "interrupted")
     assert max(levels_between(second_levels, cleared - 1000, cleared)) > LOUD  # it was speaking when cancelled
     assert max(levels_between(second_levels, cleared + 200, float("inf"))) < QUIET  # and stopped within 200 ms
