@@ -294,5 +294,7 @@ def test_the_witness_compares_words_of_any_script() -> None:
     assert words("Hace dos AÑOS, él llegó.") == ["hace", "dos", "años", "él", "llegó"]
     assert words("Don't stop: it's 7 o'clock") == ["don't", "stop", "it's", "7", "o'clock"]
     assert words("我们去 Tokyo 吧") == ["我", "们", "去", "tokyo", "吧"]  # no spaces between words: each character
+    assert words("हिन्दी भाषा") == ["हिन्दी", "भाषा"]  # vowel signs and the virama are marks inside the word
+    assert words("cafe\u0301, it\u2019s students'") == ["café", "it's", "students"]
     assert shared_words("Die Straße über der Brücke", "die straße unter der brücke") == 4
     assert agrees("Über den Fluß", "über den Fluß.") and not agrees("años", "a os")

@@ -14,6 +14,7 @@ under an enum of the names, then writes that function's arguments. With `auto` s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import deque
 from concurrent.futures import Future
@@ -25,7 +26,7 @@ from runtime.models.lm.answering import AnswerRequest, CallDelta, RunningAnswer,
 from runtime.models.lm.backend import Answer, AnswerBackend, AnswerStep, DecodingStats, LMStream
 from runtime.models.lm.tool_calls import CallText, ToolFormat, ToolPrompt
 from runtime.models.tts.clauses import ClauseSplitter
-from runtime.worker import DeviceWorker, Priority, Together
+from runtime.worker import DeviceWorker, Priority, Together, WorkerStopped
 
 # a prepared answer's steps decoded during the pause, at most: a first clause is 3-6 words (`ClauseRules`), 1-2 tokens
 # each, a drafted step one or more of them
@@ -75,8 +76,9 @@ class OnWorker:
                 try:
                     step = await asyncio.wrap_future(queued)
                 except asyncio.CancelledError:
-                    if ahead.stop and queued.cancelled():  # withdrawn by the start before it ran: not decoded
-                        break
+                    task = asyncio.current_task()
+                    if ahead.stop and queued.cancelled() and not (task and task.cancelling()):
+                        break  # withdrawn by the start before it ran: not decoded
                     raise
                 finally:
                     ahead.queued = None
@@ -84,8 +86,9 @@ class OnWorker:
                 self.steps_decoded_ahead += 1
                 if step.done or opening.push(step.delta):
                     break
-        except Exception:
-            await self.worker.run(Priority.CONTROL, answer.release)
+        except BaseException:  # a failed step, or the task cancelled (the loop closing): what it opened is released
+            with contextlib.suppress(WorkerStopped):
+                self.worker.submit(Priority.CONTROL, answer.release)
             raise
         return answer
 

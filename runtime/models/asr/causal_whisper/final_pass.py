@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
+import unicodedata
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -150,15 +150,46 @@ def loops(text: str) -> bool:
     return compression_ratio(text) > LOOP_RATIO
 
 
-# Scripts written without spaces between words (Han, kana, Thai, ...): each character counts as a word there.
-_UNSPACED = "\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
-_WORD = re.compile(f"[{_UNSPACED}]|[^\\W_{_UNSPACED}]+(?:'[^\\W_{_UNSPACED}]+)*")
+# Scripts written without spaces between words (Thai, Lao, Tibetan, Myanmar, Khmer, kana, Han): there each character,
+# with the vowel signs and marks that follow it, counts as a word.
+_UNSPACED = ((0x0E00, 0x0FFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3040, 0x30FF), (0x3400, 0x4DBF),
+             (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0xFF66, 0xFF9F), (0x20000, 0x3134F))
+
+
+def _unspaced(ch: str) -> bool:
+    code = ord(ch)
+    return any(lo <= code <= hi for lo, hi in _UNSPACED)
 
 
 def words(text: str) -> list[str]:
-    """Lower-case words of any script, punctuation dropped: what two transcripts are compared by (the whisper-base
-    profile writes German, Spanish, French, ...: "años" is one word, not "a" and "os")."""
-    return _WORD.findall(text.lower())
+    """Lower-case words of any script, punctuation dropped: what two transcripts are compared by. A word is letters and
+    digits with the marks that follow them (Hindi's vowel signs, a decomposed accent) and apostrophes inside it
+    ("don't"); the whisper-base profile writes German, Spanish, Hindi, ...: "años" is one word, not "a" and "os"."""
+    out: list[str] = []
+    word: list[str] = []
+    cluster = False  # the word is one character of an unspaced script (and its marks)
+
+    def flush() -> None:
+        if piece := "".join(word).rstrip("'"):
+            out.append(piece)
+        word.clear()
+
+    for ch in unicodedata.normalize("NFC", text.lower()):
+        kind = unicodedata.category(ch)
+        if kind in ("Mn", "Mc") and word:
+            word.append(ch)
+        elif kind[0] in "LN":
+            if cluster or _unspaced(ch):
+                flush()
+            cluster = _unspaced(ch)
+            word.append(ch)
+        elif ch in "'\u2019" and word and not cluster:
+            word.append("'")
+        else:
+            flush()
+            cluster = False
+    flush()
+    return out
 
 
 def shared_words(a: str, b: str) -> int:
@@ -290,7 +321,7 @@ class OfflinePass:
         ids = self._own(item, audio, speech)
         if before is None or not self.reads_on or not ids or len(before.audio) + len(audio) > WINDOW_SAMPLES:
             return ids
-        if before.speech != Speech(self.last_language, speech.task if speech is not None else before.speech.task):
+        if before.speech != Speech(self.last_language, (speech or Speech()).task):
             return ids  # the turn before was in another language or task
         try:
             return self._read_on(item, audio, speech, before, ids)
