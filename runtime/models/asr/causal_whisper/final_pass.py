@@ -179,9 +179,10 @@ def words(text: str) -> list[str]:
         if kind in ("Mn", "Mc") and word:
             word.append(ch)
         elif kind[0] in "LN":
-            if cluster or _unspaced(ch):
+            unspaced = _unspaced(ch)
+            if cluster or unspaced:
                 flush()
-            cluster = _unspaced(ch)
+            cluster = unspaced
             word.append(ch)
         elif ch in "'\u2019" and word and not cluster:
             word.append("'")
