@@ -14,10 +14,12 @@ from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.models.asr import TranscriptUpdate
-from runtime.models.asr.causal_whisper.asr import CausalWhisperASR, CausalWhisperStream, plan_reset
+from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+from runtime.models.asr.causal_whisper.carry import plan_reset
 from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder, context_ids
 from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token, argmax, keep_count, loops
 from runtime.models.asr.causal_whisper.reference import offline_transcript
+from runtime.models.asr.causal_whisper.stream import CausalWhisperStream
 
 
 def load(**kw) -> CausalWhisperASR:

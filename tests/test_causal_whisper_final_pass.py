@@ -18,9 +18,10 @@ from test_causal_whisper_decoder import chunk_sizes, make_audio, run_stream
 from runtime.chunks import AudioChunk
 from runtime.config import ASRConfig
 from runtime.errors import ConfigError
-from runtime.models.asr.causal_whisper.asr import FRAME_SAMPLES, CausalWhisperASR
+from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
 from runtime.models.asr.causal_whisper.decoder import IncrementalDecoder, RecomputeDecoder
 from runtime.models.asr.causal_whisper.emission import Token
+from runtime.models.asr.causal_whisper.encoder import FRAME_SAMPLES
 from runtime.models.asr.causal_whisper.final_pass import (
     LOOP_RATIO,
     PREPARED,

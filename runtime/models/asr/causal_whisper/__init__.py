@@ -6,6 +6,7 @@ teach an offline Whisper to read block-causal encoder states.
   offline output exactly, so a model trained offline sees in streaming exactly what it was trained on.
 - `encoder`: `CausalWhisperEncoder` (offline `forward_full` with the block-causal mask, for training and
   reference) and its exact incremental `MelEncoderStream` / `AudioEncoderStream`.
-- `decoder`, `asr`, `lora`: the decoder side, the `StreamingASR` backend with its stream policy, and the
-  adapters.
+- `decoder`, `asr`, `stream`, `carry`, `lora`: the decoder side, the `StreamingASR` backend (the model and its
+  emission rule), a session's stream (resets, previews, the turns before, the final pass), what crosses a reset,
+  and the adapters.
 """

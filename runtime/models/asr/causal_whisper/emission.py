@@ -1,5 +1,5 @@
 """The emission rule of causal streaming Whisper (CarelessWhisper): what one block of new encoder frames adds
-to an item's transcript. `asr.py` runs it over a stream (and over the offline reference, identically).
+to an item's transcript. `stream.py` runs it over a stream (and `reference.py` over the offline reference, identically).
 
 Per block: re-check the unstable tail (a token stays if its probability under the new encoder context did not
 fall, or it is still the argmax; at the first that fails it and everything after it are cut), then decode on

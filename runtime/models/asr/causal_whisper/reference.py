@@ -22,7 +22,8 @@ from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token
 from runtime.models.asr.causal_whisper.encoder import FRAME_SAMPLES, block_end, emission_sample
 
 if TYPE_CHECKING:
-    from runtime.models.asr.causal_whisper.asr import Carry, CausalWhisperASR
+    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
+    from runtime.models.asr.causal_whisper.carry import Carry
 
 
 class Shown(NamedTuple):
