@@ -42,7 +42,7 @@ pass of the stream's first item also decodes that turn's audio and ids with its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -52,15 +52,40 @@ from runtime.errors import ConfigError
 from runtime.events import new_id
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.asr.causal_whisper.carry import Carry, Context
-from runtime.models.asr.causal_whisper.emission import Token
-from runtime.models.asr.causal_whisper.encoder import FRAME_SAMPLES, block_end, emission_sample
-from runtime.models.asr.causal_whisper.final_pass import OfflinePass, TurnBefore
+from runtime.models.asr.causal_whisper.decoder import Scorer
+from runtime.models.asr.causal_whisper.emission import ItemDecoder, Token
+from runtime.models.asr.causal_whisper.encoder import FRAME_SAMPLES, CausalWhisperEncoder, block_end, emission_sample
+from runtime.models.asr.causal_whisper.final_pass import FinalPass, OfflinePass, TurnBefore
 from runtime.models.asr.whisper_language import DETECT, Speech
 
-if TYPE_CHECKING:
-    from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
-
 DETECT_S = 2.0  # a stream whose language is to detect holds its words until it has heard this much (or its end)
+
+
+class StreamModel(Protocol):
+    """What a stream reads of its model (`asr.CausalWhisperASR`, shared by every stream of it): the settings checked
+    once at load, and the items' decoders and resets' carries built from them."""
+
+    name: str
+    speech: Speech  # the configured language ("" to detect) and task
+    languages: dict[str, int]  # a multilingual model's language tokens (empty: English only)
+    sot: list[int]  # the start-of-transcript sequence of the configured speech
+    detector: object | None  # what detects the language (None: the model cannot)
+    encoder: CausalWhisperEncoder
+    block_frames: int
+    preview_frames: int
+    final_pass: FinalPass | None
+
+    def scorer(self) -> Scorer: ...
+    def item(self, scorer: Scorer, carry: Carry | None, sot: Sequence[int] | None = None) -> ItemDecoder: ...
+    def reset_due(self, item: ItemDecoder, frames: int) -> bool: ...
+    def carry(self, history: list[Token], item: ItemDecoder, frames: int, context: Context | None = None) -> Carry: ...
+    def context(self, previous: str, vocabulary: str = "") -> Context: ...
+    def first_carry(self, context: Context) -> Carry | None: ...
+    def prompt_for(self, speech: Speech) -> list[int]: ...
+    def detect(self, audio: np.ndarray) -> str: ...
+    def text(self, ids: Sequence[int]) -> str: ...
+    def final_ids(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None,
+                  before: TurnBefore | None = None) -> list[int]: ...
 
 
 def settled(text: str) -> str:
@@ -92,7 +117,7 @@ class _Samples:
 class CausalWhisperStream:
     """One session: its encoder stream, decoder caches, emission state and segment audio."""
 
-    def __init__(self, asr: CausalWhisperASR) -> None:
+    def __init__(self, asr: StreamModel) -> None:
         self._asr = asr
         self._next_sample: int | None = None  # where the next chunk must start
         self._speech_until: int | None = None  # the final pass's last sample, once turn detection heard the speech end
