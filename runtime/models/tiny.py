@@ -16,20 +16,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    GenerationConfig,
-    LlavaOnevisionConfig,
-    LlavaOnevisionForConditionalGeneration,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    SiglipVisionConfig,
-    WhisperConfig,
-    WhisperFeatureExtractor,
-    WhisperForConditionalGeneration,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from runtime.errors import ConfigError
+
+# The model classes are imported by the builders that use them: importing any of transformers' modelling modules
+# costs about 3.6 s (torch's distributed and compiler packages come with it), and every process that resolves a
+# checkpoint imports this module (loading.py), most of them never building a tiny model.
 
 # Bump when a builder changes in a way the content hash would not see (it hashes this file's source too).
 TINY_VERSION = 1
@@ -113,6 +106,8 @@ def _wrap(tok: Tokenizer, special: list[str], eos: str, max_length: int) -> PreT
 
 
 def build_whisper(out_dir: Path, seed: int) -> None:
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
     tokenizer = _wrap(train_tokenizer(WHISPER_SPECIAL), WHISPER_SPECIAL, "<|endoftext|>", 128)
     ids = tokenizer.convert_tokens_to_ids
     eot, sot = ids("<|endoftext|>"), ids("<|startoftranscript|>")
@@ -179,6 +174,8 @@ def _generation_config(config: Qwen2Config) -> GenerationConfig:
 
 
 def build_qwen2(out_dir: Path, seed: int) -> None:
+    from transformers import Qwen2ForCausalLM
+
     tokenizer = _chat_tokenizer()
     config = _qwen2_config(tokenizer)
     torch.manual_seed(seed)
@@ -189,6 +186,8 @@ def build_qwen2(out_dir: Path, seed: int) -> None:
 
 
 def build_llava_onevision(out_dir: Path, seed: int) -> None:
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, SiglipVisionConfig
+
     """LLaVA-OneVision at toy size: a SigLIP tower over 64x64 frames (8x8 patches) and the tiny Qwen2."""
     tokenizer = _chat_tokenizer(("<image>", "<video>"))
     text = _qwen2_config(tokenizer)
