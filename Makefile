@@ -52,7 +52,9 @@ TEST_WORKERS ?= 2
 TEST_CACHE   ?= $(HOME)/.cache/runtime-test
 # PYTHONDONTWRITEBYTECODE emptied: each worker and CLI subprocess then reads compiled modules (and pytest its rewritten
 # test modules) instead of compiling them again, about 2 s a process where the environment had it set.
-TEST_ENV     := HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE= RUNTIME_CACHE=$(TEST_CACHE)
+# OMP_WAIT_POLICY=PASSIVE: the sessions that tests run in their own process decode on both cores of a two-core machine,
+# as `runtime serve` does, whose command sets it (runtime/__main__.py); spinning, they would fight the other worker.
+TEST_ENV     := HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE= OMP_WAIT_POLICY=PASSIVE RUNTIME_CACHE=$(TEST_CACHE)
 PYTEST       := $(PY) -m pytest -q --durations=25
 # An interrupted run (Ctrl-C, a CI time-out) stops the realtime phase too: SIGINT, which its conftest turns back into
 # KeyboardInterrupt (a shell's background job starts with SIGINT ignored), so its servers are stopped by their fixtures.

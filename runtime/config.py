@@ -241,7 +241,7 @@ class Profile:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
-    threads: int = 0  # torch intra-op threads on CPU; 0 = one per core but one
+    threads: int = 0  # torch intra-op threads on CPU; 0 = one per core but one, both of two (`session_threads`)
     asr: ASRConfig = field(default_factory=ASRConfig)
     lm: LMConfig = field(default_factory=LMConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
@@ -382,7 +382,7 @@ def validate(profile: Profile) -> Profile:
     if not (profile.device == "cpu" or profile.device.startswith("cuda") or profile.device == "mps"):
         raise ConfigError(f"device {profile.device!r} is not cpu, cuda[:N] or mps")
     if profile.threads < 0:
-        raise ConfigError("threads must be >= 0 (0 = one per core but one)")
+        raise ConfigError("threads must be >= 0 (0 = one per core but one, both of two)")
     if profile.pipeline.worker_threads not in (1, 2):
         raise ConfigError(f"pipeline.worker_threads must be 1 or 2, not {profile.pipeline.worker_threads}")
     if profile.video.fps <= 0:

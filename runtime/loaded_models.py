@@ -15,7 +15,7 @@ from runtime.models.asr.registry import load_asr
 from runtime.models.lm import AnswerBackend, NoAnswerer, load_answerer
 from runtime.models.lm.remote_answerer import RemoteAnswerer
 from runtime.models.lm.weights import is_vlm
-from runtime.models.loading import configure_threads, load_progress, resolve_checkpoint
+from runtime.models.loading import configure_threads, load_progress, resolve_checkpoint, session_threads
 from runtime.models.ocr.reader import TextReader
 from runtime.models.tts.voice import Voice
 from runtime.models.turns.silero_vad import SileroVAD
@@ -75,7 +75,7 @@ def load_models(profile: Profile, worker: DeviceWorker, progress: Callable[[str]
     if answers and profile.lm.grounded and _sees_video(profile):  # before anything loads
         raise ConfigError(f"lm.grounded answers only from what was heard and read, and {profile.lm.model} also "
                           "sees the video: set one of lm.grounded=false or video.memory=false")
-    worker.call(Priority.CONTROL, configure_threads, profile.threads)
+    worker.call(Priority.CONTROL, configure_threads, session_threads(profile.threads))
     asr = worker.call(Priority.CONTROL, load_asr, profile.asr, device=profile.device,
                       dtype=profile.dtype, progress=progress)
     turns = worker.call(Priority.CONTROL, load_turn_models, progress) if profile.pipeline.turn_detection != "none" \

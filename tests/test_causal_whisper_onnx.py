@@ -308,3 +308,23 @@ def test_the_pass_graph_is_built_for_greedy_cpu_searches_only(monkeypatch) -> No
     auto = replace(cfg, graph_runtime="auto")
     assert pass_graph(copy.deepcopy(greedy.model), greedy.final_pass.offline, auto, "cuda", said.append) is None
     assert any("torch runs the offline pass" in line for line in said), said
+
+
+def test_the_quantizer_is_imported_without_configuring_the_root_logger() -> None:
+    """onnxruntime's quantizer module calls `logging.basicConfig(level=INFO)` when imported: after the first int8
+    export, a server's stderr carried every library's INFO records. Checked in a fresh process (pytest's own logging
+    handlers would make basicConfig a no-op here): none through `quantizer_class`, and the module run again bare
+    shows the side effect it guards against."""
+    import subprocess
+
+    probe = ("import importlib, logging, sys\n"
+             "from runtime.models.asr.causal_whisper.onnx_export import quantizer_class\n"
+             "root = logging.getLogger()\n"
+             "module = sys.modules[quantizer_class().__module__]\n"
+             "print(len(root.handlers), root.level)\n"
+             "importlib.reload(module)\n"
+             "print(len(root.handlers), root.level)\n")
+    ours, bare = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                timeout=120).stdout.splitlines()
+    assert ours.split() == ["0", "30"]  # no handler, WARNING (the default)
+    assert bare.split() == ["1", "20"]  # the library's own import: one handler, INFO

@@ -303,3 +303,20 @@ def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, demo_
     code, _, err = run_cli(capsys, "transcribe", str(demo_file), "-q")
     assert code == 1 and "error: " in err
     assert "runtime: the session reported" in err.splitlines()[-1]
+
+
+def test_session_commands_let_openmp_threads_sleep_and_benchmarks_do_not(monkeypatch) -> None:
+    """`serve`, `demo`, `ask` and `transcribe` decode on both cores of a two-core machine beside the listening thread,
+    so OpenMP's threads must sleep at barriers (set before torch loads); a benchmark keeps OpenMP's default, which its
+    peers (llama.cpp) run under too. A value the user set is kept."""
+    import runtime.__main__ as entry
+    from runtime import cli
+
+    monkeypatch.setattr(cli, "run", lambda args: 0)
+    for argv, want in ((["ask", "x.wav", "what?"], "PASSIVE"), (["transcribe", "x.wav"], "PASSIVE"),
+                       (["bench", "llm"], None)):
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        assert entry.main(argv) == 0
+        assert os.environ.get("OMP_WAIT_POLICY") == want, argv
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert entry.main(["serve"]) == 0 and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

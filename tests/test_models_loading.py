@@ -220,3 +220,10 @@ def test_path_like_follows_the_platform_separator(monkeypatch, sep: str, ref: st
     # Swap the `os` that loading.py sees, not the real one: the rest of the process keeps its own separator.
     monkeypatch.setattr(loading, "os", SimpleNamespace(sep=sep))
     assert is_path_like(ref) is expected
+
+
+def test_a_session_takes_both_cores_of_two_and_leaves_one_of_more() -> None:
+    from runtime.models.loading import session_threads
+
+    assert [session_threads(0, cores=n) for n in (1, 2, 3, 4, 16)] == [1, 2, 2, 3, 15]
+    assert session_threads(1, cores=2) == 1 and session_threads(3, cores=2) == 3  # a profile's own count stands

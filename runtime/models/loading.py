@@ -66,6 +66,24 @@ def configure_threads(threads: int) -> int:
     return n
 
 
+def session_threads(threads: int, cores: int | None = None) -> int:
+    """The torch threads a session of a profile runs on: `threads`, or for 0 one per core but one, except on a machine
+    of two cores, where a session takes both.
+
+    Why both of two: the language model's decode step reads all its weights, and one core of a small machine reads
+    memory at about half the rate two do. On a 2-core Xeon (2026-12-01) two threads took `runtime bench voice`'s
+    voice-to-voice p50 from 1.56 to 1.04 s at one conversation and from 3.06 to 2.02 s at two (the first clause 0.82 ->
+    0.31 s); on a 2-core AMD EPYC from 1.67-1.72 to 1.53-1.54 s (docs/model_card_piper_joe.md). The listening thread's
+    ASR then shares the cores, so OpenMP's threads must sleep at their barriers instead of spinning: the session
+    commands set OMP_WAIT_POLICY=PASSIVE before torch loads (`runtime/__main__.py`); with spinning threads, beside one
+    busy process every stage was several times slower. Beside other busy processes one thread is faster still
+    (2.14 against 2.57 s beside two): `--set threads=1` there."""
+    n = cores if cores is not None else (os.cpu_count() or 1)
+    if threads > 0:
+        return threads
+    return 2 if n == 2 else max(1, n - 1)
+
+
 def cache_dir() -> Path:
     """`$RUNTIME_CACHE` or `~/.cache/runtime`: where built tiny models live (not the HF cache)."""
     env = os.environ.get("RUNTIME_CACHE")

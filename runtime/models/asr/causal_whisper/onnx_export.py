@@ -113,12 +113,27 @@ def _used(path: Path) -> Path:
     return path
 
 
+def quantizer_class() -> type:
+    """onnxruntime's 8-bit MatMul quantizer, imported without its side effect: its module calls
+    `logging.basicConfig(level=INFO)` on import, after which every library's INFO records (faster-whisper's language
+    guesses, httpx's requests) went to the process's stderr."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return MatMulNBitsQuantizer
+
+
 def _export(module: nn.Module, name: str, path: Path, args: Sequence[torch.Tensor], inputs: Sequence[str],
             outputs: Sequence[str], axes: Mapping[str, Mapping[int, str]], *, quantize: bool,
             progress: Callable[[str], None] | None) -> None:
     try:
         import onnx
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        MatMulNBitsQuantizer = quantizer_class()  # noqa: N806 - a class
     except ImportError:
         raise ConfigError("asr.graph_runtime=onnxruntime exports its graphs once with the `onnx` extra, which is not "
                           "installed: pip install -e '.[onnx]'") from None
