@@ -93,31 +93,34 @@ def test_a_stream_over_the_graph_gives_the_torch_streams_updates(torch_asr, kind
     assert sum(bool(u.delta) for u in ref) > 5 and sum(u.completed for u in ref) >= 2  # words, and a reset
 
 
-def test_the_graph_is_exported_once_and_read_from_the_cache(torch_asr, monkeypatch) -> None:
+def test_the_graph_is_exported_once_and_read_from_the_cache(torch_asr, monkeypatch, tmp_path) -> None:
+    # a cache of its own: the file is spoilt below, and another worker's test reads the shared cache's copy
+    # (it once loaded b"not a graph" from there)
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
     first = onnx_decoder.export_step(torch_asr.model, quantize=True)
-    assert first.exists() and first.name.endswith("-int8.onnx")
+    assert first.exists() and first.name.endswith("-int8.onnx") and first.is_relative_to(tmp_path)
 
     def no_export(*args, **kwargs):
         raise AssertionError("exported again")
 
-    monkeypatch.setattr(torch.onnx, "export", no_export)
-    assert onnx_decoder.export_step(torch_asr.model, quantize=True) == first
-    # other weights are another file (a changed adapter is a changed decoder), and so is another config
-    bias = torch_asr.model.model.decoder.layers[0].fc1.bias
-    kept = bias.detach().clone()
-    with torch.no_grad():
-        bias.add_(1.0)
-    try:
-        with pytest.raises(AssertionError, match="exported again"):
-            onnx_decoder.export_step(torch_asr.model, quantize=True)
-    finally:
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.onnx, "export", no_export)
+        assert onnx_decoder.export_step(torch_asr.model, quantize=True) == first
+        # other weights are another file (a changed adapter is a changed decoder), and so is another config
+        bias = torch_asr.model.model.decoder.layers[0].fc1.bias
+        kept = bias.detach().clone()
         with torch.no_grad():
-            bias.copy_(kept)
-    other = copy.deepcopy(torch_asr.model)
-    other.config.activation_function = "relu"
-    with pytest.raises(AssertionError, match="exported again"):
-        onnx_decoder.export_step(other, quantize=True)
-    monkeypatch.undo()
+            bias.add_(1.0)
+        try:
+            with pytest.raises(AssertionError, match="exported again"):
+                onnx_decoder.export_step(torch_asr.model, quantize=True)
+        finally:
+            with torch.no_grad():
+                bias.copy_(kept)
+        other = copy.deepcopy(torch_asr.model)
+        other.config.activation_function = "relu"
+        with pytest.raises(AssertionError, match="exported again"):
+            onnx_decoder.export_step(other, quantize=True)
     # a cached file that does not load is exported again
     first.write_bytes(b"not a graph")
     step = OnnxStep(torch_asr.model, quantize=True)
