@@ -270,9 +270,11 @@ async def test_a_server_killed_mid_answer_fails_that_answer_and_the_next_works_o
         rid = await session.create_response(text="Say hello.")  # down: refused within the connect deadline
         events = await until_done(session, rid, timeout_s=30)
         assert "cannot reach the LM server" in next(e for e in events if e.type == "error").error["message"]
+        first_log = own.log_path
         own.start()  # back on the same port: the same session answers again
         rid = await session.create_response(text="Say hello.")
         assert done_of(await until_done(session, rid))["status"] in ("completed", "incomplete")
         await session.stop()
     finally:
         own.stop()
+    assert not first_log.exists() and not own.log_path.exists()  # each run's log went with it (none left in /tmp)

@@ -34,7 +34,8 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    """One `python -m llama_cpp.server` process; its stderr (where it reports prefix-cache hits) goes to a file."""
+    """One `python -m llama_cpp.server` process; its stderr (where it reports prefix-cache hits) goes to a temporary
+    file, removed by `stop` (a `start` after it writes a new one)."""
 
     def __init__(self, port: int | None = None, n_ctx: int = 4096, threads: int = 1) -> None:
         folder = packaged_checkpoint("smollm2-135m-instruct")
@@ -42,7 +43,7 @@ class LlamaServer:
         self.model = str(next(Path(folder).glob("*.gguf")))
         self.port = port or free_port()
         self.n_ctx, self.threads = n_ctx, threads
-        self.log_path = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+        self.log_path = Path(tempfile.gettempdir()) / "llama-server-(not started).log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -50,7 +51,9 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout_s: float = 120.0) -> LlamaServer:
-        log = self.log_path.open("ab")
+        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        self.log_path = Path(name)
+        log = os.fdopen(fd, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llama_cpp.server", "--model", self.model, "--host", "127.0.0.1",
              "--port", str(self.port), "--n_ctx", str(self.n_ctx), "--n_threads", str(self.threads),
@@ -61,7 +64,9 @@ class LlamaServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp's server exited: {self.log_path.read_text()[-2000:]}")
+                said = self.log()[-2000:]
+                self.stop()
+                raise RuntimeError(f"llama.cpp's server exited: {said}")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as r:
                     if r.status == 200:
@@ -72,6 +77,7 @@ class LlamaServer:
         raise RuntimeError(f"llama.cpp's server did not start in {timeout_s:g} s")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the process (`sig`, then SIGKILL after 10 s) and remove its log."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
             try:
@@ -80,9 +86,14 @@ class LlamaServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.proc = None
+        self.log_path.unlink(missing_ok=True)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """What the server wrote since it started ("" once stopped)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
 
 def _interrupt(signum: int, frame: object) -> None:
