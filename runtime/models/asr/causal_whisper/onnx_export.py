@@ -78,7 +78,7 @@ def _fingerprint(module: nn.Module, quantize: bool) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         h.update(name.encode())
-        h.update(tensor.detach().float().contiguous().numpy().tobytes())
+        h.update(memoryview(tensor.detach().float().contiguous().numpy()).cast("B"))  # the bytes, not a copy of them
     h.update(repr(module).encode())
     config = next((m.config for m in module.modules() if hasattr(m, "config")), None)
     h.update(config.to_json_string().encode() if config is not None else b"")
