@@ -28,6 +28,7 @@ from runtime.events import Event
 from runtime.feed import ScheduledQuestion, feed
 from runtime.io.printers import JsonLinesPrinter, TextPrinter
 from runtime.io.source import Source
+from runtime.job_trace import JobTrace
 from runtime.stop_signals import on_stop_signals, remove_stop_signals, terminate_like_ctrl_c
 from runtime.worker import DeviceWorker
 
@@ -165,9 +166,11 @@ async def _run_session(
     return errors
 
 
-def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[DeviceWorker, Models]:
-    """The worker and the profile's models; `answers=False` (transcribe) loads the ASR alone. The models' code
-    (torch, transformers) is imported here, after the source opened: a mistyped file name fails at once."""
+def _setup(profile: Profile, console: Console, answers: bool = True,
+           trace: Path | None = None) -> tuple[DeviceWorker, Models]:
+    """The worker (recording its jobs to `trace` when given) and the profile's models; `answers=False` (transcribe)
+    loads the ASR alone. The models' code (torch, transformers) is imported here, after the source opened: a
+    mistyped file name fails at once."""
     from runtime.loaded_models import load_models
 
     console.quiet_libraries()
@@ -182,7 +185,11 @@ def _setup(profile: Profile, console: Console, answers: bool = True) -> tuple[De
                        "noise; for real models offline run with the default profile, --profile demo (runtime "
                        "profiles lists them)")
     require_device(profile.device)
-    worker = DeviceWorker(max_pending=profile.pipeline.worker_queue, threads=profile.pipeline.worker_threads).start()
+    jobs = JobTrace(trace) if trace is not None else None
+    if jobs is not None:
+        console.status(f"tracing the worker's jobs to {trace} (open it in https://ui.perfetto.dev)")
+    worker = DeviceWorker(max_pending=profile.pipeline.worker_queue, threads=profile.pipeline.worker_threads,
+                          trace=jobs).start()
     started = time.perf_counter()
     try:
         models = load_models(profile, worker, progress=console.status, answers=answers)
@@ -258,7 +265,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         from runtime.models.tts import DEFAULT_VOICE, check_voice
 
         check_voice(DEFAULT_VOICE)
-    worker, models = _setup(profile, console, answers=args.command != "transcribe")
+    worker, models = _setup(profile, console, answers=args.command != "transcribe", trace=args.trace_jobs)
     console.status(f"playing {source.description}" + (f" at {args.speed:g}x" if args.speed else " unpaced"))
     try:
         if speak is None:
@@ -322,7 +329,7 @@ def _serve(args: argparse.Namespace, profile: Profile, console: Console) -> int:
         from runtime.io.playback import local_speech
 
         speech = local_speech(args, source)
-    worker, models = _setup(profile, console)
+    worker, models = _setup(profile, console, trace=args.trace_jobs)
     models = _with_voice(models, worker, console)
 
     async def main() -> None:

@@ -31,6 +31,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print one JSON event per line on stdout")
     o.add_argument("--metrics", action="store_true", help="also print metrics events in text mode")
     o.add_argument("-q", "--quiet", action="store_true", help="no status lines or progress on stderr")
+    o.add_argument("--trace-jobs", type=Path, metavar="FILE", help="write every job the device worker runs (ASR "
+                   "chunks, prefills, decode steps, synthesis: its thread, priority, start and duration) to FILE as "
+                   "Chrome trace-event JSON, to open in https://ui.perfetto.dev: where a turn's latency goes")
 
 
 def _seconds(text: str) -> float:

@@ -33,6 +33,8 @@ from concurrent.futures import Future
 from enum import IntEnum
 from typing import ParamSpec, TypeVar
 
+from runtime.job_trace import JobTrace, job_name
+
 T = TypeVar("T")
 A = TypeVar("A")
 P = ParamSpec("P")
@@ -66,14 +68,15 @@ Job = tuple[int, int, Callable[[], None] | None]
 class DeviceWorker:
     def __init__(
         self, max_pending: int = 64, name: str = "device-worker", switch_interval_s: float | None = 0.001,
-        threads: int = 1,
+        threads: int = 1, trace: JobTrace | None = None,
     ) -> None:
         """`threads=2`: ASR and turn detection (`LISTENING`) run on a second thread beside the language model's and
         the voice's jobs, so that one conversation's prefill or decode step never holds back another's turn
         detection (voice-to-voice p50 at two conversations 1.29-1.36 s against 1.50-1.67 s with one thread). The
         voice stays on the first thread: beside a decode step its synthesis shared the cores and the first sound
         came later (one conversation: 0.95-1.08 s against 0.90-0.94). Each thread runs its jobs one at a time in
-        priority order."""
+        priority order. `trace`: every job is recorded there as it ends (job_trace.py); the worker closes it when
+        it stops."""
         if threads not in (1, 2):
             raise ValueError(f"a device worker runs 1 or 2 threads, not {threads}")
         self.max_pending = max_pending
@@ -92,6 +95,7 @@ class DeviceWorker:
         self.busy_by_priority_s: dict[str, float] = {p.name: 0.0 for p in Priority}  # where the worker's time goes
         self.max_job_s: dict[str, float] = {p.name: 0.0 for p in Priority}
         self.together_items: dict[str, int] = {}  # items run by jobs that ran together, by priority
+        self.trace = trace
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> DeviceWorker:
@@ -113,6 +117,8 @@ class DeviceWorker:
             jobs.put((len(Priority) + 1, next(self._seq), None))
         for thread in self._threads:
             thread.join(timeout)
+        if self.trace is not None:
+            self.trace.close()
 
     def __enter__(self) -> DeviceWorker:
         return self.start()
@@ -158,7 +164,10 @@ class DeviceWorker:
             except BaseException as err:  # delivered to the awaiting side
                 fut.set_exception(err)
             finally:
-                self._account(priority, time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self._account(priority, elapsed)
+                if self.trace is not None:
+                    self.trace.record(job_name(fn), priority.name, started, elapsed)
 
         with self._lock:
             self._pending += 1
@@ -210,7 +219,10 @@ class DeviceWorker:
                 else:
                     fut.set_result(result)
         finally:
-            self._account(priority, time.perf_counter() - started, len(live))
+            elapsed = time.perf_counter() - started
+            self._account(priority, elapsed, len(live))
+            if self.trace is not None:
+                self.trace.record(job_name(fn), priority.name, started, elapsed, len(live))
 
     def call(self, priority: Priority, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Blocking submit-and-wait, for code that is not on an event loop."""

@@ -159,6 +159,14 @@ def test_asr_quality_lookaheads_must_be_the_models_own(capsys):
     assert code != 0 and "--lookaheads-ms: llm does not take it" in one_error_line(err)
 
 
+def test_trace_jobs_is_for_the_voice_bench_alone(capsys, tmp_path):
+    from cli_common import one_error_line, run_cli
+
+    code, _, err = run_cli(capsys, "bench", "llm", "--quick", "--trace-jobs", str(tmp_path / "t.json"))
+    assert code != 0 and "--trace-jobs: llm does not take it" in one_error_line(err)
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_spec_table_repeats_the_rows_auto_is_judged_by_and_keeps_their_fastest():
     """The full table runs plain, the copy, the tri-gram table and `auto` twice on the target's tasks (in turns,
     the faster kept) and everything else once; every row stays token-identical to plain, every round checked."""

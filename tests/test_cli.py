@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_common import one_error_line, run_cli
+from cli_common import one_error_line, read_trace, run_cli
 from weights_common import ON_QWEN_CODER
 
 from runtime.cli import main
@@ -194,11 +194,17 @@ def test_serve_with_a_file_source_takes_questions_on_stdin(demo_file):
     assert heard == pytest.approx(len(demo_speech()) / 16000, abs=0.05)
 
 
-def test_transcribe_text_output_and_quiet_means_nothing_on_stderr(demo_file):
-    """One process for both (each cost a worker 9 s in CI): the text lines, and `-q` leaving stderr empty."""
-    result = _subprocess("transcribe", str(demo_file), "--speed", "0", "-q")
+def test_transcribe_text_output_and_quiet_means_nothing_on_stderr(demo_file, tmp_path):
+    """One process for all three (each cost a worker 9 s in CI): the text lines, `-q` leaving stderr empty, and
+    `--trace-jobs` writing the worker's jobs, the ASR's on the listening thread, closed when the command ends."""
+    result = _subprocess("transcribe", str(demo_file), "--speed", "0", "-q", "--trace-jobs", str(tmp_path / "t.json"))
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert "[00:0" in result.stdout  # live lines stamped with media time
+    events = read_trace(tmp_path / "t.json")
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    jobs = {(e["name"], e["cat"], threads[e["tid"]]) for e in events if e["ph"] == "X"}
+    assert {("load_asr", "CONTROL", "device-worker"),
+            ("CausalWhisperStream.accept", "ASR", "device-worker-listening")} <= jobs, jobs
 
 
 def test_sigterm_stops_the_server_cleanly():

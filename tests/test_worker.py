@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+from cli_common import read_trace
 
 from runtime.worker import DeviceWorker, Priority, WorkerStopped
 
@@ -97,3 +98,46 @@ def test_with_two_threads_asr_runs_beside_a_long_language_model_job() -> None:
     assert not any(t.is_alive() for t in worker.threads)
     with pytest.raises(ValueError, match="1 or 2 threads"):
         DeviceWorker(threads=3)
+
+
+@pytest.mark.asyncio
+async def test_a_trace_records_each_job_on_its_threads_track_and_closes_with_the_worker(tmp_path):
+    from functools import partial
+
+    from runtime.job_trace import JobTrace
+
+    def step(items: list[int]) -> list[int]:
+        time.sleep(0.01)
+        return [i * 2 for i in items]
+
+    trace = JobTrace(tmp_path / "jobs.json")
+    with DeviceWorker(trace=trace, threads=2) as worker:
+        await worker.run(Priority.ASR, partial(time.sleep, 0.02))
+        gate = threading.Event()
+        blocker = asyncio.create_task(worker.run(Priority.CONTROL, gate.wait, 5))
+        await asyncio.sleep(0.02)
+        together = [asyncio.create_task(worker.run_together(Priority.DECODE, step, i)) for i in (1, 2)]
+        await asyncio.sleep(0.02)
+        gate.set()
+        assert await asyncio.gather(*together) == [2, 4] and await blocker
+    events = read_trace(tmp_path / "jobs.json")
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    jobs = [e for e in events if e["ph"] == "X"]
+    assert [(j["name"], j["cat"], names[j["tid"]]) for j in jobs] == [
+        ("sleep", "ASR", "device-worker-listening"),  # a partial is named by its function
+        ("Event.wait", "CONTROL", "device-worker"),
+        ("test_a_trace_records_each_job_on_its_threads_track_and_closes_with_the_worker.<locals>.step", "DECODE",
+         "device-worker")]
+    assert jobs[0]["dur"] >= 20_000 and jobs[2]["args"] == {"items": 2}  # microseconds; two callers in one job
+    assert jobs[1]["ts"] + jobs[1]["dur"] <= jobs[2]["ts"]  # one thread: the step ran after the blocker
+    assert trace.jobs == 3
+    trace.record("late", "ASR", time.perf_counter(), 0.0)  # after the worker stopped: the file is closed
+    assert len(read_trace(tmp_path / "jobs.json")) == len(events)
+
+
+def test_a_trace_file_that_cannot_be_written_is_one_clear_error(tmp_path):
+    from runtime.errors import UserError
+    from runtime.job_trace import JobTrace
+
+    with pytest.raises(UserError, match=r"--trace-jobs .*missing/jobs.json: cannot write it"):
+        JobTrace(tmp_path / "missing" / "jobs.json")

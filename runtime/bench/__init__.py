@@ -14,6 +14,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from runtime.config import require_device
@@ -133,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "plain, short, quote (default: all)")
     parser.add_argument("--profile", default=None, help="answers: the profile whose language model and ASR answer "
                         "(default: demo); voice: the profile the server answers with (default: the default profile)")
+    parser.add_argument("--trace-jobs", type=Path, default=None, metavar="FILE", help="voice: the server's "
+                        "`--trace-jobs FILE` (its device worker's jobs as Chrome trace-event JSON)")
     parser.add_argument("--conversations", action="store_true", help="serve: N sessions each holding a "
                         "multi-turn voice conversation with server VAD: turn latency, nothing lost, disconnects")
     parser.add_argument("--url", default=None, metavar="URL", help="serve: drive the conversations through a "
@@ -170,6 +173,9 @@ def run(args: argparse.Namespace, status: Callable[[str], None]) -> int:
         name = "runtime.bench.llm_big" if is_big(args.model) else "runtime.bench.llm_model"
     if getattr(args, "sessions", None) is not None and getattr(args, "url", None) is None:
         raise UserError("--sessions: only with runtime bench serve --url URL")
+    if getattr(args, "trace_jobs", None) is not None and args.name != "voice":
+        raise UserError(f"--trace-jobs: {args.name} does not take it; `runtime bench voice` passes it to its server "
+                        "(or run `runtime serve --trace-jobs FILE` and drive it yourself)")
     if getattr(args, "url", None) is not None:
         if args.name != "serve":
             raise UserError(f"--url: {args.name} does not take it; it is a mode of `runtime bench serve`")

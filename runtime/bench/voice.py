@@ -356,7 +356,7 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     result["encoding_ms_per_audio_s"] = encoding(SENTENCES)
     # the server loads while intelligibility runs: it times nothing, and the quick run keeps its 3 minutes
     status("voice-to-voice: starting the server; it loads during the intelligibility rows")
-    server = voice_latency.start_server(profile, quick)
+    server = voice_latency.start_server(profile, quick, trace=getattr(args, "trace_jobs", None))
     try:
         result["intelligibility"] = intelligibility(SENTENCES, status)
     except BaseException:

@@ -306,12 +306,14 @@ class VoiceServer(_Server):
     stderr in a temporary folder that `stop()` removes. Started by `start_server` before the rows that do not time
     anything (voice.py: intelligibility), so that its load overlaps them."""
 
-    def __init__(self, profile: str, max_sessions: int, overrides: list[str]) -> None:
+    def __init__(self, profile: str, max_sessions: int, overrides: list[str], trace: Path | None = None) -> None:
         self.port = _free_port()
         self.tmp = Path(tempfile.mkdtemp(prefix="runtime-bench-voice-"))
         self.log = self.tmp / "server.stderr"
         self.cmd = [sys.executable, "-m", "runtime", "serve", "--profile", profile, "--port", str(self.port),
                     "--max-sessions", str(max_sessions)] + [a for o in overrides for a in ("--set", o)]
+        if trace is not None:
+            self.cmd += ["--trace-jobs", str(trace.resolve())]
         self.started = time.perf_counter()
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
@@ -321,10 +323,12 @@ class VoiceServer(_Server):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def start_server(profile: str, quick: bool, overrides: list[str] | None = None) -> VoiceServer:
-    """The server for `run`, started now: it loads while the caller does other work."""
+def start_server(profile: str, quick: bool, overrides: list[str] | None = None,
+                 trace: Path | None = None) -> VoiceServer:
+    """The server for `run`, started now: it loads while the caller does other work; with `trace`, it records its
+    worker's jobs there (`runtime serve --trace-jobs`)."""
     phases = QUICK_PHASES if quick else FULL_PHASES
-    return VoiceServer(profile, max(n for n, _ in phases) + 1, overrides or [])
+    return VoiceServer(profile, max(n for n, _ in phases) + 1, overrides or [], trace)
 
 
 async def _phase(base_url: str, pool: list[Question], n: int, turns: int) -> list[Conversation]:
