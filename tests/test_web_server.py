@@ -583,7 +583,7 @@ async def test_browser_origins_are_checked_and_clients_without_one_pass(tiny):
 
 
 def test_serve_refuses_a_network_address_without_a_token_before_loading_models(capsys, monkeypatch):
-    def setup(*_):
+    def setup(*_, **__):
         raise UserError("models would load here")
 
     monkeypatch.setattr(cli, "_setup", setup)
