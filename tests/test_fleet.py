@@ -326,8 +326,7 @@ def fleet(tmp_path_factory):
     finally:
         if fleet is not None:
             fleet.stop()
-        lm.stop()
-        lm.log_path.unlink(missing_ok=True)
+        lm.stop()  # its log too
 
 
 async def reconnect_and_turn(fleet: Fleet, dead: set[str]) -> Talker:

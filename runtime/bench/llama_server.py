@@ -43,7 +43,7 @@ class LlamaServer:
         self.model = str(next(Path(folder).glob("*.gguf")))
         self.port = port or free_port()
         self.n_ctx, self.threads = n_ctx, threads
-        self.log_path = Path(tempfile.gettempdir()) / "llama-server-(not started).log"
+        self.log_path: Path | None = None  # made by `start`
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -86,12 +86,13 @@ class LlamaServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.proc = None
-        self.log_path.unlink(missing_ok=True)
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
 
     def log(self) -> str:
-        """What the server wrote since it started ("" once stopped)."""
+        """What the server wrote since it started ("" before a start and once stopped)."""
         try:
-            return self.log_path.read_text(errors="replace")
+            return self.log_path.read_text(errors="replace") if self.log_path is not None else ""
         except FileNotFoundError:
             return ""
 
