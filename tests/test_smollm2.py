@@ -84,16 +84,16 @@ def test_missing_package_names_the_install_command(monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_drafters_are_lossless_on_real_weights(path) -> None:
+def test_drafters_are_lossless_on_real_weights(engines) -> None:
     context = ("[00:01.0] The quarterly review is on Monday at nine in room 4B.\n"
                "[00:05.0] Ines presents the sales numbers: revenue grew by twelve percent to 3.4 million.\n")
     outputs = {}
     # plain decoding eager, as every drafter's verifier runs: tests/test_compiled_step.py holds the compiled step
     # bitwise equal to it (bf16 activations), and an int4 compile costs about 50 s here (torch's on-disk cache
-    # misses it: docs/testing.md)
+    # misses it: docs/testing.md); every answerer on the module's one int4 load
     for drafter in ("none", "ngram", "recycling", "trigram", "swift", "auto"):
-        answerer = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="int4", drafter=drafter,
-                                                max_new_tokens=40, compile="off"), device="cpu", dtype="float32")
+        answerer = EngineAnswerer.sharing(engines("int4"), LMConfig(backend="engine", model=REF, weights="int4",
+                                                                    drafter=drafter, max_new_tokens=40, compile="off"))
         outs, accepted = [], 0
         for question in ("Who presents, and what did revenue do?", "Write two sentences about the review."):
             state = answerer.start(context, question, stream=answerer.open_stream())
