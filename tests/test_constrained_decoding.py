@@ -222,10 +222,13 @@ def smollm2() -> None:
 @pytest.mark.slow
 def test_smollm2_calls_get_weather_with_the_city(smollm2) -> None:
     question = "What's the weather in Paris in celsius?"
-    outs = {}
+    outs, loaded = {}, None
     for drafter in ("none", "ngram", "trigram", "auto"):  # plain eager, as the verifiers (test_compiled_step.py)
-        answerer = EngineAnswerer.load(LMConfig(backend="engine", model=REF, weights="int4", drafter=drafter,
-                                                max_new_tokens=48, compile="off"), device="cpu", dtype="float32")
+        cfg = LMConfig(backend="engine", model=REF, weights="int4", drafter=drafter, max_new_tokens=48, compile="off")
+        # one load of the model, every drafter's answerer on it
+        answerer = (EngineAnswerer.load(cfg, device="cpu", dtype="float32") if loaded is None
+                    else EngineAnswerer.sharing(loaded, cfg))
+        loaded = answerer.engine
         state = answerer.start("", question, schema=WEATHER)
         outs[drafter] = (run(state), state.generated)
     (text, reason), _ = outs["none"]
