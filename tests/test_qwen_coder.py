@@ -4,6 +4,7 @@ Q6_K, Q4_K), in `lm.weights = native`. Locally a missing llama-cpp-python skips;
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from weights_common import ON_QWEN_CODER
 from runtime.bench.llm_peers import llama_cpp_logits, logits_difference
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.packed_weights import load_model
-from runtime.models.lm.tokenizer import load_tokenizer
+from runtime.models.lm.tokenizer import ALONE_FILE, converted_folder, load_tokenizer
 from runtime.models.lm.weight_formats import Int4Linear, Int8Linear
 from runtime.models.loading import resolve_checkpoint
 
@@ -48,10 +49,19 @@ def llama_cpp_tokens(file: Path, text: str) -> list[int]:
 def test_native_logits_match_llama_cpp_on_the_0_5b() -> None:
     _llama_cpp()
     path = resolve_checkpoint("builtin:qwen2.5-coder-0.5b-instruct", role="lm")
-    tokenizer, eos = load_tokenizer(path)
+    load_tokenizer(path)  # converted into the cache, or read from there
+    tokenizer, eos = load_tokenizer(path)  # read from the cache
+    # read by its class alone (tokenizer.py, `_check_reads_alone`): Qwen2's pre-tokenizer is the file's own, and
+    # the NFC normalizer that class adds, which llama.cpp does not apply, is dropped
+    assert json.loads((converted_folder(gguf_file(path)) / ALONE_FILE).read_text()) == {"same": True,
+                                                                                       "drop_normalizer": True}
+    assert tokenizer.backend_tokenizer.normalizer is None
     assert eos and tokenizer.convert_ids_to_tokens(eos[0]).startswith("<|")
     ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     assert ids == llama_cpp_tokens(gguf_file(path), TEXT)  # the tokenizer converted from the file reads as llama.cpp
+    decomposed = "Cafe\u0301 cre\u0300me"  # not NFC: an NFC normalizer would compose the accents first
+    assert tokenizer(decomposed, add_special_tokens=False)["input_ids"] == llama_cpp_tokens(gguf_file(path),
+                                                                                            decomposed)
     model = load_model(path, device="cpu", dtype=torch.float32, weights="native")
     kinds = {type(m) for m in model.modules()}
     assert Int4Linear in kinds and Int8Linear in kinds  # the Q4_K down projections and the finer rest

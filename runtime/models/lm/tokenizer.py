@@ -24,13 +24,14 @@ from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
 from runtime.models.loading import cache_dir
 
 EOS_FILE = "runtime-eos-ids.json"  # beside the saved tokenizer: the file's end-of-turn ids (reading them parses it)
+# beside it too, where checked true: the folder read by its class alone is the saved tokenizer (`_reads_alone`)
+ALONE_FILE = "runtime-reads-alone.json"
 
 
 def _gguf_tokenizer(file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
     """(tokenizer, end-of-turn ids) of a GGUF file, from the runtime cache when it was converted before: parsing the
     file's 151k-token vocabulary and merges again would take a second or more on every load."""
-    stat = file.stat()
-    cached = cache_dir() / "gguf-tokenizers" / f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    cached = converted_folder(file)
     if cached.is_dir():
         return _read_converted(cached, file)
     with building(cached):  # processes started together: one converts, the others read what it saved
@@ -50,6 +51,7 @@ def _gguf_tokenizer(file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
         try:
             tokenizer.save_pretrained(tmp)
             (tmp / EOS_FILE).write_text(json.dumps(ckpt.eos_ids))
+            _check_reads_alone(tmp)
             try:
                 os.rename(tmp, cached)
             except OSError:  # another process saved it first
@@ -57,6 +59,12 @@ def _gguf_tokenizer(file: Path) -> tuple[PreTrainedTokenizerBase, list[int]]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer, ckpt.eos_ids
+
+
+def converted_folder(file: Path) -> Path:
+    """Where the tokenizer converted from GGUF `file` is kept: under the file's name, size and modification time."""
+    stat = file.stat()
+    return cache_dir() / "gguf-tokenizers" / f"{file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def _convert(file: Path, arch: str) -> PreTrainedTokenizerBase:
@@ -76,14 +84,48 @@ def _read_converted(cached: Path, file: Path) -> tuple[PreTrainedTokenizerBase, 
     eos_file = cached / EOS_FILE
     if not eos_file.is_file():  # converted by an older runtime: saved now
         _write_atomic(eos_file, json.dumps(open_gguf(file).eos_ids))
+    eos = list(json.loads(eos_file.read_text()))
+    if not (cached / ALONE_FILE).is_file():  # saved by an older runtime: checked once now
+        _check_reads_alone(cached)
+    cls = _named_class(cached)
+    alone = json.loads((cached / ALONE_FILE).read_text())
+    if cls is not None and alone["same"]:
+        tokenizer = cls.from_pretrained(cached)
+        if alone["drop_normalizer"]:
+            tokenizer.backend_tokenizer.normalizer = None
+        return tokenizer, eos
     # the saved backend handed over whole: read from the folder alone, a class with a pre-tokenizer of its own (Qwen2's)
     # puts that in place of the file's, which a GGUF of that architecture with another pre-tokenizer does not use
     backend = Tokenizer.from_file(str(cached / "tokenizer.json"))
-    # the class the folder names, as AutoTokenizer would choose it, but without the model config AutoTokenizer first
-    # resolves from the folder (about 1 s of a 2.4 s load for Qwen2.5's vocabulary on a 2 GHz core)
-    named = json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    cls = (named and tokenizer_class_from_name(named)) or AutoTokenizer
-    return cls.from_pretrained(cached, tokenizer_object=backend), list(json.loads(eos_file.read_text()))
+    return (cls or AutoTokenizer).from_pretrained(cached, tokenizer_object=backend), eos
+
+
+def _named_class(folder: Path) -> type | None:
+    """The class the folder names, as AutoTokenizer would choose it, but without the model config AutoTokenizer first
+    resolves from the folder (about 1 s of a 2.4 s load for Qwen2.5's vocabulary on a 2 GHz core)."""
+    named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    return (named and tokenizer_class_from_name(named)) or None
+
+
+def _check_reads_alone(folder: Path) -> None:
+    """Record whether `folder`'s class, reading the folder by itself, builds exactly the saved backend, once its
+    normalizer is dropped where the saved one has none.
+
+    Why: handing the class the saved backend (`tokenizer_object`) costs a deep copy and a second parse of the JSON,
+    2.4 s a load of Qwen2.5's tokenizer on a 2 GHz core against 1.2 s read alone. Read alone, though, a class may put
+    its own parts in: Qwen2's adds Unicode NFC normalization, which the GGUF's tokenizer (and llama.cpp) does not do,
+    and another architecture's class might swap a pre-tokenizer. So the two are compared once, when converted
+    (the backends' whole JSON), and a load reads alone only where they were equal."""
+    saved = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    cls = _named_class(folder)
+    record = {"same": False, "drop_normalizer": False}
+    if cls is not None:
+        alone = cls.from_pretrained(folder)
+        record["drop_normalizer"] = saved.normalizer is None and alone.backend_tokenizer.normalizer is not None
+        if record["drop_normalizer"]:
+            alone.backend_tokenizer.normalizer = None
+        record["same"] = alone.backend_tokenizer.to_str() == saved.to_str()
+    _write_atomic(folder / ALONE_FILE, json.dumps(record))
 
 
 def _write_atomic(path: Path, text: str) -> None:
