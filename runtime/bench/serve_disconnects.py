@@ -8,9 +8,9 @@ How: F sessions (full: 100, quick: 10), `CONCURRENCY` at a time, each on a raw w
 minus the SDK: a client that vanishes has no SDK logic left to run). Each sends the `session.update` it is given
 (server VAD, as the conversations send) and streams a sentence of the demo speech, then silence, at `pace` times
 real time, and aborts its TCP transport (`transport.abort()`: no close frame, unread data dropped) at one of three
-moments, in turn: `speaking` (after 3 to 22 chunks, mid-sentence), `committed` (on receiving
-`input_audio_buffer.committed`: between the commit and the answer) and `answering` (on receiving
-`response.created`).
+moments, in turn, each after its `session.created` came: `speaking` (after 3 to 22 chunks, mid-sentence),
+`committed` (on receiving `input_audio_buffer.committed`: between the commit and the answer) and `answering` (on
+receiving `response.created`).
 
 Reported (`faults` in the bench's JSON): `mid_answer` counts the aborts made while a response the client saw
 created had not yet been seen done (the tiny model answers its 24 tokens in tens of milliseconds, so the server
@@ -58,7 +58,7 @@ async def disconnect(url: str, session_update: dict[str, Any], sentence: Sentenc
 
     fault = Disconnect(kind)
     seen: list[str] = []  # the server events' types, as received
-    trigger = asyncio.Event()
+    trigger, created = asyncio.Event(), asyncio.Event()
     wanted = {"committed": "input_audio_buffer.committed", "answering": "response.created"}.get(kind)
     ws = None
     try:
@@ -69,10 +69,16 @@ async def disconnect(url: str, session_update: dict[str, Any], sentence: Sentenc
             async for message in ws:
                 event = json.loads(message)
                 seen.append(event["type"])
+                if event["type"] == "session.created":
+                    created.set()
                 if event["type"] == wanted:
                     trigger.set()
 
         reader = asyncio.create_task(read())
+        # the session exists before the turn starts, so a client that vanishes after a few chunks leaves one behind
+        # to lose (not aborting before a loaded server has even sent session.created)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(created.wait(), TRIGGER_TIMEOUT_S)
         await ws.send(json.dumps({"type": "session.update", "session": session_update}))
         chunks = sentence.chunks[:speaking_chunks] if kind == "speaking" else sentence.chunks
         deadline = time.perf_counter() + TRIGGER_TIMEOUT_S
