@@ -24,7 +24,7 @@ from runtime.models.lm.gguf_checkpoint import gguf_file, open_gguf
 from runtime.models.loading import cache_dir
 
 EOS_FILE = "runtime-eos-ids.json"  # beside the saved tokenizer: the file's end-of-turn ids (reading them parses it)
-# beside it too, where checked true: the folder read by its class alone is the saved tokenizer (`_reads_alone`)
+# beside it too, where checked true: the folder read by its class alone is the saved tokenizer (`_check_reads_alone`)
 ALONE_FILE = "runtime-reads-alone.json"
 
 
