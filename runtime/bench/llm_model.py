@@ -36,6 +36,7 @@ from runtime.models.lm.engine_answerer import EngineAnswerer
 from runtime.models.lm.engine_session import EngineSession
 from runtime.models.lm.generate_answerer import transformers_model
 from runtime.models.lm.gguf_checkpoint import gguf_file
+from runtime.models.lm.kernel_linears import kernel_path
 from runtime.models.lm.transformer import Transformer
 from runtime.models.loading import resolve_checkpoint
 
@@ -157,7 +158,8 @@ def _formats(ref: str, args: argparse.Namespace, status: Status,
             while not state.step().done:
                 pass
             ref_greedy = list(state.generated)
-        row: dict[str, Any] = {"weights": fmt, "compiled_step": engine.compiled is not None,
+        row: dict[str, Any] = {"weights": fmt, "kernels": kernel_path(cfg.kernels, "cpu") if fmt.startswith("int")
+                               else "torch", "compiled_step": engine.compiled is not None,
                                "weight_bytes_per_token": step_bytes(engine.model)}
         for threads in THREADS:
             recompiles = engine.compiled is not None and threads != torch.get_num_threads()  # compiled at load's

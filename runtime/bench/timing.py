@@ -7,6 +7,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -46,11 +47,27 @@ def at_least(value: float | None, target: float) -> dict[str, Any]:
     return {"value": value, "target": f">= {target:g}", "met": value is not None and value >= target}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (a VM may only say "AMD EPYC"), with the widest vector extension it advertises: the
+    same name covers AVX-512 and AVX2-only parts, whose results differ."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in info.splitlines()
+                                                             if ":" in line)}
+    name = fields.get("model name", "unknown")
+    flags = set(fields.get("flags", "").split())
+    widest = next((f for f in ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2") if f in flags), "none")
+    return f"{name} ({widest})"
+
+
 def machine(device: str, dtype: str | None, threads: int) -> dict[str, Any]:
     """Where a result was measured: numbers are only comparable with the same hardware and library versions."""
     import transformers
 
     return {"device": device, "dtype": dtype, "torch_threads": threads, "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            "transformers": transformers.__version__, "cpu": cpu_name(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}
