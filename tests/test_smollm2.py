@@ -270,6 +270,20 @@ def test_spec_table_rows_are_lossless_and_the_peer_is_llama_cpps_prompt_lookup(p
             assert 0 < row["tokens"] <= 12 and row["speedup"] > 0 and row["ours_best_vs_prompt_lookup"] > 0, row
 
 
+def test_spec_table_reports_the_rows_it_was_told_to_leave_out(engines) -> None:
+    """`skip`: the 1.5B's quick table leaves the drafters that never paid there to the full run; each left-out row
+    says why, and neither it nor the best-of comparison against llama.cpp counts it."""
+    from runtime.bench.llm_spec import DRAFTER_ROWS, TASKS, spec_table
+
+    skip = {d: f"left out: {d}" for d in DRAFTER_ROWS if d not in ("none", "ngram")}
+    table = spec_table(REF, "int4", quick=True, status=lambda _: None, loaded=engines("int4"), tokens=6,
+                       prompts_per_task=1, compile_mode="off", skip=skip)
+    for task in TASKS:
+        left_out = {d: row for d, row in table[task].items() if d in skip}
+        assert left_out == {d: {"skipped": why} for d, why in skip.items()}
+        assert table[task]["ngram"]["identical"] and table[task]["none"]["speedup"] == 1.0
+
+
 @pytest.mark.slow
 def test_bench_answers_quick_runs_the_question_set(path, capsys) -> None:
     import json

@@ -18,12 +18,12 @@ model is served in, each side by side with llama.cpp on the same file in the sam
   when it is installed, and llama.cpp's own prompt-lookup decoding as the peer; `targets` says which of the
   issue's are met (decode and prefill against llama.cpp, 1.6x drafted, `auto` against its best candidate).
 
-`--quick` keeps every row on less (`QUICK`, about 3 minutes on 2 cores; torch's int4 kernels, `QUICK_SKIP`, are left
-to the full run with the reason): 12 decoded tokens a run, a 64-token prefill, 2 trials (1 in the AVX2 child), a
-256-token think-while-reading, one prompt per task at 2 threads, and eager steps (compiling a format costs 16-19 s
-here and gains about a tenth of decode speed at 1 thread; the full run compiles, as `lm.compile = auto` serves a
-plain decode, and its speculative rows as `lm.compile = on` serves a drafted one, verifications included). Its
-ratios are noisier than the full run's.
+`--quick` keeps every row on less (`QUICK`, about 3 minutes on 2 cores; torch's int4 kernels, `QUICK_SKIP`, and the
+drafters that never paid here, `QUICK_SPEC_SKIP`, are left to the full run with the reason): 12 decoded tokens a
+run, a 64-token prefill, 2 trials (1 in the AVX2 child), a 256-token think-while-reading, one prompt per task at 2
+threads, and eager steps (compiling a format costs 16-19 s here and gains about a tenth of decode speed at 1 thread;
+the full run compiles, as `lm.compile = auto` serves a plain decode, and its speculative rows as `lm.compile = on`
+serves a drafted one, verifications included). Its ratios are noisier than the full run's.
 """
 
 from __future__ import annotations
@@ -70,6 +70,10 @@ AUTO_CANDIDATES = ("ngram", "trigram")  # what `auto` chooses among on a CPU (`d
 ROWS = {"native": ("native", "runtime", True), "int4": ("int4", "runtime", True),
         "int4-torch-kernels": ("int4", "torch", False)}
 QUICK_SKIP = ("int4-torch-kernels",)  # rows --quick leaves to the full run, each with the reason
+# The speculative rows --quick leaves to the full run: the drafters that have never paid on the 1.5B (0.4-0.9x in
+# every full run, docs/llm.md), about half the quick table's time; it keeps plain decoding, `auto` and its candidates.
+QUICK_SPEC_SKIP = {d: "--quick leaves this drafter to the full run (it has not paid on this model there)"
+                   for d in ("recycling", "swift", "draft-model", "dyspec")}
 
 
 @dataclass(frozen=True)
@@ -315,7 +319,8 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     out["speculative"] = spec_table(ref, best, quick=quick, status=status, loaded=engine, draft_model=draft,
                                     tokens=plan.spec_tokens, prompts_per_task=plan.spec_prompts,
                                     compile_mode="on" if plan.compile else "off",  # verifications compiled too
-                                    llama_file=file if peer else None)
+                                    llama_file=file if peer else None,
+                                    skip=QUICK_SPEC_SKIP if plan is QUICK else None)
     out["speculative"]["threads"] = plan.spec_threads
     torch.set_num_threads(1)
     out["targets"] = _targets(out)

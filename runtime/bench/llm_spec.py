@@ -80,17 +80,20 @@ def spec_tokens(quick: bool) -> int:
 def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], None],
                loaded: LMEngine | None = None, draft_model: str | None = None, tokens: int | None = None,
                prompts_per_task: int | None = None, compile_mode: str = "auto",
-               llama_file: Path | None = None) -> dict[str, Any]:
+               llama_file: Path | None = None, skip: dict[str, str] | None = None) -> dict[str, Any]:
     """`loaded`: an engine of `ref` in `weights` whose weights every drafter's answerer shares (no load per row);
     `draft_model`: a smaller model of the same tokenizer, rows of their own (`draft-model`: chains, `dyspec`: dynamic
     trees); `tokens` and
     `prompts_per_task`: the answer length and prompts per task (by default `spec_tokens(quick)`, and one prompt per
     task when quick, all otherwise); `compile_mode`: the rows' `lm.compile` (the plain row's step);
-    `llama_file`: the GGUF file llama.cpp's speculative row runs (the peer)."""
+    `llama_file`: the GGUF file llama.cpp's speculative row runs (the peer); `skip`: drafters left out, each with
+    the reason the table reports in their place."""
     n = tokens or spec_tokens(quick)
     per_task = prompts_per_task or (1 if quick else max(len(p) for p in TASKS.values()))
     table: dict[str, Any] = {}
-    drafters = (*DRAFTER_ROWS[:-1], *MODEL_ROWS, DRAFTER_ROWS[-1]) if draft_model else DRAFTER_ROWS
+    skip = skip or {}
+    drafters = tuple(d for d in ((*DRAFTER_ROWS[:-1], *MODEL_ROWS, DRAFTER_ROWS[-1]) if draft_model else DRAFTER_ROWS)
+                     if d not in skip)
     status(f"speculative: {len(drafters)} drafters on {weights}" + (" (loading)" if loaded is None else ""))
     answerers = {}
     for d in drafters:
@@ -99,7 +102,8 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
         if loaded is not None:  # the loaded engine's cache geometry, so that its compiled steps serve every row
             cfg = replace(loaded.cfg, drafter=d, draft_model=cfg.draft_model, compile=compile_mode,
                           max_new_tokens=max(n, loaded.cfg.max_new_tokens))
-        shared_draft = answerers["draft-model"].draft_engine if d == "dyspec" else None  # one load of the draft
+        # one load of the draft, shared by DySpec's rows
+        shared_draft = answerers["draft-model"].draft_engine if d == "dyspec" and "draft-model" in answerers else None
         answerers[d] = (EngineAnswerer.load(cfg, device="cpu", dtype="float32") if loaded is None
                         else EngineAnswerer.sharing(loaded, cfg, draft_engine=shared_draft))
     prompt_ids: dict[str, list[list[int]]] = {}
@@ -112,7 +116,7 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
                 status(f"speculative: {task} with drafter {drafter}" + (f" (round {round_ + 1})" if round_ else ""))
                 runs[drafter].append(_run(answerers[drafter], prompts, n))
         plain, base_s = runs["none"][0][0], min(r[1] for r in runs["none"])
-        rows: dict[str, Any] = {}
+        rows: dict[str, Any] = {d: {"skipped": why} for d, why in skip.items()}
         for drafter in drafters:
             outs, seconds, steps, emitted = min(runs[drafter], key=lambda r: r[1])
             rows[drafter] = {"tokens_per_step": round(emitted / max(1, steps), 3), "tokens": emitted,
@@ -131,7 +135,8 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
         for task in prompt_ids:
             peer = table["llama_cpp"].get(task)
             if peer and "tokens" in peer:  # our best drafter's tokens/s against llama.cpp's prompt lookup's
-                best = min((r for d, r in table[task].items() if d != "none"), key=lambda r: r["seconds"])
+                best = min((r for d, r in table[task].items() if d != "none" and "seconds" in r),
+                           key=lambda r: r["seconds"])
                 ours = best["tokens"] / best["seconds"]
                 peer["ours_best_vs_prompt_lookup"] = round(ours / (peer["tokens"] / peer["prompt_lookup_seconds"]), 3)
     return table
