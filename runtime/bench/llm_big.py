@@ -355,10 +355,14 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def _wider_than_avx2() -> bool:
-    """Whether the kernels run a wider path than AVX2 here: else the AVX2 child would only repeat the rows."""
+    """Whether the kernels run a wider path than AVX2 here: else the AVX2 child would only repeat the rows. Where
+    the kernels cannot load, the child runs and reports why."""
     from runtime.models.lm import cpu_kernels
 
-    return cpu_kernels.best_isa() not in ("avx2", "scalar")
+    try:
+        return cpu_kernels.best_isa() not in ("avx2", "scalar")
+    except Exception:
+        return True
 
 
 def _compile(plan: Plan, compiles: bool) -> str:
