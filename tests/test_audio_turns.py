@@ -337,14 +337,18 @@ class _EndingStream(_Stream):
         super().__init__(*args)
         self.ends: list[tuple[int | None, int]] = []
         self.heard_to = 0
+        self.read: list[tuple[int, int]] = []  # each chunk read, in chunk indices: (first, past the last)
+        self.prepares = True  # whether its final pass is prepared at a speech end (the offline pass's is)
 
     def accept(self, chunk: AudioChunk) -> list[TranscriptUpdate]:
-        self.heard_to = chunk.end_sample
+        assert chunk.start_sample == self.heard_to or not self.read or self.closed, "the audio must be contiguous"
+        self.heard_to, self.closed = chunk.end_sample, False  # (the test's next buffer opens the same stream again)
+        self.read.append((chunk.start_sample // STEP, chunk.end_sample // STEP))
         return super().accept(chunk)
 
     def end_speech(self, until_sample: int | None) -> str | None:
         self.ends.append((until_sample, self.heard_to))
-        return None if until_sample is None else f" hi at {until_sample}"
+        return None if until_sample is None or not self.prepares else f" hi at {until_sample}"
 
 
 class _PausingSink:
@@ -386,6 +390,20 @@ async def test_a_pause_prepares_the_final_pass_and_speech_that_goes_on_undoes_it
     item = out[0].item_id
     assert sink.log == [("may end", item, f"hi at {2 * STEP + TAIL}"), ("goes on",),
                         ("may end", item, f"hi at {7 * STEP + TAIL}"), ("ended", item)]
+    # once prepared, the pause's chunks wait: read as one with the chunk where speech resumed, never at the commit
+    assert stream.read == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6), (6, 7), (7, 8), (8, 9), (13, 14)]
+
+
+@pytest.mark.asyncio
+async def test_a_commit_in_a_prepared_pause_leaves_its_silence_unread_and_an_unprepared_stream_reads_it_all():
+    for prepares in (True, False):
+        stream = _EndingStream({}, [TranscriptUpdate("a0", "", "", 0.0, 1.0, True, "hi")])
+        stream.prepares = prepares
+        turns = _Turns({0: [TurnEvent(True, 0)]}, pauses={2: 2 * STEP})
+        out, conversation = await _run([0, 1, 2, 3, 4, 5, BufferEnd()], stream, turns)  # the client's commit
+        assert stream.ends == [(2 * STEP + TAIL, 4 * STEP)]
+        assert stream.read == ([(0, 1), (1, 2), (2, 3), (3, 4)] if prepares else [(i, i + 1) for i in range(6)])
+        assert _completed(out) == ["hi"] and conversation.final_text() == "hi"
 
 
 @pytest.mark.asyncio

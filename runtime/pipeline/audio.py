@@ -33,6 +33,13 @@ whether the preparation was in time; a client's commit in a pause keeps it (what
 transcript the prepared pass will likely give goes to the `TurnSink` (`turn_may_end`), which may start on the answer
 before the rule has decided (`QuestionProcessor.prepare`); speech that resumes takes it back (`turn_goes_on`).
 
+Silence not read: once the pass is prepared, the stream is given no more of the pause's chunks. The turn's final
+transcript reads nothing past the prepared point, and on a slow machine each chunk's ASR step (an encoder block, a
+decoder step, a preview) kept the chunk that completes the rule's silence waiting behind it: turn detection ran
+0.6-1.2 s late on an AVX2-only Zen 3. The chunks wait (`_unread`), and the stream reads them in one step when speech
+resumes or the stream is told anything new; a commit, of whatever kind, leaves them unread (they are the silence the
+pass already stops before). A stream whose pass was not prepared reads every chunk as before.
+
 Reading on (`read_on`, the `ReadsOn` streams': causal Whisper with its offline pass): in a session that does not
 answer turns (captions: `turn_detection.create_response` off), a committed buffer's turn is handed to the next
 buffer's stream, whose final pass then reads it together with its own audio (final_pass.py, "Reading on"): a reader's
@@ -51,6 +58,8 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
@@ -138,6 +147,8 @@ class AudioProcessor:
         self.speech = speech
         self._said: deque[str] = deque()  # the committed buffers' transcripts, the most recent CONTEXT_CHARS
         self._speech_end: int | None = None  # the open buffer's speech end given to its stream (`end_speech`)
+        self._prepared = False  # the final pass is prepared at `_speech_end`: the stream reads no more silence
+        self._unread: list[AudioChunk] = []  # the open buffer's chunks since then, not yet read (module doc)
         self._said_chars = 0
         self.reads_on = reads_on
         self._turn_before: object | None = None  # the last committed buffer's turn, for the next stream (`ReadsOn`)
@@ -179,12 +190,10 @@ class AudioProcessor:
                 await self.worker.run(Priority.ASR, self.stream.read_on, before)
         self.buffer_samples += len(chunk.samples)
         self.audio_end = chunk.end
-        updates = await self._step(self.stream.accept, chunk, chunk.start)
-        if self._gated():
-            self._hold(updates)
+        if self._prepared:  # the pause's final pass is ready: its silence waits (module doc, "Silence not read")
+            self._unread.append(chunk)
         else:
-            await self._release()
-            await self._publish(updates)
+            await self._read(chunk)
         if self.turns is not None:
             for turn in await self._detect(chunk):
                 await self._turn(turn)
@@ -192,6 +201,20 @@ class AudioProcessor:
                 await self._open_gate()
             await self._follow_pause(chunk.end_sample)
         await self.heard.advance(chunk.end)
+
+    async def _read(self, chunk: AudioChunk) -> None:
+        """The open stream reads `chunk` (after what it left unread, as one chunk) and its words are published or
+        held."""
+        assert self.stream is not None
+        if self._unread:
+            unread, self._unread = self._unread, []
+            chunk = AudioChunk(np.concatenate([c.samples for c in (*unread, chunk)]), unread[0].start_sample)
+        updates = await self._step(self.stream.accept, chunk, chunk.start)
+        if self._gated():
+            self._hold(updates)
+        else:
+            await self._release()
+            await self._publish(updates)
 
     def context(self) -> str:
         """The text of the buffers committed so far, the most recent `CONTEXT_CHARS` (whole transcripts)."""
@@ -300,7 +323,9 @@ class AudioProcessor:
         likely say were it to end there (not at a `commit`: the turn ends anyway); a failure is reported and costs
         only the early start: the commit's final pass runs as it would have."""
         assert isinstance(self.stream, SpeechEnds) and self.buffer is not None
-        self._speech_end = until
+        self._speech_end, self._prepared = until, False
+        if self._unread:  # the stream reads what it left unread (the last chunk, after the others) first
+            await self._read(self._unread.pop())
         try:
             final = await self.worker.run(Priority.ASR, self.stream.end_speech, until)
         except Exception as err:
@@ -308,6 +333,7 @@ class AudioProcessor:
             await self.emit(error_event(f"speech recognition failed: {err}", code="asr_failed", type="server_error",
                                         media_time=heard_to / SAMPLE_RATE))
             final = None
+        self._prepared = until is not None and final is not None
         if self.sink is None or commit or self.buffer is None:
             return
         if until is None:
@@ -423,7 +449,7 @@ class AudioProcessor:
 
     async def _close_buffer(self, at: float) -> None:
         stream, self.stream, self.buffer, self.buffer_samples, self.speaking = self.stream, None, None, 0, False
-        self._speech_end = None
+        self._speech_end, self._prepared, self._unread = None, False, []
         self.heard_speech, self._held, self._flowing, self._turn_began = False, None, False, False
         if stream is not None:
             with contextlib.suppress(Exception):
