@@ -58,7 +58,9 @@ class ASRConfig:
     # causal-whisper: decode a committed item once more with all it heard (final_pass.py): none | decoder (its
     # own decoder over all its block-causal frames) | offline (the checkpoint without adapter, full context).
     final_pass: str = "none"
-    final_pass_dtype: str = ""  # the offline pass's weights: float32 | bfloat16 | float16 ("": the profile's dtype)
+    # the offline pass's weights: float32 | bfloat16 | float16 | auto (bfloat16 where the device computes it natively:
+    # AVX-512 BF16 or AMX; float32 elsewhere, where bfloat16 ran 7.5x slower) ("": the profile's dtype)
+    final_pass_dtype: str = ""
     # the offline pass encodes the item padded to the next multiple of this many seconds, the rest of Whisper's 30 s
     # window being silence's states (whisper_window.py); 30: Whisper's own window for every item
     final_pass_window_s: float = 30.0
@@ -397,8 +399,8 @@ def validate(profile: Profile) -> Profile:
     if profile.pipeline.audio_chunk_ms <= 0 or profile.pipeline.audio_queue_chunks <= 0:
         raise ConfigError("pipeline.audio_chunk_ms and pipeline.audio_queue_chunks must be > 0")
     asr = profile.asr
-    if asr.final_pass_dtype and asr.final_pass_dtype not in DTYPES:
-        raise ConfigError(f"asr.final_pass_dtype {asr.final_pass_dtype!r} is not one of {', '.join(DTYPES)}")
+    if asr.final_pass_dtype and asr.final_pass_dtype not in (*DTYPES, "auto"):
+        raise ConfigError(f"asr.final_pass_dtype {asr.final_pass_dtype!r} is not one of {', '.join(DTYPES)}, auto")
     if asr.final_pass_beam < 1:
         raise ConfigError(f"asr.final_pass_beam must be >= 1 (1: greedy), got {asr.final_pass_beam}")
     if asr.decoder not in ("greedy", "beam"):

@@ -227,3 +227,32 @@ def test_a_session_takes_both_cores_of_two_and_leaves_one_of_more() -> None:
 
     assert [session_threads(0, cores=n) for n in (1, 2, 3, 4, 16)] == [1, 2, 2, 3, 15]
     assert session_threads(1, cores=2) == 1 and session_threads(3, cores=2) == 3  # a profile's own count stands
+
+
+def test_auto_is_bfloat16_only_where_the_cpu_computes_it(monkeypatch) -> None:
+    """`resolve_dtype("auto")`: bfloat16 on x86 with AVX-512 BF16 or AMX (and Arm's BF16), float32 on an AVX2-only
+    CPU (its flags as an AMD EPYC Zen 3 under KVM lists them), where torch widens bfloat16 and it ran 7.5x slower."""
+    zen3 = frozenset(["fpu", "sse2", "avx", "fma", "avx2", "bmi2", "sha_ni", "vaes", "vpclmulqdq"])
+    for flags, want in ((zen3, "float32"), (zen3 | {"avx512f", "avx512_vnni", "avx512_bf16"}, "bfloat16"),
+                        (zen3 | {"amx_tile", "amx_bf16"}, "bfloat16"), (frozenset({"asimd", "bf16"}), "bfloat16"),
+                        (frozenset(), "float32")):
+        monkeypatch.setattr(loading, "_cpu_flags", lambda flags=flags: flags)
+        assert loading.resolve_dtype("auto") == want, sorted(flags)
+        assert loading.resolve_dtype("bfloat16") == "bfloat16" and loading.resolve_dtype("") == ""
+    monkeypatch.undo()
+    loading._cpu_flags.cache_clear()
+    assert isinstance(loading._cpu_flags(), frozenset)  # this machine's, read from /proc/cpuinfo where it exists
+    if Path("/proc/cpuinfo").exists():
+        assert "fpu" in loading._cpu_flags() or "fp" in loading._cpu_flags()
+
+
+def test_final_pass_dtype_takes_auto_and_refuses_the_unknown() -> None:
+    from dataclasses import replace
+
+    from runtime.config import load_profile, validate
+
+    profile = load_profile("demo")
+    assert profile.asr.final_pass_dtype == "auto"
+    validate(replace(profile, asr=replace(profile.asr, final_pass_dtype="float32")))
+    with pytest.raises(ConfigError, match="auto"):
+        validate(replace(profile, asr=replace(profile.asr, final_pass_dtype="bf16")))

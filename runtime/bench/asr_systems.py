@@ -210,7 +210,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
     from runtime.models.asr.whisper_buffered import WhisperBuffered
     from runtime.models.asr.whisper_checkpoint import whisper_path
     from runtime.models.asr.whisper_ct2 import is_ct2_whisper_dir
-    from runtime.models.loading import resolve_checkpoint
+    from runtime.models.loading import resolve_checkpoint, resolve_dtype
 
     present = [s for s in sets if not s.reason]
     repeats = getattr(args, "repeats", 1)
@@ -269,7 +269,7 @@ def build(args: argparse.Namespace, sets: list[EvalSet], kinds: list[str], chunk
                     + (", encoder 8-bit" if profile.encoder_weights == "int8" else "")
                     + (", decoder and head 8-bit" if profile.decoder_weights == "int8" else ""))
         if any(p for _, p, _ in rows):
-            pass_dtype = profile.final_pass_dtype or dtype
+            pass_dtype = resolve_dtype(profile.final_pass_dtype, device) or dtype
             window = profile.final_pass_window_s
             beams = getattr(args, "final_pass_beam", None)
             beams = profile.final_pass_beam if beams is None else beams

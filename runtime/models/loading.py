@@ -9,6 +9,7 @@ not on disk fails at once with a one-line `CheckpointNotFound` that says how to 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -53,6 +54,35 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ConfigError(f"dtype {name!r} is not one of {', '.join(_DTYPES)}") from None
+
+
+def native_bfloat16(device: str = "cpu") -> bool:
+    """Whether `device` computes bfloat16 matrix products natively: a CPU with AVX-512 BF16 or AMX (x86) or BF16
+    (Arm), a CUDA device that supports it. Elsewhere torch widens every operand to float32 and back: Whisper tiny's
+    encoder over 4 s took 1.37 s in bfloat16 against 0.18 s in float32 on an AVX2-only AMD EPYC (Zen 3), where on
+    AVX-512 BF16 bfloat16 halved it."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """A configured dtype, with "auto" made bfloat16 where `device` computes it natively, float32 elsewhere."""
+    if name != "auto":
+        return name
+    return "bfloat16" if native_bfloat16(device) else "float32"
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo: x86 `flags`, Arm `Features`); empty where unreadable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except (OSError, IndexError):
+        pass
+    return frozenset()
 
 
 def configure_threads(threads: int) -> int:

@@ -77,7 +77,7 @@ from runtime.models.asr.whisper_language import (
     language_ids,
     speech_prompt,
 )
-from runtime.models.loading import load_progress, torch_dtype
+from runtime.models.loading import load_progress, resolve_dtype, torch_dtype
 
 
 class CausalWhisperASR:
@@ -154,9 +154,10 @@ class CausalWhisperASR:
             final: FinalPass | None = DecoderPass() if kind == "decoder" else None
             if kind == "offline":  # its own copy where the stream's model is changed: merged, cast, exported
                 graphs = wants_graphs(cfg, device, dtype)
-                own = cfg.adapter or cfg.final_pass_dtype not in ("", dtype) or graphs
+                pass_dtype = resolve_dtype(cfg.final_pass_dtype, device) or dtype
+                own = cfg.adapter or pass_dtype != dtype or graphs
                 offline = offline_decoder(copy.deepcopy(model) if own else model, tokenizer, path, cfg, device,
-                                          cfg.final_pass_dtype or dtype)
+                                          pass_dtype)
                 searched = graphs and cfg.final_pass_beam == 1  # the graph runs greedy searches only
                 final = OfflinePass(offline, pass_graph(copy.deepcopy(model), offline, cfg, device, progress)
                                     if searched else None, read_on=cfg.final_pass_read_on)
