@@ -62,8 +62,12 @@ def test_a_session_captions_nothing_over_non_speech_and_keeps_peoples_words() ->
     turns = TurnModels(SileroVAD.load())
     shown = {name: caption(asr, turns, audio).words_shown for name, audio in non_speech_set(quick=True)}
     assert shown == dict.fromkeys(shown, 0)
-    ungated = sum(caption(asr, turns, audio, gate=False).words_shown for _, audio in non_speech_set(quick=True))
-    assert ungated >= 3  # Whisper's "you": the gate had something to stop
+    ungated = 0  # Whisper's "you" (one over each clip, measured): the gate had something to stop
+    for _, audio in non_speech_set(quick=True):
+        ungated += caption(asr, turns, audio, gate=False).words_shown
+        if ungated >= 3:  # enough to say so: the clips after cannot take it back (0.6 s of CPU a clip)
+            break
+    assert ungated >= 3
     refs, hyps = [], []
     for _, audio, text in dev_clips()[1:]:
         refs.append(text)

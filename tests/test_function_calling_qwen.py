@@ -92,17 +92,15 @@ async def answer_from_output(connection, talk, call: dict) -> str:
     return message["content"][0]["text"]
 
 
-async def test_auto_calls_the_tool_a_question_needs_with_valid_arguments(qwen05):
-    async with talking(qwen05) as (connection, talk):
-        await weather_call(connection, talk)
-
-
-@pytest.mark.xfail(strict=True, reason="measured: Qwen2.5-Coder-0.5B answers 'Not known yet.' (demo's prompt) or writes"
-                   " the call again in a code fence (a helpful-assistant prompt) after the output (docs/llm.md)")
-async def test_the_answer_after_the_output_reads_it(qwen05):
+async def test_auto_calls_the_tool_a_question_needs_and_the_answer_after_the_output_misses_it(qwen05):
+    """The call, then (a known failure, held as a strict xfail holds one: this fails once the 0.5B reads the output)
+    the answer after its output. One conversation for both: the answer's check was a strict xfail test of its own
+    that made the same call first (5 s of CPU here)."""
     async with talking(qwen05) as (connection, talk):
         text = await answer_from_output(connection, talk, await weather_call(connection, talk))
-        assert "18" in text, text  # "The weather in Paris is 18 degrees and sunny."
+        # measured: Qwen2.5-Coder-0.5B answers "Not known yet." (demo's prompt) or writes the call again in a code
+        # fence (a helpful-assistant prompt) after the output (docs/llm.md); the 1.5B reads it (the slow test below)
+        assert "18" not in text, f"the 0.5B now reads the function's output: {text!r} (update docs/llm.md's table)"
 
 
 async def hello(connection, talk) -> None:
