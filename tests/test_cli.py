@@ -138,6 +138,29 @@ def test_no_microphone_fails_fast_naming_the_device(capsys):
     assert code == 1 and "hw:97" in line
 
 
+@pytest.fixture(scope="module")
+def short_speech(tmp_path_factory) -> Path:
+    """The demo's first 4 s of speech as a .wav, for the in-process transcribe tests that are not about the demo's
+    length or its picture: no screen reader loads for it, and `runtime transcribe` on it took 6.7 CPU s in-process
+    against 12.0 on the whole demo mp4 (12.8 s of speech; 2-core AMD EPYC, 2026-12-02)."""
+    import soundfile
+
+    path = tmp_path_factory.mktemp("speech") / "short.wav"
+    soundfile.write(path, demo_speech()[:4 * 16000], 16000)
+    return path
+
+
+@pytest.fixture(scope="module")
+def short_film(tmp_path_factory) -> Path:
+    """The demo's first 4 s as an mp4, speech and picture (so the default profile's screen reader loads and reads it
+    too): `runtime transcribe` on it cost a child 14 CPU s against 19 on the whole demo (2-core AMD EPYC,
+    2026-12-02), most of both the child's imports and loads."""
+    from runtime.io.sample import DEMO_FPS, render_frame, write_media_file
+
+    frames = [(i / DEMO_FPS, render_frame(i / DEMO_FPS)) for i in range(4 * DEMO_FPS)]
+    return write_media_file(tmp_path_factory.mktemp("film") / "short.mp4", demo_speech()[:4 * 16000], frames)
+
+
 def _subprocess(*argv: str, stdin: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "runtime", *argv], input=stdin, capture_output=True, text=True,
@@ -167,11 +190,12 @@ def test_demo_at_speed_8_prints_transcript_and_answer():
     assert "roll" in answer or "stop" in answer, answer
 
 
-def test_ask_at_a_media_time_answers_then_finishes(demo_file):
-    result = _subprocess("ask", str(demo_file), "what moved?", "--at", "3", "--json", "--profile", "tiny",
-                         "--set", "lm.max_new_tokens=4")
-    assert result.returncode == 0, result.stderr
-    events = _events(result.stdout)
+def test_ask_at_a_media_time_answers_then_finishes(capsys, demo_file):
+    # in-process: a child spent about 10 of its 12 CPU s importing torch and transformers (2-core AMD EPYC, 2026-12-02)
+    code, out, err = run_cli(capsys, "ask", str(demo_file), "what moved?", "--at", "3", "--json", "--profile", "tiny",
+                             "--set", "lm.max_new_tokens=4")
+    assert code == 0, err
+    events = _events(out)
     created = next(e for e in events if e.type == "response.created")
     assert created.media_time == 3 and created.response["question"] == "what moved?"
     done = next(e for e in events if e.type == "response.done")
@@ -194,10 +218,11 @@ def test_serve_with_a_file_source_takes_questions_on_stdin(demo_file):
     assert heard == pytest.approx(len(demo_speech()) / 16000, abs=0.05)
 
 
-def test_transcribe_text_output_and_quiet_means_nothing_on_stderr(demo_file, tmp_path):
-    """One process for all three (each cost a worker 9 s in CI): the text lines, `-q` leaving stderr empty, and
-    `--trace-jobs` writing the worker's jobs, the ASR's on the listening thread, closed when the command ends."""
-    result = _subprocess("transcribe", str(demo_file), "--speed", "0", "-q", "--trace-jobs", str(tmp_path / "t.json"))
+def test_transcribe_text_output_and_quiet_means_nothing_on_stderr(short_film, tmp_path):
+    """One process for all three (each cost a worker 9 s in CI): the text lines, `-q` leaving stderr empty (the
+    screen reader's loading included: the film has a picture), and `--trace-jobs` writing the worker's jobs, the
+    ASR's on the listening thread, closed when the command ends."""
+    result = _subprocess("transcribe", str(short_film), "--speed", "0", "-q", "--trace-jobs", str(tmp_path / "t.json"))
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert "[00:0" in result.stdout  # live lines stamped with media time
     events = read_trace(tmp_path / "t.json")
@@ -262,14 +287,14 @@ def test_bad_numbers_and_questions_are_refused_before_any_model_loads(capsys, de
     assert time.perf_counter() - started < 10
 
 
-def test_transcribe_needs_audio_and_loads_the_asr_alone(capsys, demo_file, tmp_path):
+def test_transcribe_needs_audio_and_loads_the_asr_alone(capsys, short_speech, tmp_path):
     from runtime.io.sample import render_frame, write_media_file
 
     silent_film = write_media_file(tmp_path / "v.mp4", None, [(i / 2, render_frame(i / 2, 64, 48)) for i in range(4)])
     code, _, err = run_cli(capsys, "transcribe", str(silent_film))
     assert code == 1 and "no audio stream" in one_error_line(err)
     # no language model is loaded to transcribe, so a missing one does not matter
-    code, out, err = run_cli(capsys, "transcribe", str(demo_file), "--json", "--set", "lm.model=/nonexistent")
+    code, out, err = run_cli(capsys, "transcribe", str(short_speech), "--json", "--set", "lm.model=/nonexistent")
     assert code == 0, err
     created = parse_event(json.loads(out.splitlines()[0]))
     assert created.type == "session.created" and created.session["lm"] == {"backend": "none"}
@@ -278,7 +303,7 @@ def test_transcribe_needs_audio_and_loads_the_asr_alone(capsys, demo_file, tmp_p
     assert gc.get_freeze_count() > 10_000
 
 
-def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, demo_file):
+def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, short_speech):
     """A run whose ASR failed on every chunk printed errors; its exit status must say so to a script."""
     from runtime import loaded_models
     from runtime.loaded_models import Models
@@ -306,7 +331,7 @@ def test_a_session_that_reports_errors_exits_non_zero(capsys, monkeypatch, demo_
     real = loaded_models.load_models
     monkeypatch.setattr(loaded_models, "load_models", lambda *a, **k: (lambda m: Models(BrokenASR(m.asr), m.answerer,
                                                                                m.vision))(real(*a, **k)))
-    code, _, err = run_cli(capsys, "transcribe", str(demo_file), "-q")
+    code, _, err = run_cli(capsys, "transcribe", str(short_speech), "-q")
     assert code == 1 and "error: " in err
     assert "runtime: the session reported" in err.splitlines()[-1]
 
