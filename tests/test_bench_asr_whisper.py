@@ -258,17 +258,19 @@ def test_two_pass_rows_end_where_the_offline_ceiling_does(capsys, tmp_path):
     from runtime.models.asr.causal_whisper.asr import offline_decoder
     from runtime.models.asr.registry import load_asr
     from runtime.models.asr.whisper_checkpoint import whisper_path
+    from runtime.models.loading import resolve_dtype
     from runtime.train.text_norm import cer, wer
 
     audio = demo_speech()[: 4 * SAMPLE_RATE]
     soundfile.write(tmp_path / "a.flac", audio, SAMPLE_RATE, subtype="PCM_16")
     audio, _ = soundfile.read(tmp_path / "a.flac", dtype="float32")
     ref, profile = asr_systems.WHISPER, load_profile("whisper-tiny-en").asr
+    pass_dtype = resolve_dtype(profile.final_pass_dtype, "cpu") or "float32"  # "auto": as the bench resolves it
     plain = load_asr(ASRConfig(backend="whisper-buffered", model=ref, max_new_tokens=asr_systems.OFFLINE_TOKENS),
                      device="cpu", dtype="float32")
     second = offline_decoder(copy.deepcopy(plain.model), plain.tokenizer, whisper_path(ref), replace(
         plain.cfg, head_weights=profile.head_weights, final_pass_window_s=profile.final_pass_window_s), "cpu",
-        profile.final_pass_dtype or "float32")
+        pass_dtype)
     expected = second.text(second.hypothesis(audio))
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"audio": "a.flac", "text": demo_script()}) + "\n")
     code, out, err = run_cli(capsys, "bench", "asr-quality", "--quick", "--json", "--threads", "1", "--data",
@@ -285,7 +287,7 @@ def test_two_pass_rows_end_where_the_offline_ceiling_does(capsys, tmp_path):
         assert (row["wer"], row["cer"]) == (offline["wer"], offline["cer"])
     assert row["word_latency_s"]["words_timed"] > 0
     settings = result["system_settings"]["causal-whisper-300ms+offline"]
-    assert profile.final_pass_dtype in settings and f"{profile.final_pass_window_s:g} s windows" in settings
+    assert pass_dtype in settings and f"{profile.final_pass_window_s:g} s windows" in settings
     # the stream runs as the profile does (its token budget), with the --refresh-ms asked for
     assert f"{profile.max_new_tokens} tokens an item" in settings and "re-fed after 300 ms" in settings
     assert {"causal_300ms+offline_human_wer_within_1.25x_offline",
