@@ -5,6 +5,7 @@ must give the eager engine's tokens. Tiny models only: a compile takes seconds t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -15,6 +16,10 @@ from runtime.errors import ConfigError
 from runtime.models.lm.compiled_step import CompiledStep, wanted
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_session import EngineSession
+
+# one worker compiles each format's steps for every test here (`--dist loadgroup`): spread over two, the int8 engine's
+# compile (its decode and tree steps, 12-17 s in `make test`) ran on both
+pytestmark = pytest.mark.xdist_group("compiled_step")
 
 WORDS = ["the", "team", "talks", "about", "budget", "for", "next", "year", "in", "morning", "meeting", "and"]
 
@@ -29,15 +34,29 @@ def session(engine: LMEngine) -> EngineSession:
     return s
 
 
+@pytest.fixture(scope="module")
+def loaded() -> Callable[[str], tuple[LMEngine, LMEngine]]:
+    """Weight format -> (eager, compiled) engines of the same tiny model, each format loaded and compiled once for
+    the module."""
+    made: dict[str, tuple[LMEngine, LMEngine]] = {}
+
+    def load(weights: str) -> tuple[LMEngine, LMEngine]:
+        if weights not in made:
+            eager, compiled = (LMEngine.load(LMConfig(backend="engine", model="tiny:qwen2", window_tokens=64,
+                                                      prefill_chunk_tokens=16, max_new_tokens=48, weights=weights,
+                                                      compile=mode), device="cpu", dtype="float32")
+                               for mode in ("off", "on"))
+            made[weights] = eager, compiled
+        return made[weights]
+
+    return load
+
+
 @pytest.fixture(scope="module", params=["fp32", "int8"])
-def engines(request: pytest.FixtureRequest) -> tuple[LMEngine, LMEngine]:
+def engines(request: pytest.FixtureRequest, loaded: Callable[[str], tuple[LMEngine, LMEngine]],
+            ) -> tuple[LMEngine, LMEngine]:
     """(eager, compiled) engines of the same tiny model and weight format."""
-    made = []
-    for mode in ("off", "on"):
-        cfg = LMConfig(backend="engine", model="tiny:qwen2", window_tokens=64, prefill_chunk_tokens=16,
-                       max_new_tokens=48, weights=request.param, compile=mode)
-        made.append(LMEngine.load(cfg, device="cpu", dtype="float32"))
-    return made[0], made[1]
+    return loaded(request.param)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, weights: str) -> bool:
@@ -156,10 +175,12 @@ def test_a_drafter_s_own_engine_does_not_compile_under_auto():
     assert answerer.draft_engine.compiled is None  # its steps are drafts, verified in trees: eager
 
 
-def test_a_changed_thread_count_compiles_its_own_step(engines):
+def test_a_changed_thread_count_compiles_its_own_step(loaded):
     """The step runs without dynamo's guards, so its own key must catch what they would: torch bakes the thread
-    count into the kernels, and a step compiled for another count must not run."""
-    _, compiled = engines
+    count into the kernels, and a step compiled for another count must not run. On int8 alone: the key (`_key`)
+    and the recompile are the same code for every format, int8's logits must be bitwise the eager step's, and
+    each format's recompile cost 4-6 CPU seconds here (fp32's 3.9)."""
+    _, compiled = loaded("int8")
     step = compiled.compiled
     before = torch.get_num_threads()
     other = 1 if before != 1 else 2

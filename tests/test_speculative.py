@@ -5,6 +5,7 @@ branches never reach the target, and the draft depth follows acceptance and cost
 from __future__ import annotations
 
 import math
+import weakref
 from collections import Counter
 
 import pytest
@@ -60,6 +61,24 @@ def draft_lm() -> Qwen2ForCausalLM:
     return tiny_lm(VOCAB, 0, noise=0.05)
 
 
+# Each model's logits by token sequence, kept for the module (`RecomputeTarget`'s memo: a model is a pure function of
+# the sequence, so a memo changes nothing but speed). A draft model proposing k tokens scores its chain of 1, 2, ...,
+# k tokens, a forward a depth each time: without a memo each prefix is computed again at every depth, in every run;
+# and the greedy tests' targets score the same prompts' continuations in each of the 16 tests (the greedy tests took
+# 24 CPU s without memos, 9 with).
+MEMOS: weakref.WeakKeyDictionary[Qwen2ForCausalLM, dict[tuple[int, ...], torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def memo_of(model: Qwen2ForCausalLM) -> dict[tuple[int, ...], torch.Tensor]:
+    return MEMOS.setdefault(model, {})
+
+
+def recompute(model: Qwen2ForCausalLM, prompt: list[int]) -> RecomputeTarget:
+    """The slow ground-truth target over the module's memo of the model: a target to verify, or a draft model's own
+    (the drafter's view of it)."""
+    return RecomputeTarget(model, prompt, memo=memo_of(model))
+
+
 def plain_greedy(model: Qwen2ForCausalLM, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -83,17 +102,17 @@ DRAFTERS = {
     "ngram": lambda lm, dlm, p: NgramDrafter(),
     "recycling": lambda lm, dlm, p: TokenRecyclingDrafter(VOCAB),
     "auto": lambda lm, dlm, p: AutoDrafter(VOCAB),
-    "draft-same": lambda lm, dlm, p: DraftModelDrafter(RecomputeTarget(lm, p), fed=p),
-    "draft-perturbed": lambda lm, dlm, p: DraftModelDrafter(RecomputeTarget(dlm, p), fed=p),
-    "dyspec-same": lambda lm, dlm, p: DynamicTreeDrafter(RecomputeTarget(lm, p), fed=p),
-    "dyspec-perturbed": lambda lm, dlm, p: DynamicTreeDrafter(RecomputeTarget(dlm, p), fed=p),
+    "draft-same": lambda lm, dlm, p: DraftModelDrafter(recompute(lm, p), fed=p),
+    "draft-perturbed": lambda lm, dlm, p: DraftModelDrafter(recompute(dlm, p), fed=p),
+    "dyspec-same": lambda lm, dlm, p: DynamicTreeDrafter(recompute(lm, p), fed=p),
+    "dyspec-perturbed": lambda lm, dlm, p: DynamicTreeDrafter(recompute(dlm, p), fed=p),
 }
 
 
 @pytest.mark.parametrize("target_kind", ["recompute", "cached"])
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_greedy_is_token_identical_to_generate(lm, draft_lm, name, target_kind):
-    make_target = RecomputeTarget if target_kind == "recompute" else CachedHFTarget
+    make_target = recompute if target_kind == "recompute" else CachedHFTarget
     n, accepted, steps = 24, 0, 0
     for prompt in PROMPTS:
         want = plain_greedy(lm, prompt, n)
@@ -235,12 +254,32 @@ def exact_joint(model, temperature: float, top_p: float) -> dict:
 
 @pytest.fixture(scope="module")
 def small_models():
-    return tiny_lm(SV, 1, scale=3.0), tiny_lm(SV, 1, scale=3.0, noise=0.25)
+    models = tiny_lm(SV, 1, scale=3.0), tiny_lm(SV, 1, scale=3.0, noise=0.25)
+    for model in models:  # what the samples score: the prompt, the forced token and up to 4 more, in 5 forwards
+        prefix = RecomputeTarget(model, SPROMPT + [FIRST], memo=memo_of(model))
+        tokens, parents = tree_of_every_sequence(SV, 4)
+        prefix.next_logits()
+        prefix.score(tokens, parents)
+    return models
+
+
+def tree_of_every_sequence(vocab: int, depth: int) -> tuple[list[int], list[int]]:
+    """A draft tree (tokens, parents) holding every sequence of 1 to `depth` tokens of the vocabulary."""
+    tokens, parents, level = [], [], [-1]
+    for _ in range(depth):
+        nxt = []
+        for parent in level:
+            for token in range(vocab):
+                nxt.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+        level = nxt
+    return tokens, parents
 
 
 def sample_pairs(small_models, kind: str, n: int, temperature: float, top_p: float, seed: int = 0) -> Counter:
     target_lm, draft_lm = small_models
-    memo, dmemo = {}, {}
+    memo, dmemo = memo_of(target_lm), memo_of(draft_lm)  # shared by every test of the module: the same short prefixes
     gen = torch.Generator().manual_seed(seed)
     recycling = TokenRecyclingDrafter(SV)  # shared: it learns across samples, as it does across answers
     first = torch.full((SV,), -1e9)
