@@ -13,7 +13,7 @@ Systems (Whisper base, `builtin:whisper-base`, for every one):
 - `whisper-base-profile`: the `whisper-base` profile's stream as a session runs it per turn (block-causal at 300 ms
   with the profile's adapter, previews every 100 ms, the offline final pass), the language detected (`lid`: the
   completed transcript's language; `lid_stream`: the language the stream's first words were shown in, detected over
-  its first 2 s) and, as `...-given`, the language given.
+  its first 2 s or more until Whisper is sure of it: causal_whisper/stream.py) and, as `...-given`, the language given.
 - `whisper-base-offline`: one greedy full-context pass over the clip (padded to 30 s), the language detected over it
   (Whisper's own language identification, as openai-whisper does it), at most `TOKENS_PER_S` tokens an audio second
   (a greedy decode in the wrong language loops): the ceiling of the same model.

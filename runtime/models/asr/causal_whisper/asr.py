@@ -203,13 +203,13 @@ class CausalWhisperASR:
             return list(self.sot)
         return speech_prompt(self.tokenizer, self.model.config, speech, self.name)
 
-    def detect(self, audio: np.ndarray) -> str:
-        """The language spoken in `audio` (at most its first 30 s), by the offline pass's model
-        (`WhisperBuffered.detect`)."""
+    def detect(self, audio: np.ndarray) -> tuple[str, float]:
+        """(the language spoken in `audio` (at most its first 30 s), its probability among the language tokens), by
+        the offline pass's model (`WhisperBuffered.detect`); ("en", 1.0) for an English-only model."""
         if not self.languages:
-            return "en"
+            return "en", 1.0
         assert self.detector is not None, "checked at load"
-        return self.detector.detect(self.detector.encode(audio))[0]
+        return self.detector.detect(self.detector.encode(audio))
 
     def item(self, scorer: Scorer, carry: Carry | None, sot: Sequence[int] | None = None) -> ItemDecoder:
         """A new item's decoder after `carry`'s text and the start-of-transcript sequence `sot` (default `self.sot`)."""

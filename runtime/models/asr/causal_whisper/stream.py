@@ -58,7 +58,14 @@ from runtime.models.asr.causal_whisper.encoder import FRAME_SAMPLES, CausalWhisp
 from runtime.models.asr.causal_whisper.final_pass import FinalPass, OfflinePass, TurnBefore
 from runtime.models.asr.whisper_language import DETECT, Speech
 
-DETECT_S = 2.0  # a stream whose language is to detect holds its words until it has heard this much (or its end)
+# A stream whose language is to detect holds its words until it has heard DETECT_S and Whisper names a language with
+# at least DETECT_SURE of the language tokens' probability (faster-whisper's `language_detection_threshold`, 0.5),
+# asking again at each block; at DETECT_MAX_S (Whisper's 30 s window: the detector reads no more) or at the stream's
+# end it takes the likeliest. Over 2 s of espeak-ng French or German Whisper base is often unsure (0.2-0.3) and wrong
+# ("en", "ja"); by 4-5 s it is sure and right (docs/model_card_whisper_base.md).
+DETECT_S = 2.0
+DETECT_SURE = 0.5
+DETECT_MAX_S = 30.0
 
 
 class StreamModel(Protocol):
@@ -82,7 +89,7 @@ class StreamModel(Protocol):
     def context(self, previous: str, vocabulary: str = "") -> Context: ...
     def first_carry(self, context: Context) -> Carry | None: ...
     def prompt_for(self, speech: Speech) -> list[int]: ...
-    def detect(self, audio: np.ndarray) -> str: ...
+    def detect(self, audio: np.ndarray) -> tuple[str, float]: ...
     def text(self, ids: Sequence[int]) -> str: ...
     def final_ids(self, item: ItemDecoder, audio: np.ndarray, speech: Speech | None = None,
                   before: TurnBefore | None = None) -> list[int]: ...
@@ -134,6 +141,7 @@ class CausalWhisperStream:
         self._language = asr.speech.language or ("" if asr.languages else "en")
         self._sot: list[int] | None = list(asr.sot) if self._language else None
         self._held: list[torch.Tensor] = []  # encoder blocks heard while the language is to detect
+        self._detect: tuple[str, float] = ("", 0.0)  # the last detection (language, probability) while holding
         self._first: Carry | None = None  # the first item's carry (its previous text)
         self._open_segment(0, None, _Samples())
 
@@ -211,9 +219,9 @@ class CausalWhisperStream:
             assert self._frames + len(frames) == self._end, "encoder emitted an unexpected block"
             self._frames = self._end
             self._end += asr.block_frames
-            if self._sot is None:  # the language is to detect: hold the blocks until DETECT_S is heard
+            if self._sot is None:  # the language is to detect: hold the blocks until Whisper is sure of it
                 self._held.append(frames)
-                if self._audio.size < DETECT_S * SAMPLE_RATE:
+                if not self._sure():
                     continue
                 frames = self._detected(frames)
             self._item.step(frames)
@@ -225,10 +233,21 @@ class CausalWhisperStream:
             updates.append(update)
         return updates
 
-    def _detected(self, frames: torch.Tensor) -> torch.Tensor:
-        """Detect the language over the audio heard so far, open the first item in it, and give back every block
-        held meanwhile (`frames` among them) as one."""
-        self._language = self._asr.detect(self._audio.view(0))
+    def _sure(self) -> bool:
+        """Whether the language to detect is known now (DETECT_S, DETECT_SURE, DETECT_MAX_S above): if so it is
+        `self._detect`'s, for `_detected`."""
+        heard = self._audio.size
+        if heard < DETECT_S * SAMPLE_RATE:
+            return False
+        self._detect = self._asr.detect(self._audio.view(0))
+        return self._detect[1] >= DETECT_SURE or heard >= DETECT_MAX_S * SAMPLE_RATE
+
+    def _detected(self, frames: torch.Tensor, *, end: bool = False) -> torch.Tensor:
+        """Open the first item in the language detected (`_sure`'s; at the stream's `end`, over all it heard) and
+        give back every block held meanwhile (`frames` among them) as one."""
+        if end:
+            self._detect = self._asr.detect(self._audio.view(0))
+        self._language = self._detect[0]
         self._sot = self._asr.prompt_for(Speech(self._language, self._speech.task))
         self._item = self._asr.item(self._asr.scorer(), self._first, self._sot)
         held, self._held = self._held, []
@@ -269,7 +288,7 @@ class CausalWhisperStream:
             return []
         frames = torch.cat([self._encoder.accept(self._audio.view(self._fed)), self._encoder.flush()])
         if self._sot is None:
-            frames = self._detected(torch.cat([*self._held, frames]))
+            frames = self._detected(torch.cat([*self._held, frames]), end=True)
         if self._frames + len(frames):
             self._item.step(frames, final=True)
         self._frames += len(frames)
