@@ -155,7 +155,7 @@ def test_auto_decodes_eagerly_when_the_step_does_not_compile(monkeypatch):
     import runtime.models.lm.engine as engine_module
 
     class Broken:
-        def __init__(self, model) -> None:
+        def __init__(self, model, store) -> None:
             raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found\n(details)")
 
     monkeypatch.setattr(engine_module, "CompiledStep", Broken)
@@ -214,7 +214,7 @@ def test_inputs_outside_the_compiled_form_never_reach_the_unguarded_step(engines
 
     assert _key(cos, sin, strided, cache.v, cache.kr) != _key(cos, sin, cache.k, cache.v, cache.kr)
 
-    def broken(args):
+    def broken(key, args):
         raise RuntimeError("no compiler today")
 
     monkeypatch.setattr(step, "_compile", broken)
@@ -234,3 +234,43 @@ def test_inputs_outside_the_compiled_form_never_reach_the_unguarded_step(engines
         with pytest.raises(ValueError, match="compiled verification"):
             step.run_tree([1, 2], replace(attend, mask=attend.mask[:, :2]), cache)
         cache.commit([])
+
+
+def test_a_kept_step_is_read_back_by_the_next_engine_and_reads_that_engine_s_weights(tmp_path, caplog):
+    """compiled_store.py: a step compiled ahead is written to the store; an engine loaded after it (as another
+    process would) reads it back instead of compiling, and its logits are bitwise its own eager step's, with weights
+    unlike the first engine's (the step reads them at each call, never baked in). A file that does not read back is
+    compiled and written again; a model of another structure is another file."""
+    from runtime.models.lm.compiled_step import OPTIONS, _key
+    from runtime.models.lm.compiled_store import StepStore, step_key
+
+    cfg = LMConfig(backend="engine", model="tiny:qwen2", window_tokens=64, prefill_chunk_tokens=16,
+                   max_new_tokens=48, weights="int8", compile="off")
+    first, second = (LMEngine.load(cfg, device="cpu", dtype="float32") for _ in range(2))
+    with torch.no_grad():
+        second.model.model.embed_tokens.weight.mul_(1.5)  # other weights, the same structure
+    a = second.model.args
+    geometry = (a.num_layers, a.num_kv_heads, second.capacity(), a.head_dim)
+    store = StepStore(tmp_path)
+    CompiledStep(first.model, store).warm_up(*geometry)
+    assert (store.saved, store.loaded) == (1, 0) and len(list(tmp_path.iterdir())) == 1
+    step = CompiledStep(second.model, store)
+    step.warm_up(*geometry)
+    assert (store.saved, store.loaded) == (1, 1)
+    s, other = session(second), session(first)
+    token = int(s.next_logits().argmax())
+    got = step.run(token, s.cache.score_tree([-1]), s.cache)
+    s.cache.commit([])
+    want = s._forward([token], s.cache.score_tree([-1]), last_only=False)
+    assert step.runs == 1 and torch.equal(got, want)
+    assert not torch.equal(want, other._forward([token], other.cache.score_tree([-1]), last_only=False))
+
+    kept = next(tmp_path.iterdir())
+    kept.write_bytes(b"torn")
+    CompiledStep(first.model, store).warm_up(*geometry)
+    assert "did not read back" in caplog.text and store.saved == 2 and kept.stat().st_size > 4
+    cache = s.cache
+    cos, sin = second.model.rope(torch.tensor([2]))
+    key = _key(cos[:, None], sin[:, None], cache.k, cache.v, cache.kr)
+    fp32 = LMEngine.load(replace(cfg, weights="fp32"), device="cpu", dtype="float32")
+    assert step_key(fp32.model, "decode_step", key, OPTIONS) != step_key(second.model, "decode_step", key, OPTIONS)

@@ -34,9 +34,11 @@ count; `_step` checks it, and that `live` (the one dynamic size) lies in [2, cap
 and 1). A new key compiles anew; one that fails to compile runs eagerly. The model's weights, which the guards
 also checked, are fixed after load.
 
-Cost: compiling takes about a minute cold on 2 cores (inductor's on-disk cache makes a recompile 14 s), so
+Cost: compiling takes about a minute cold on 2 cores (inductor's on-disk cache makes a recompile 14-25 s), so
 `LMEngine.load` compiles at load (saying so), once per model, on a scratch cache of the sessions' geometry; a changed
-thread count recompiles on the next step (torch bakes the OpenMP thread count into the kernels).
+thread count recompiles on the next step (torch bakes the OpenMP thread count into the kernels). A step compiled
+ahead is kept in the runtime's cache (`store`, compiled_store.py) and read back by the next process in about 2 s:
+torch's own caches miss for steps compiled ahead.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from torch import Tensor
 
 from runtime.errors import ConfigError
 from runtime.models.lm import cpu_kernels
+from runtime.models.lm.compiled_store import StepStore, step_key
 from runtime.models.lm.kv_cache import Attend, SinkKVCache
 from runtime.models.lm.transformer import Transformer, apply_rope, linear
 from runtime.models.lm.weight_formats import QUANTIZED
@@ -137,8 +140,9 @@ def tree_step(model: Transformer, tokens: Tensor, cos: Tensor, sin: Tensor, k: T
 class CompiledStep:
     """One model's compiled decode step (`decode_step`), for every session of that model."""
 
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
+    def __init__(self, model: Transformer, store: StepStore | None = None) -> None:
+        """`store`: where compiled steps are kept for other processes (None: compiled in this one only)."""
+        self.model, self.store = model, store
         # embeddings kept in the file's blocks (`kernel_linears.PackedEmbedding`) turn fp16 scales into bf16 rows in one
         # fused kernel, which inductor notes with a warning on every compile; the conversion goes through float32 and
         # is exact as written, so the note is only noise on a user's terminal
@@ -198,7 +202,7 @@ class CompiledStep:
         key = _key(k, v, kr) + (cos.dtype,)
         if key not in self._trees:
             try:
-                self._trees[key] = self._compile_tree((tokens, cos, sin, k, v, kr, slots, mask))
+                self._trees[key] = self._compile_tree(key, (tokens, cos, sin, k, v, kr, slots, mask))
             except Exception as err:  # a later compile (a changed thread count): that key verifies eagerly
                 if strict:
                     raise
@@ -208,7 +212,7 @@ class CompiledStep:
         step = self._trees[key]
         return None if step is None else step(tokens, cos, sin, k, v, kr, slots, mask)
 
-    def _compile_tree(self, args: tuple[Tensor, ...]) -> Callable[..., Tensor]:
+    def _compile_tree(self, key: tuple[object, ...], args: tuple[Tensor, ...]) -> Callable[..., Tensor]:
         """`tree_step` compiled once for every tree size and attended length (dynamic), the cache static."""
         assert self._tree_traced is not None
         for t in args[3:6]:
@@ -216,7 +220,7 @@ class CompiledStep:
         for t in (*args[:3], args[6], args[7]):
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(args[7], 1)
-        return _unguarded(self._tree_traced, args)
+        return self._ahead("tree_step", key, self._tree_traced, args)
 
     def _step(self, token: int, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, kr: Tensor, slot: int,
               live: int, *, strict: bool = False) -> Tensor | None:
@@ -228,7 +232,7 @@ class CompiledStep:
             args = (torch.zeros(1, dtype=torch.long, device=k.device), cos, sin, k, v, kr,
                     torch.zeros(1, dtype=torch.long, device=k.device), live)
             try:
-                self._steps[key] = self._compile(args)
+                self._steps[key] = self._compile(key, args)
             except Exception as err:  # a compile on a later step (a changed thread count): that key runs eagerly
                 if strict:
                     raise
@@ -241,13 +245,26 @@ class CompiledStep:
         where = torch.tensor([slot], dtype=torch.long, device=k.device)
         return step(ids, cos, sin, k, v, kr, where, live)
 
-    def _compile(self, args: tuple[Tensor | int, ...]) -> Callable[..., Tensor]:
+    def _compile(self, key: tuple[object, ...], args: tuple[Tensor | int, ...]) -> Callable[..., Tensor]:
         """The step compiled for these inputs' key, to be called without guards (module docstring); with a torch
         that has no `aot_compile`, the guarded step."""
         for t in args:
             if isinstance(t, Tensor):
                 torch._dynamo.mark_static(t)  # fixed sizes: only `live` stays dynamic
-        return _unguarded(self._traced, args)
+        return self._ahead("decode_step", key, self._traced, args)
+
+    def _ahead(self, kind: str, key: tuple[object, ...], traced: Callable[..., Tensor],
+               args: tuple[Tensor | int, ...]) -> Callable[..., Tensor]:
+        """`traced` compiled ahead for `args`, read from the store when another process compiled it (and kept there
+        when this one compiles it): compiled_store.py."""
+        if self.store is None:
+            return _unguarded(traced, args)
+        name = step_key(self.model, kind, key, OPTIONS)
+        step = self.store.load(name, self.model)
+        if step is None:
+            step = _unguarded(traced, args)
+            self.store.save(name, step, self.model)
+        return step
 
     @torch.inference_mode()
     def warm_up(self, layers: int, kv_heads: int, capacity: int, head_dim: int, *, trees: bool = False) -> None:

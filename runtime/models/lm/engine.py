@@ -39,6 +39,7 @@ from transformers import PreTrainedTokenizerBase
 from runtime.config import LMConfig
 from runtime.errors import ConfigError
 from runtime.models.lm.compiled_step import CompiledStep, wanted
+from runtime.models.lm.compiled_store import StepStore
 from runtime.models.lm.engine_session import EngineSession
 from runtime.models.lm.kernel_linears import use_runtime_kernels
 from runtime.models.lm.packed_weights import load_model
@@ -47,7 +48,7 @@ from runtime.models.lm.sampling import eos_ids as eos_set
 from runtime.models.lm.tokenizer import load_tokenizer
 from runtime.models.lm.transformer import Transformer
 from runtime.models.lm.weight_formats import QUANTIZED
-from runtime.models.loading import load_progress, resolve_checkpoint, torch_dtype
+from runtime.models.loading import cache_dir, load_progress, resolve_checkpoint, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class LMEngine:
         if wanted(cfg.compile, model, cfg.drafter):
             a = model.args
             try:
-                self.compiled = compiled if compiled is not None and compiled.model is model else CompiledStep(model)
+                self.compiled = (compiled if compiled is not None and compiled.model is model
+                                 else CompiledStep(model, StepStore(cache_dir() / "compiled_steps")))
                 self.compiled.warm_up(a.num_layers, a.num_kv_heads, self.capacity(), a.head_dim,
                                       trees=cfg.drafter != "none")
             except Exception as err:  # no C++ compiler, an unwritable cache, ...: `auto` decodes eagerly instead
@@ -109,7 +111,7 @@ class LMEngine:
                                progress=progress)
             if progress is not None and wanted(cfg.compile, model, cfg.drafter):
                 progress("compiling the decode step (lm.compile: about a minute the first time on this machine, "
-                         "about 30 s from torch's cache after) ...")
+                         "a few seconds from the runtime's cache after) ...")
             return cls(model, tokenizer, cfg, name=cfg.model, seed=seed, eos_ids=eos, **options)
 
     def open_session(self) -> EngineSession:
