@@ -142,3 +142,18 @@ def test_a_failed_write_is_an_os_error_and_leaves_no_partial_file(gguf: Path,
     assert any("No space left" in s for s in said), said
     target = packed_file(gguf, "int4", torch.float32)
     assert not target.exists() and not list(target.parent.glob(".packing-*"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads which files the process maps (Linux)")
+def test_a_packing_load_leaves_the_gguf_file_unmapped(gguf: Path) -> None:
+    """A packing reads every weight of the file; while the file stayed mapped (the model's views of its blocks, a
+    method cache keeping the open file alive) its pages stayed in the process's resident memory: 1.2 GB for the
+    1.5B, for a server's life. The load that packs returns the model read back, as a warm cache would."""
+    from runtime.models.lm.gguf_checkpoint import open_gguf
+
+    model = load_model(gguf, device="cpu", dtype=torch.float32, weights="int4", kernels=False)
+    assert packed_file(gguf, "int4", torch.float32).is_file()
+    assert str(gguf.resolve()) not in Path("/proc/self/maps").read_text()
+    open_gguf(gguf).q4_blocks("model.embed_tokens.weight")  # reading the file again maps it again
+    assert str(gguf.resolve()) in Path("/proc/self/maps").read_text()
+    assert model.weights == "int4"

@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from runtime.models.build_lock import building, lock_path
-from runtime.models.lm.gguf_checkpoint import gguf_file
+from runtime.models.lm.gguf_checkpoint import close_gguf_files, gguf_file
 from runtime.models.lm.transformer import Transformer
 from runtime.models.lm.transformer_build import load_transformer, transformer_from_packed
 from runtime.models.lm.weight_formats import QUANTIZED, format_dtype
@@ -80,6 +80,12 @@ def load_model(path: Path, *, device: str | torch.device, dtype: torch.dtype, we
                 if old != target and ("-rk-" in old.name) == kernels:
                     old.unlink(missing_ok=True)
                     lock_path(old).unlink(missing_ok=True)
+            # served as a warm cache serves it: the packing read the whole GGUF file, whose pages stayed resident
+            # while anything kept it mapped (the model's views of its blocks, the open files): 1.2 GB over a warm
+            # load for the 1.5B (2.95 against 1.75 GB RSS), for the life of the process
+            del model
+            close_gguf_files()
+            model = read_packed(target)
         if progress is not None:
             progress(f"packed in {time.perf_counter() - start:.1f} s")
     return model
