@@ -175,14 +175,23 @@ def test_whisper_base_hears_german_given_or_detected_and_translates_it():
     given, done = streamed(asr, audio, Speech("de"), chunk=len(audio))
     assert {u.language for u in [*given, done]} == {"de"}
     assert {"heute", "morgen", "meiner"} <= set(done.transcript.lower().split()), done
-    # detected (the profile's asr.language = ""), after a second of silence as a session's turn opens at the pause
-    # before it: over the first 2 s (a second of speech) Whisper base is unsure and says Thai (0.2-0.3), so the
-    # stream holds its words until it is sure (stream.py, DETECT_SURE); before that rule they showed in Thai
-    detected, auto = streamed(asr, np.concatenate([np.zeros(SAMPLE_RATE, np.float32), audio]), None)
+    # detected (the profile's asr.language = ""), in a session's 100 ms chunks: nothing shown before it was detected
+    detected, auto = streamed(asr, audio, None)
     # (the same German; a word may differ: the stream held its first seconds, and the pass checks the stream's words)
     assert auto.language == "de" and {"heute", "morgen", "meiner"} <= set(auto.transcript.lower().split()), auto
     shown = [u for u in detected if u.delta or u.unstable]
-    assert shown and all(u.end >= 3.0 and u.language == "de" for u in shown), shown  # nothing shown before it was sure
+    assert shown and all(u.end >= 2.0 and u.language == "de" for u in shown), shown
+    # after a second of silence, as a session's turn opens at the pause before it: over the first 2 s (a second of
+    # speech) Whisper base is unsure and says Thai (0.2-0.3), so the stream holds its words until it is sure
+    # (stream.py, DETECT_SURE; here to the turn's end); before that rule they showed in Thai
+    detected, auto = streamed(asr, np.concatenate([np.zeros(SAMPLE_RATE, np.float32), audio]), None)
+    assert auto.language == "de" and all(u.language == "de" for u in detected if u.delta or u.unstable), detected
+    # a turn Whisper stays unsure of (silence: "en" at 0.35-0.4) is held up to its segment's reset point and no
+    # further (the encoder's window ends there); a stream of 30 s held past it failed at the next block
+    short = load_asr(replace(cfg, reset_s=3.0), device="cpu", dtype="float32")
+    held, end = streamed(short, np.zeros(5 * SAMPLE_RATE, np.float32), None, chunk=SAMPLE_RATE // 2)
+    assert end.completed and not end.transcript.strip(), (held, end)
+    assert [u.end for u in held if u.completed][:1] == [3.0], held  # decided at the reset point, and reset there
     _, english = streamed(asr, audio, Speech("", "translate"), chunk=len(audio))  # detected over the whole clip
     words = set(english.transcript.lower().replace(",", " ").replace(".", " ").split())
     assert english.language == "de" and len(words & {"this", "morning", "i", "my", "sister", "the", "kitchen"}) >= 3, \

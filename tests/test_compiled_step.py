@@ -274,3 +274,10 @@ def test_a_kept_step_is_read_back_by_the_next_engine_and_reads_that_engine_s_wei
     key = _key(cos[:, None], sin[:, None], cache.k, cache.v, cache.kr)
     fp32 = LMEngine.load(replace(cfg, weights="fp32"), device="cpu", dtype="float32")
     assert step_key(fp32.model, "decode_step", key, OPTIONS) != step_key(second.model, "decode_step", key, OPTIONS)
+    # a file that reads back but does not run (here: the int8 step under the fp32 model's name) is compiled again
+    scratch = torch.zeros(a.num_layers, 1, a.num_kv_heads, second.capacity(), a.head_dim, dtype=fp32.model.dtype)
+    cos, sin = fp32.model.rope(torch.tensor([2]))
+    kept.rename(tmp_path / step_key(fp32.model, "decode_step", _key(cos[:, None], sin[:, None], *[scratch] * 3),
+                                    OPTIONS))
+    CompiledStep(fp32.model, store).warm_up(*geometry)
+    assert "does not run here" in caplog.text and store.saved == 3

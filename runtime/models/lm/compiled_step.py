@@ -261,9 +261,15 @@ class CompiledStep:
             return _unguarded(traced, args)
         name = step_key(self.model, kind, key, OPTIONS)
         step = self.store.load(name, self.model)
-        if step is None:
-            step = _unguarded(traced, args)
-            self.store.save(name, step, self.model)
+        if step is not None:
+            try:  # once on copies of the inputs (the step writes the cache): a file that reads back but cannot run
+                step(*(a.clone() if isinstance(a, Tensor) else a for a in args))
+                return step
+            except Exception as err:
+                log.warning("lm.compile: the stored step %s does not run here (%s); compiling it again", name,
+                            str(err).splitlines()[0] if str(err) else type(err).__name__)
+        step = _unguarded(traced, args)
+        self.store.save(name, step, self.model)
         return step
 
     @torch.inference_mode()

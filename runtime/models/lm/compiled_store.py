@@ -13,7 +13,8 @@ versions, the vector ISA inductor generated code for and the one ATen dispatches
 it traced (this package, the runtime's C++ kernels among it), the model's structure (each module's type and
 scalar settings, each parameter's and buffer's name, shape, dtype and strides), the step's input key
 (`compiled_step._key`: shapes, strides, dtypes, device, OpenMP threads) and the compile options. A file that does
-not read back (another build of torch, a torn write) is compiled anew and written again; a step that cannot be
+not read back (another build of torch, a torn write), or reads back and fails its first run on copies of the inputs
+(`CompiledStep._ahead`), is compiled anew and written again; a step that cannot be
 written (an object torch cannot serialize) is used as compiled and not kept. Files are written whole and renamed
 into place (`save_compiled_function` does), so processes sharing the folder never read half a file.
 """
@@ -32,7 +33,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 _SOURCES = Path(__file__).parent  # the model code a step traces: this package, its C++ kernels included
-_SCALARS = (bool, int, float, str)
+_SCALARS = (bool, int, float, str, torch.dtype)
 
 
 @functools.cache

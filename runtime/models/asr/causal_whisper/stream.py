@@ -60,12 +60,16 @@ from runtime.models.asr.whisper_language import DETECT, Speech
 
 # A stream whose language is to detect holds its words until it has heard DETECT_S and Whisper names a language with
 # at least DETECT_SURE of the language tokens' probability (faster-whisper's `language_detection_threshold`, 0.5),
-# asking again at each block; at DETECT_MAX_S (Whisper's 30 s window: the detector reads no more) or at the stream's
-# end it takes the likeliest. Over 2 s of espeak-ng French or German Whisper base is often unsure (0.2-0.3) and wrong
-# ("en", "ja"); by 4-5 s it is sure and right (docs/model_card_whisper_base.md).
+# asking again once the audio heard has grown by DETECT_GROWTH (each ask encodes all of it: asks at 2.1, 2.4, 2.8, 3.3,
+# 3.9 s..., about 20 up to 30 s, some eight times the audio's length encoded in all, where asking at every 300 ms
+# block would encode fifty times it; the first words of the bench's espeak sentences showed at 3.3 s, median,
+# against 3.0-3.15 s asking at every block); at the segment's reset point
+# (`asr.reset_s`, at most Whisper's 30 s window: the held blocks must be decoded before it) or at the stream's end it
+# takes the likeliest. Over 2 s of espeak-ng French or German Whisper base is often unsure (0.2-0.3) and wrong ("en",
+# "ja"); by 4-5 s it is sure and right; over silence it stays at 0.35-0.4 (docs/model_card_whisper_base.md).
 DETECT_S = 2.0
 DETECT_SURE = 0.5
-DETECT_MAX_S = 30.0
+DETECT_GROWTH = 1.15
 
 
 class StreamModel(Protocol):
@@ -142,6 +146,7 @@ class CausalWhisperStream:
         self._sot: list[int] | None = list(asr.sot) if self._language else None
         self._held: list[torch.Tensor] = []  # encoder blocks heard while the language is to detect
         self._detect: tuple[str, float] = ("", 0.0)  # the last detection (language, probability) while holding
+        self._asked_at = 0  # samples heard at that detection
         self._first: Carry | None = None  # the first item's carry (its previous text)
         self._open_segment(0, None, _Samples())
 
@@ -234,13 +239,14 @@ class CausalWhisperStream:
         return updates
 
     def _sure(self) -> bool:
-        """Whether the language to detect is known now (DETECT_S, DETECT_SURE, DETECT_MAX_S above): if so it is
+        """Whether the language to detect is known now (DETECT_S, DETECT_SURE, DETECT_GROWTH above): if so it is
         `self._detect`'s, for `_detected`."""
-        heard = self._audio.size
-        if heard < DETECT_S * SAMPLE_RATE:
+        heard, full = self._audio.size, self._asr.reset_due(self._item, self._frames)
+        if not full and (heard < DETECT_S * SAMPLE_RATE or heard < self._asked_at * DETECT_GROWTH):
             return False
-        self._detect = self._asr.detect(self._audio.view(0))
-        return self._detect[1] >= DETECT_SURE or heard >= DETECT_MAX_S * SAMPLE_RATE
+        if heard != self._asked_at or not self._detect[0]:
+            self._detect, self._asked_at = self._asr.detect(self._audio.view(0)), heard
+        return self._detect[1] >= DETECT_SURE or full
 
     def _detected(self, frames: torch.Tensor, *, end: bool = False) -> torch.Tensor:
         """Open the first item in the language detected (`_sure`'s; at the stream's `end`, over all it heard) and
@@ -286,12 +292,14 @@ class CausalWhisperStream:
         self._state = "finished"
         if self._next_sample is None:
             return []
-        frames = torch.cat([self._encoder.accept(self._audio.view(self._fed)), self._encoder.flush()])
-        if self._sot is None:
-            frames = self._detected(torch.cat([*self._held, frames]), end=True)
-        if self._frames + len(frames):
+        tail = torch.cat([self._encoder.accept(self._audio.view(self._fed)), self._encoder.flush()])
+        frames = tail
+        if self._sot is None:  # every block held, the tail among them, decoded now in the language detected over all
+            self._held.append(tail)
+            frames = self._detected(tail, end=True)
+        if self._frames + len(tail):
             self._item.step(frames, final=True)
-        self._frames += len(frames)
+        self._frames += len(tail)
         final = self._asr.final_pass if isinstance(self._asr.final_pass, OfflinePass) else None
         if final is not None:
             final.last_language = ""  # set again only if the pass runs on this item (one worker thread runs both)
