@@ -281,3 +281,24 @@ def test_a_kept_step_is_read_back_by_the_next_engine_and_reads_that_engine_s_wei
                                     OPTIONS))
     CompiledStep(fp32.model, store).warm_up(*geometry)
     assert "does not run here" in caplog.text and store.saved == 3
+
+
+def test_the_store_keeps_the_steps_used_last(tmp_path):
+    """Each change to the model code names new files: writing one drops all but the `KEEP` used last."""
+    import os
+    from pathlib import Path
+
+    from runtime.models.lm.compiled_store import KEEP, StepStore
+
+    for i in range(KEEP + 5):
+        old = tmp_path / f"old{i}.step"
+        old.write_bytes(b"x")
+        os.utime(old, (1_000 + i, 1_000 + i))
+
+    class Written:
+        def save_compiled_function(self, path: str, external_data: dict) -> None:
+            Path(path).write_bytes(b"a step")
+
+    StepStore(tmp_path).save("new.step", Written(), torch.nn.Linear(1, 1))
+    left = {p.name for p in tmp_path.iterdir()}
+    assert len(left) == KEEP and "new.step" in left and "old5.step" not in left and f"old{KEEP + 4}.step" in left

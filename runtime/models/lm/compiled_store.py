@@ -16,7 +16,9 @@ scalar settings, each parameter's and buffer's name, shape, dtype and strides), 
 not read back (another build of torch, a torn write), or reads back and fails its first run on copies of the inputs
 (`CompiledStep._ahead`), is compiled anew and written again; a step that cannot be
 written (an object torch cannot serialize) is used as compiled and not kept. Files are written whole and renamed
-into place (`save_compiled_function` does), so processes sharing the folder never read half a file.
+into place (`save_compiled_function` does), so processes sharing the folder never read half a file. Every change to
+the model code names new files, so the folder keeps the `KEEP` most recently used (0.5-4 MB each) and drops the rest
+when it writes one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +37,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 _SOURCES = Path(__file__).parent  # the model code a step traces: this package, its C++ kernels included
 _SCALARS = (bool, int, float, str, torch.dtype)
+KEEP = 32  # files the store keeps, the most recently used (`StepStore.save`)
 
 
 @functools.cache
@@ -92,6 +96,10 @@ class StepStore:
             return None
         step.disable_guard_check()
         self.loaded += 1
+        try:
+            os.utime(path)  # used: the last to go (`_prune`)
+        except OSError:
+            pass
         return step
 
     def save(self, name: str, step: object, model: nn.Module) -> None:
@@ -108,3 +116,15 @@ class StepStore:
                         "again", self.folder, str(err).splitlines()[0] if str(err) else type(err).__name__)
             return
         self.saved += 1
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the `KEEP` files used last (written or read back); older ones, steps of model code since changed or
+        a write torn by a killed process, are removed. Another process removing the same file is no error."""
+        try:
+            files = sorted((p for p in self.folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime,
+                           reverse=True)
+        except OSError:
+            return
+        for old in files[KEEP:]:
+            old.unlink(missing_ok=True)
