@@ -251,8 +251,8 @@ class CausalWhisperStream:
     def _detected(self, frames: torch.Tensor, *, end: bool = False) -> torch.Tensor:
         """Open the first item in the language detected (`_sure`'s; at the stream's `end`, over all it heard) and
         give back every block held meanwhile (`frames` among them) as one."""
-        if end:
-            self._detect = self._asr.detect(self._audio.view(0))
+        if end and (self._asked_at != self._audio.size or not self._detect[0]):  # audio came since the last ask
+            self._detect, self._asked_at = self._asr.detect(self._audio.view(0)), self._audio.size
         self._language = self._detect[0]
         self._sot = self._asr.prompt_for(Speech(self._language, self._speech.task))
         self._item = self._asr.item(self._asr.scorer(), self._first, self._sot)
