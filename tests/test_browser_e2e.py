@@ -271,7 +271,10 @@ async def wait_for_watchers(server: RealtimeServer, deadline: Deadline) -> None:
 
 
 # The RMS of what the page's <audio id="voice"> plays, every 50 ms, through a WebAudio analyser on its stream, and when
-# the page's "speaking" indicator changed (output_audio_buffer.started / stopped / cleared), on one clock.
+# the page's "speaking" indicator changed (output_audio_buffer.started / stopped / cleared), on one clock. A reading is
+# kept only when the audio clock moved since the last: while the audio thread is starved (a loaded CI machine) the
+# analyser returns its last buffer again, old sound that is not playing (CI, 2026-12-02: the same 0.2178 twice, 200 ms
+# after a Cancel, then silence).
 METER = """async () => {
     const voice = document.getElementById('voice'), speaking = document.getElementById('speaking');
     const context = new AudioContext();
@@ -282,7 +285,10 @@ METER = """async () => {
     const samples = new Float32Array(analyser.fftSize);
     window.levels = [];
     window.speakingLog = [];
+    let rendered = -1;
     setInterval(() => {
+        if (context.currentTime === rendered) return;
+        rendered = context.currentTime;
         analyser.getFloatTimeDomainData(samples);
         let sum = 0;
         for (const v of samples) sum += v * v;
