@@ -108,3 +108,23 @@ def test_an_answerer_sharing_loaded_weights_decodes_as_one_loaded_for_it(drafter
         assert state.generated == greedy_ids(hf, state.prompt_ids)
     with pytest.raises(ValueError, match="cannot run"):
         EngineAnswerer.sharing(base.engine, replace(base.cfg, weights="int8"))
+
+
+def test_a_new_streams_first_answer_is_priced_with_what_earlier_streams_measured() -> None:
+    """Step costs belong to the answerer (the machine, the model, the drafter), not to one conversation: a stream
+    opened after another answered prices its first step with that answer's measurements, so its first drafted step
+    is not the full-depth tree an unpriced controller picks (a new conversation's first answer drafted nine-node trees
+    at three times a plain step's cost on an AVX2-only path)."""
+    answerer = make("ngram")
+    first, second = answerer.open_stream(), answerer.open_stream()
+    assert first.costs is second.costs is answerer.costs
+    context, question = PROMPTS[0]
+    run_answer(answerer.start(context, question, stream=first))
+    assert answerer.costs.verify  # the first answer's steps were timed
+    # as the 1.5B measured them at one thread: a nine-node tree 2.3 times a plain step
+    answerer.costs.verify.update({1: 0.060, 3: 0.068, 9: 0.140})
+    answerer.costs.nodes.update({2: 2.0, 8: 8.0})
+    state = answerer.start(context, question, stream=second)
+    assert 1 <= state.decoder.controller.choose(8) < 8
+    unpriced = make("ngram").start(context, question)  # nothing measured: every depth looks free
+    assert unpriced.decoder.controller.choose(8) == 8

@@ -450,3 +450,16 @@ def test_fixed_depth_without_adaptation():
         dec.step()
         assert dec.stats.k == 5
     assert dec.step(max_tokens=2) and dec.stats.k == 1  # a length limit caps the depth
+
+
+def test_a_shared_forward_is_priced_by_all_its_rows():
+    """A tree scored in one forward with other answers' trees (`rows` given) records the forward's time under the
+    forward's size, not under the tree's own: two five-node trees that took 0.140 s together do not make a
+    five-node tree look like it costs 0.140 s alone."""
+    from runtime.models.lm.speculative import DraftController
+
+    ctl = DraftController(8)
+    ctl.record_cost(4, 4, 0.140, 0.0, rows=10)
+    assert ctl.verify_cost == {10: 0.140} and ctl.nodes == {4: 4}
+    ctl.record_cost(4, 4, 0.070, 0.0)
+    assert ctl.verify_cost == {10: 0.140, 5: 0.070}

@@ -49,7 +49,8 @@ class StreamLM:
     session: EngineSession
     drafter: Drafter | None
     draft_session: EngineSession | None = None
-    costs: StepCosts = field(default_factory=StepCosts)  # its answers' measured step costs (the depth's price)
+    # its answers' measured step costs (the depth's price): the answerer's, which every stream of it shares
+    costs: StepCosts = field(default_factory=StepCosts)
 
     def set_context(self, text: str, suffix: Sequence[Piece] | None = None) -> None:
         """The transcript and (when given) the video-memory suffix; the draft model, whose embeddings are not
@@ -151,6 +152,9 @@ class EngineAnswerer:
         self._grammars: JsonGrammars | None = None  # built on the first schema: plain answers never import it
         # read at load (on the worker): the pipeline asks for it on the event loop, and rendering takes ~0.1 s
         self._tool_format = tool_format(self.tokenizer)
+        # what steps cost on this machine with this model and drafter, measured by every answer of every stream, so
+        # that a new conversation's first answer does not start unpriced (speculative.StepCosts)
+        self.costs = StepCosts()
         self._call_starts: torch.Tensor | None = None  # the tokens that start a call (`tool_calls.call_starts`)
         # an answer that would open with `lm.not_known_reply` asks the model whether the context answers it first
         self.refusal_check = (RefusalCheck.build(self.tokenizer, self.cfg.not_known_reply, self.cfg.not_known_check)
@@ -204,7 +208,7 @@ class EngineAnswerer:
         drafter = None if self.cfg.drafter in MODEL_DRAFTERS else make_drafter(
             self.cfg, vocab_size=self.engine.model.args.vocab_size,
             wide_trees=self.engine.model.device.type != "cpu")
-        return StreamLM(self.engine.open_session(), drafter, draft_session)
+        return StreamLM(self.engine.open_session(), drafter, draft_session, costs=self.costs)
 
     def _pool(self, stream: StreamLM) -> None:
         if len(self._idle) < self.max_idle_streams:
@@ -309,8 +313,9 @@ class EngineAnswerer:
             started = time.perf_counter()
             batch = _attempt(lambda: score_together([(a.stream.session, t.tokens, t.parents) for a, t in shared]))
             took = time.perf_counter() - started
+            rows = sum(len(tree.tokens) for _, tree in shared)  # the price of the whole forward, not of one tree
             for i, (answer, tree) in enumerate(shared):
-                self._finish(answer, tree, batch if isinstance(batch, Exception) else batch[i], took, results)
+                self._finish(answer, tree, batch if isinstance(batch, Exception) else batch[i], took, results, rows)
         for other in others:  # (one that finished was released meanwhile: it keeps its last step all the same)
             other.ahead = results[id(other)]
         return [results[id(a)] for a in asking]
@@ -326,12 +331,12 @@ class EngineAnswerer:
 
     @staticmethod
     def _finish(answer: EngineAnswer, tree: Tree, logits: torch.Tensor | Exception, verify_s: float,
-                results: dict[int, AnswerStep | Exception]) -> None:
+                results: dict[int, AnswerStep | Exception], rows: int | None = None) -> None:
         if isinstance(logits, Exception):
             results[id(answer)] = logits
             return
         results[id(answer)] = _attempt(
-            lambda: answer._emit(answer.decoder.finish(tree, logits, argmax_rows(logits), verify_s)))
+            lambda: answer._emit(answer.decoder.finish(tree, logits, argmax_rows(logits), verify_s, rows)))
 
     def embed_text(self, text: str) -> torch.Tensor | None:
         return self.engine.embed_text(text)
