@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from session_fakes import WordASR, WordStream
+from test_audio_turns import STEP, _Turns
 from test_causal_whisper_decoder import make_audio, run_stream
 from test_causal_whisper_final_pass import Recorder, cfg, item_with
 
@@ -32,7 +33,8 @@ from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
 from runtime.models.asr.causal_whisper.final_pass import OfflinePass, TurnBefore
 from runtime.models.asr.whisper_language import Speech
 from runtime.models.asr.whisper_window import Encoded
-from runtime.pipeline.audio import AudioProcessor, BufferEnd
+from runtime.pipeline.audio import READ_ON_PAUSE_S, AudioProcessor, BufferEnd
+from runtime.pipeline.turn_signals import TurnEvent
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker
 
@@ -168,6 +170,14 @@ def test_a_streams_first_item_reads_on_and_hands_its_own_turn_to_the_next(base: 
         late.read_on(handed)
     with pytest.raises(TypeError, match="turn_before"):
         asr.open_stream().read_on(("audio", [1]))
+    withdrawn = asr.open_stream()  # handed on, then withdrawn after its first chunk (the pause was too long)
+    withdrawn.read_on(handed)
+    forced = len(reader.forced)
+    withdrawn.accept(AudioChunk(second[:8000], 0))
+    withdrawn.read_on(None)
+    withdrawn.accept(AudioChunk(second[8000:], 8000))
+    withdrawn.finish()
+    assert all(not f for f in reader.forced[forced:])  # its pass read its own turn only
 
 
 def test_an_item_after_a_30_s_reset_is_not_read_on(base: CausalWhisperASR) -> None:
@@ -185,7 +195,7 @@ class _ReadingStream(WordStream):
 
     handed: list[object] = field(default_factory=list)
 
-    def read_on(self, before: object) -> None:
+    def read_on(self, before: object | None) -> None:
         self.handed.append(before)
 
     def turn_before(self) -> object | None:
@@ -226,6 +236,38 @@ async def test_a_captions_session_hands_each_committed_turn_to_the_next_stream()
     assert all(not s.handed for s in streams)
     streams = await _buffers([BufferEnd(), BufferEnd(clear=True), BufferEnd()], captions=True)
     assert [s.handed for s in streams] == [[], [("turn", (0, 1))], []]  # nothing follows a dropped buffer
+
+
+async def _two_spoken_turns(pause_s: float) -> list[_ReadingStream]:
+    """Two turns the VAD (scripted) heard in a captions session: speech from 0.1 s, stopped at 0.3 s (the turn
+    commits), then speech again `pause_s` after that stop, stopped 0.2 s later."""
+    asr = _ReadingASR(per_item=1000)
+    second = 3 + round(pause_s * 10)
+    turns = _Turns({1: [TurnEvent(True, STEP)], 3: [TurnEvent(False, 3 * STEP)],
+                    second: [TurnEvent(True, second * STEP)], second + 2: [TurnEvent(False, (second + 2) * STEP)]})
+    channel: BlockingChannel[AudioChunk | BufferEnd] = BlockingChannel(second + 4, "audio")
+    for i in range(second + 4):
+        await channel.put(AudioChunk(np.full(STEP, 0.1, np.float32), i * STEP))
+    channel.close()
+
+    async def emit(event) -> None:
+        pass
+
+    with DeviceWorker() as worker:
+        await AudioProcessor(channel, asr.open_stream, worker, emit, Conversation(), HeardClock(), ContextChanges(),
+                             turns=turns, reads_on=lambda: True).run()
+    return asr.streams  # type: ignore[return-value]
+
+
+@pytest.mark.asyncio
+async def test_a_turn_that_starts_long_after_the_one_before_does_not_read_on_from_it() -> None:
+    """A reader's pause joins two turns; a silence longer than `READ_ON_PAUSE_S` between the VAD's speech stop and the
+    next speech start withdraws the turn before (`read_on(None)`): `runtime bench video-qa`'s narration, a sentence a
+    slide ten seconds apart, read on lost words (speech and screen 6/6 -> 4/6)."""
+    streams = await _two_spoken_turns(0.5)
+    assert streams[1].handed == [("turn", (0, 1, 2, 3))]
+    streams = await _two_spoken_turns(READ_ON_PAUSE_S + 0.5)
+    assert streams[1].handed == [("turn", (0, 1, 2, 3)), None]
 
 
 @pytest.mark.slow

@@ -43,7 +43,9 @@ pass already stops before). A stream whose pass was not prepared reads every chu
 Reading on (`read_on`, the `ReadsOn` streams': causal Whisper with its offline pass): in a session that does not
 answer turns (captions: `turn_detection.create_response` off), a committed buffer's turn is handed to the next
 buffer's stream, whose final pass then reads it together with its own audio (final_pass.py, "Reading on"): a reader's
-sentence cut at a pause is heard as one. Not in a session that answers: there the turns are questions with an answer
+sentence cut at a pause is heard as one, when the VAD heard the next turn's speech start within `READ_ON_PAUSE_S`
+of the turn before's end (a longer silence starts something new: a narrator's next slide; without turn detection
+every commit hands on). Not in a session that answers: there the turns are questions with an answer
 between them, and the pass's extra decode would come after the answer was prepared from the turn's own transcript
 (`turn_may_end`), which a different final transcript would drop. A cleared or empty buffer hands nothing on.
 
@@ -94,6 +96,10 @@ CONTEXT_CHARS = 4000  # committed text kept as the next turns' context: more tha
 # the audio after a speech end that the final pass still reads (module doc): past the VAD's own tail (its probability
 # falls 20-90 ms after the last word), short enough that the pass is prepared well inside server_vad's 500 ms
 FINAL_TAIL_S = 0.2
+# Reading on joins a turn to the one before only across a reader's pause: a longer silence between the two turns'
+# speech (by the VAD) starts something new (module doc). The captions bench's readers pause 0.4-1.0 s between sentences;
+# `runtime bench video-qa`'s narrators speak one sentence a slide, ten seconds apart.
+READ_ON_PAUSE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,9 @@ class AudioProcessor:
         self._said_chars = 0
         self.reads_on = reads_on
         self._turn_before: object | None = None  # the last committed buffer's turn, for the next stream (`ReadsOn`)
+        self._speech_ended: float | None = None  # where the VAD last heard this buffer's speech stop (media s)
+        self._turn_before_end: float | None = None  # ... and that of the turn handed on
+        self._read_on_from: float | None = None  # the handed turn's speech end, until this buffer's speech starts
 
     async def run(self) -> None:
         try:
@@ -185,9 +194,11 @@ class AudioProcessor:
             self.buffer_samples = 0
             await self._set_context(self.stream, chunk.start)
             before, self._turn_before = self._turn_before, None
+            self._speech_ended = self._read_on_from = None
             if before is not None and isinstance(self.stream, ReadsOn) and self.reads_on is not None \
                     and self.reads_on():
                 await self.worker.run(Priority.ASR, self.stream.read_on, before)
+                self._read_on_from = self._turn_before_end  # withdrawn if the speech starts too long after it
         self.buffer_samples += len(chunk.samples)
         self.audio_end = chunk.end
         if self._prepared:  # the pause's final pass is ready: its silence waits (module doc, "Silence not read")
@@ -284,6 +295,10 @@ class AudioProcessor:
         if turn.started:
             if not self._turn_began and self._listened_from_open:
                 self._speech_from(turn.sample / SAMPLE_RATE)
+            if self._read_on_from is not None:
+                pause, self._read_on_from = turn.sample / SAMPLE_RATE - self._read_on_from, None
+                if pause > READ_ON_PAUSE_S and isinstance(self.stream, ReadsOn):
+                    await self.worker.run(Priority.ASR, self.stream.read_on, None)
             self.speaking = self._turn_began = True
             await self.emit(SpeechStarted(item_id=self.buffer.item_id, audio_start_ms=at_ms,
                                           media_time=turn.sample / SAMPLE_RATE))
@@ -294,6 +309,7 @@ class AudioProcessor:
             self.speaking = False
             item_id = self.buffer.item_id
             await self.emit(SpeechStopped(item_id=item_id, audio_end_ms=at_ms, media_time=turn.sample / SAMPLE_RATE))
+            self._speech_ended = turn.sample / SAMPLE_RATE
             if isinstance(self.stream, SpeechEnds):  # the same point whether or not the pause prepared it in time
                 heard_to = round(self.audio_end * SAMPLE_RATE)
                 until = min(turn.sample + round(FINAL_TAIL_S * SAMPLE_RATE), heard_to)
@@ -412,7 +428,7 @@ class AudioProcessor:
             done = buffer.complete(at)
         self.conversation.apply(done)
         if done.transcript.strip() and isinstance(stream, ReadsOn):
-            self._turn_before = stream.turn_before()
+            self._turn_before, self._turn_before_end = stream.turn_before(), self._speech_ended
         self._remember(done.transcript)
         await self.emit(transcript_event(done))
         await self.emit(ItemDone(item=item.to_api(), previous_item_id=previous, media_time=at))

@@ -90,8 +90,9 @@ class ReadsOn(Protocol):
     """A stream whose final pass can read the turn before it with its own (a reader's sentence carried across a
     pause; captions sessions, pipeline/audio.py)."""
 
-    def read_on(self, before: object) -> None:
-        """Before the first chunk: the turn before, as another stream of the same model gave it (`turn_before`)."""
+    def read_on(self, before: object | None) -> None:
+        """Before the first chunk: the turn before, as another stream of the same model gave it (`turn_before`);
+        None, at any time before `finish`: none after all."""
         ...
 
     def turn_before(self) -> object | None:

@@ -173,9 +173,13 @@ class CausalWhisperStream:
         self._first = self._asr.first_carry(self._context)
         self._open_segment(0, self._first, _Samples())
 
-    def read_on(self, before: object) -> None:
+    def read_on(self, before: object | None) -> None:
         """The turn before this one (another stream's `turn_before`), which the final pass of this stream's first
-        item reads first (module docstring); before the first chunk."""
+        item reads first (module docstring); before the first chunk. None, at any time before `finish`: no turn
+        before (the pause after it was too long for this turn to go on from it)."""
+        if before is None:
+            self._before = None
+            return
         if self._next_sample is not None or self._state != "open":
             raise RuntimeError("read_on must come before the stream's first chunk")
         if not isinstance(before, TurnBefore):
