@@ -295,16 +295,13 @@ class AudioProcessor:
         if turn.started:
             if not self._turn_began and self._listened_from_open:
                 self._speech_from(turn.sample / SAMPLE_RATE)
-            if self._read_on_from is not None:
-                pause, self._read_on_from = turn.sample / SAMPLE_RATE - self._read_on_from, None
-                if pause > READ_ON_PAUSE_S and isinstance(self.stream, ReadsOn):
-                    await self.worker.run(Priority.ASR, self.stream.read_on, None)
             self.speaking = self._turn_began = True
             await self.emit(SpeechStarted(item_id=self.buffer.item_id, audio_start_ms=at_ms,
                                           media_time=turn.sample / SAMPLE_RATE))
             if self.sink is not None:
                 self.sink.speech_started()
             await self._open_gate()
+            await self._withdraw_turn_before(turn.sample / SAMPLE_RATE)
         elif self.speaking:
             self.speaking = False
             item_id = self.buffer.item_id
@@ -318,6 +315,16 @@ class AudioProcessor:
             await self._end(BufferEnd())
             if self.sink is not None:
                 await self.sink.turn_ended(item_id, self.audio_end, turn.settings)
+
+    async def _withdraw_turn_before(self, speech_at: float) -> None:
+        """This buffer's speech began at `speech_at`: the turn handed on to its stream is withdrawn when that is more
+        than `READ_ON_PAUSE_S` after the handed turn's speech stopped (module doc). After the event, which waits for
+        nothing: the stream's first item is decided at the commit."""
+        if self._read_on_from is None:
+            return
+        pause, self._read_on_from = speech_at - self._read_on_from, None
+        if pause > READ_ON_PAUSE_S and isinstance(self.stream, ReadsOn):
+            await self.worker.run(Priority.ASR, self.stream.read_on, None)
 
     async def _follow_pause(self, heard_to: int) -> None:
         """Prepare the final pass once the open buffer's pause has lasted `FINAL_TAIL_S`; undo it when speech goes
