@@ -219,7 +219,8 @@ class PipelineConfig:
     # captions into utterances everywhere; a websocket session also answers each turn (the API's default).
     turn_detection: str = "server_vad"
     # With turn detection on, a buffer's transcript waits until the VAD hears speech in it, and a buffer without
-    # speech holds no words (pipeline/audio.py): Whisper writes "you" over silence. On in the Whisper profiles.
+    # speech holds no words (pipeline/transcript_gate.py): Whisper writes "you" over silence. On in the Whisper
+    # profiles.
     speech_gate: bool = False
 
 

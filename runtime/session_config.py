@@ -94,12 +94,12 @@ class SessionConfig:
 
     def captions_only(self) -> bool:
         """Whether turn detection ends the user's turns without answering them (a captions session): the final pass
-        then reads each turn on from the one before (pipeline/audio.py, "Reading on")."""
+        then reads each turn on from the one before (pipeline/turns_before.py, "Reading on")."""
         return self.turn_detection is not None and not self.turn_detection.create_response
 
     def transcription_prompt(self) -> str:
         """`audio.input.transcription.prompt`: the user's own words (names, terms), which the ASR reads before each
-        turn with the turns before it (Whisper's previous text; pipeline/audio.py)."""
+        turn with the turns before it (Whisper's previous text; pipeline/turns_before.py)."""
         return str(self.transcription.get("prompt") or "")
 
     def transcription_speech(self, language: str, task: str) -> Speech | None:

@@ -25,7 +25,7 @@ from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
 from runtime.models.asr.causal_whisper.final_pass import OfflinePass
 from runtime.models.asr.causal_whisper.reference import offline_run
 from runtime.models.asr.whisper_checkpoint import PROMPT_TOKENS, encoded, fit_previous, previous_ids
-from runtime.pipeline.audio import CONTEXT_CHARS, AudioProcessor
+from runtime.pipeline.turns_before import CONTEXT_CHARS, TurnsBefore
 from runtime.session_builder import open_session
 from runtime.session_config import ConfigFieldError, SessionConfig, parse_update
 
@@ -52,16 +52,16 @@ def test_previous_ids_keep_the_vocabulary_then_the_most_recent_words(asr: Causal
 
 
 def test_the_pipelines_context_is_the_prompt_of_every_turn_before(asr: CausalWhisperASR) -> None:
-    """Turn by turn the processor keeps only the most recent text; the prompt from it equals the one from all the
-    turns' texts, and the processor's memory stays bounded."""
-    processor = AudioProcessor(None, None, None, None, None, None, None)  # type: ignore[arg-type]
+    """Turn by turn the audio processor's `TurnsBefore` keeps only the most recent text; the prompt from it equals the
+    one from all the turns' texts, and its memory stays bounded."""
+    before = TurnsBefore()
     turns = [f" Turn {i} said  word{i} and\tanother{i}. " for i in range(400)]
     for i, text in enumerate(turns):
-        processor._remember(text)
+        before.committed(text, None)
         offline = previous_ids(asr.tokenizer, " ".join(turns[: i + 1]), "Boz")
-        assert previous_ids(asr.tokenizer, processor.context(), "Boz") == offline, i
+        assert previous_ids(asr.tokenizer, before.context(), "Boz") == offline, i
     # at least CONTEXT_CHARS kept (whole transcripts), never a transcript more
-    assert CONTEXT_CHARS <= len(processor.context()) <= CONTEXT_CHARS + max(map(len, turns))
+    assert CONTEXT_CHARS <= len(before.context()) <= CONTEXT_CHARS + max(map(len, turns))
     assert len(" ".join(turns)) > 3 * CONTEXT_CHARS
 
 

@@ -10,7 +10,8 @@ from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
 from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.pipeline.audio import FINAL_TAIL_S, AudioProcessor, BufferEnd
+from runtime.pipeline.audio import AudioProcessor, BufferEnd
+from runtime.pipeline.pause_pass import FINAL_TAIL_S
 from runtime.pipeline.turn_signals import IdleTimeout, TurnEvent
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker
@@ -293,7 +294,7 @@ async def test_turn_detection_switched_on_mid_buffer_does_not_restamp_words_hear
 @pytest.mark.asyncio
 async def test_a_turn_the_vad_heard_too_little_speech_in_says_nothing():
     # a chord or a click: one loud window starts a turn, but the VAD heard less than MIN_SPEECH_S of speech
-    from runtime.pipeline.audio import MIN_SPEECH_S
+    from runtime.pipeline.transcript_gate import MIN_SPEECH_S
 
     for speech, shown in ((MIN_SPEECH_S - 0.032, []), (MIN_SPEECH_S, ["you"])):
         stream = _Stream({0: _you(0)}, [TranscriptUpdate("a0", "", "", 0.0, 0.3, True, "you")])

@@ -1,6 +1,6 @@
-"""Reading on from the turn before (final_pass.py, "Reading on"; pipeline/audio.py): in a captions session a turn's
-offline pass also decodes the turn before's audio with its own, that turn's ids forced, and keeps what follows them
-when the stream agrees.
+"""Reading on from the turn before (final_pass.py, "Reading on"; pipeline/turns_before.py): in a captions session a
+turn's offline pass also decodes the turn before's audio with its own, that turn's ids forced, and keeps what follows
+them when the stream agrees.
 
 - The pass: the window it encodes is exactly the turn before's audio then the item's, the forced ids are the turn
   before's, and it keeps the part after them only with the stream as witness; silence and turns over 30 s are not
@@ -33,8 +33,9 @@ from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
 from runtime.models.asr.causal_whisper.final_pass import OfflinePass, TurnBefore
 from runtime.models.asr.whisper_language import Speech
 from runtime.models.asr.whisper_window import Encoded
-from runtime.pipeline.audio import READ_ON_PAUSE_S, AudioProcessor, BufferEnd
+from runtime.pipeline.audio import AudioProcessor, BufferEnd
 from runtime.pipeline.turn_signals import TurnEvent
+from runtime.pipeline.turns_before import READ_ON_PAUSE_S
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker
 

@@ -60,12 +60,12 @@ class TurnTaking:
 
     def pause_start(self) -> int | None:
         """The sample where the speaker's current pause began (None: speaking, or no speech since the buffer's
-        start): the audio processor prepares the final pass while the pause is timed (pipeline/audio.py)."""
+        start): the audio processor prepares the final pass while the pause is timed (pipeline/pause_pass.py)."""
         return self._detector.pause_start if self._detector is not None else None
 
     def speech_s(self) -> float:
         """Seconds of VAD windows at the turn rule's threshold since the buffer's start: the speech gate's evidence
-        (pipeline/audio.py), so one loud window does not count as speech."""
+        (pipeline/transcript_gate.py), so one loud window does not count as speech."""
         return self._speech_windows * WINDOW_SAMPLES / SAMPLE_RATE
 
     def detect(self, chunk: AudioChunk) -> list[TurnEvent | IdleTimeout]:

@@ -76,7 +76,7 @@ class ASRStream(Protocol):
 @runtime_checkable
 class SpeechEnds(Protocol):
     """A stream whose final pass can be told where the speech ended, and prepared during the pause that follows
-    (pipeline/audio.py); streams without it finish on all their audio when committed."""
+    (pipeline/pause_pass.py); streams without it finish on all their audio when committed."""
 
     def end_speech(self, until_sample: int | None) -> str | None:
         """The final pass reads the audio up to `until_sample` (what follows is silence), computed now where it can
@@ -88,7 +88,7 @@ class SpeechEnds(Protocol):
 @runtime_checkable
 class ReadsOn(Protocol):
     """A stream whose final pass can read the turn before it with its own (a reader's sentence carried across a
-    pause; captions sessions, pipeline/audio.py)."""
+    pause; captions sessions, pipeline/turns_before.py)."""
 
     def read_on(self, before: object | None) -> None:
         """Before the first chunk: the turn before, as another stream of the same model gave it (`turn_before`);

@@ -56,7 +56,7 @@ beams run at the commit (they read the stream's words), so the turn they fire on
 on the quick sets of `bench asr-quality` no English transcript changed with them.
 
 Prepared during the pause (`OfflinePass.prepare`): with turn detection the pass reads a turn's audio up to its speech
-end plus `FINAL_TAIL_S` (pipeline/audio.py), audio that is all there while the pause is still being timed, so its
+end plus `FINAL_TAIL_S` (pipeline/pause_pass.py), audio that is all there while the pause is still being timed, so its
 costly parts (the encoding, the language, the greedy search and the no-speech judgement) are computed then, and the
 commit finds them. They are pure functions of the audio, the previous text and the language asked for, and are kept
 under exactly those (a digest of the samples): a `revise` whose inputs differ computes them again, so a prepared
@@ -67,7 +67,7 @@ thread, in the final transcript's time at two conversations: 0.10 s p50 against 
 the stream's own words (the loop fallback, the witness check, a beam search's draft) is decided at the commit, on the
 words the stream has then.
 
-Reading on from the turn before (`TurnBefore`, captions sessions: pipeline/audio.py). A turn alone loses words a
+Reading on from the turn before (`TurnBefore`, captions sessions: pipeline/turns_before.py). A turn alone loses words a
 reader's sentence carries across a pause, and the previous text alone does not bring them back: on `bench
 asr-quality`'s passage read by two held-out voices, tiny.en's captions had 13.6 % and 10.5 % WER against
 faster-whisper's 11.7 % and 7.4 % over the whole file, whose 30 s windows hold the sentences before. So where the

@@ -34,9 +34,9 @@ Every item of the stream starts from it (after a reset, followed by the carried 
 its previews decode on from it, and the final pass decodes with it too: the causal stream, its previews and the
 final pass all read the same words before the turn.
 
-The turn before, read on (`read_on`, before the first chunk; a captions session's, pipeline/audio.py): the offline
-pass of the stream's first item also decodes that turn's audio and ids with its own (final_pass.py, `TurnBefore`);
-`turn_before` gives the finished stream's last item for the next stream.
+The turn before, read on (`read_on`, before the first chunk; a captions session's, pipeline/turns_before.py): the
+offline pass of the stream's first item also decodes that turn's audio and ids with its own (final_pass.py,
+`TurnBefore`); `turn_before` gives the finished stream's last item for the next stream.
 """
 
 from __future__ import annotations
