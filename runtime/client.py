@@ -40,7 +40,7 @@ from websockets.frames import CloseCode
 
 from runtime.chunks import AudioChunk
 from runtime.events import Event, ResponseAudioDelta, SessionCreated, new_id, parse_event
-from runtime.web.protocol import binary_audio, binary_frame
+from runtime.web.binary_messages import binary_audio, binary_frame
 
 if TYPE_CHECKING:
     from runtime.io.source import Source

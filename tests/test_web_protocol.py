@@ -9,6 +9,7 @@ import pytest
 
 from runtime.client import encode_jpeg, pcm16_bytes
 from runtime.events import parse_event
+from runtime.web.binary_messages import MAX_MESSAGE_BYTES, binary_audio, binary_frame
 from runtime.web.commands import (
     AppendAudio,
     AppendFrame,
@@ -24,7 +25,7 @@ from runtime.web.commands import (
     TruncateItem,
     UpdateSession,
 )
-from runtime.web.protocol import MAX_MESSAGE_BYTES, binary_audio, binary_frame, parse_client_event
+from runtime.web.protocol import parse_client_event
 
 
 def msg(type_, **fields):

@@ -24,7 +24,7 @@ from runtime.errors import UserError
 from runtime.io.sample import demo_speech, render_frame
 from runtime.loaded_models import load_models
 from runtime.session import Session
-from runtime.web.protocol import MAX_MESSAGE_BYTES, binary_audio, binary_frame
+from runtime.web.binary_messages import MAX_MESSAGE_BYTES, binary_audio, binary_frame
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
 

@@ -5,11 +5,9 @@ cost CPU) and either gets a command to act on or a `ProtocolError` that it turns
 the client event at fault. Names follow the OpenAI Realtime API so its clients need no translation table;
 see docs/protocol.md for a worked example of each message.
 
-Binary messages are the media fast path (no base64, no JSON): a 5-byte header, kind then a client-chosen
-sequence number that names the message in errors as `bin-SEQ`, then the payload:
-
-    b"A" | u32 LE seq | audio in the session's input format                   (= input_audio_buffer.append)
-    b"V" | u32 LE seq | f64 LE timestamp (media seconds) | JPEG or PNG bytes   (= runtime.input_video_frame.append)
+Binary messages (the media fast path: audio and frames with no base64 and no JSON) are framed and parsed in
+`binary_messages.py`, which `parse_client_event` hands them to; it also decodes images (binary or base64 in
+JSON alike) and holds the size bound of every client message.
 
 Audio arrives as bytes in the session's `audio.input.format` (24 kHz PCM16 by default, as the API's; 16 kHz
 PCM16, G.711 mu-law and A-law too); the driver's `AudioDecoder` turns them into the models' 16 kHz floats.
@@ -19,19 +17,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 import re
-import struct
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import av
-import numpy as np
-
 from runtime.chunks import VideoFrame
 from runtime.function_tools import ToolError, parse_choice, parse_tools
-from runtime.io.file_source import scaled_size
 from runtime.session_config import (
     ConfigFieldError,
     OutputAudio,
@@ -40,6 +32,7 @@ from runtime.session_config import (
     parse_output,
     unknown_field,
 )
+from runtime.web.binary_messages import MAX_MESSAGE_BYTES, decode_image, parse_binary
 from runtime.web.commands import (
     AppendAudio,
     AppendFrame,
@@ -57,14 +50,9 @@ from runtime.web.commands import (
     UpdateSession,
 )
 
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a client message larger than this is answered with an error
-MAX_IMAGE_PIXELS = 4096 * 4096  # an image larger than this is refused from its header, before decoding
 _EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,128})"')
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
 _SURROGATE = re.compile("[\ud800-\udfff]")
-BINARY_AUDIO, BINARY_FRAME = b"A"[0], b"V"[0]
-BINARY_HEADER = struct.Struct("<BI")  # kind, sequence number
-BINARY_TIMESTAMP = struct.Struct("<d")
 
 K = TypeVar("K")  # the type a client event's field must have
 
@@ -133,45 +121,6 @@ def _holds_lone_surrogate(data: object) -> bool:
     return False
 
 
-def binary_audio(seq: int, pcm16: bytes) -> bytes:
-    """The binary fast path's audio message (what the SDK sends with `binary=True`)."""
-    return BINARY_HEADER.pack(BINARY_AUDIO, seq & 0xFFFFFFFF) + pcm16
-
-
-def binary_frame(seq: int, timestamp: float, image: bytes) -> bytes:
-    return BINARY_HEADER.pack(BINARY_FRAME, seq & 0xFFFFFFFF) + BINARY_TIMESTAMP.pack(timestamp) + image
-
-
-def parse_binary(message: bytes, *, max_side: int = 640) -> Command:
-    """One binary websocket message (the media fast path, see the module docstring) -> a command."""
-    if len(message) > MAX_MESSAGE_BYTES:  # named by its sequence, read from the header like any binary message's
-        raise ProtocolError(f"message of {len(message)} bytes exceeds {MAX_MESSAGE_BYTES}", code="message_too_large",
-                            event_id=f"bin-{BINARY_HEADER.unpack_from(message)[1]}")
-    if len(message) < BINARY_HEADER.size:
-        raise ProtocolError(f"binary message of {len(message)} bytes is shorter than its {BINARY_HEADER.size}-byte "
-                            "header (kind, u32 sequence)", code="invalid_binary_header")
-    kind, seq = BINARY_HEADER.unpack_from(message)
-    event_id = f"bin-{seq}"
-    body = memoryview(message)[BINARY_HEADER.size :]
-    try:
-        if kind == BINARY_AUDIO:
-            return AppendAudio(event_id, bytes(body))
-        if kind == BINARY_FRAME:
-            if len(body) < BINARY_TIMESTAMP.size:
-                raise ProtocolError("binary frame message ends before its f64 timestamp", code="invalid_binary_header")
-            (timestamp,) = BINARY_TIMESTAMP.unpack_from(body)
-            if not timestamp >= 0 or timestamp == float("inf"):
-                raise ProtocolError("timestamp must be finite media seconds >= 0", code="invalid_value",
-                                    param="timestamp")
-            image = decode_image(bytes(body[BINARY_TIMESTAMP.size :]), max_side)
-            return AppendFrame(event_id, VideoFrame(image, timestamp))
-        raise ProtocolError(f"unknown binary message kind 0x{kind:02x}; expected 0x41 'A' (audio) or 0x56 'V' "
-                            "(frame)", code="invalid_binary_header")
-    except ProtocolError as e:
-        e.event_id = event_id
-        raise
-
-
 def _field(data: dict[str, Any], name: str, kind: type[K] | tuple[type[K], ...], what: str) -> K:
     if name not in data:
         raise ProtocolError(f"{data['type']}: missing '{name}' ({what})", code="missing_field", param=name)
@@ -197,39 +146,6 @@ def _session_update(data: dict[str, Any], event_id: str | None, _max_side: int) 
 
 def _audio_append(data: dict[str, Any], event_id: str | None, _max_side: int) -> Command:
     return AppendAudio(event_id, _b64(data, "audio", "audio in the session's input format"))
-
-
-def image_size(raw: bytes) -> tuple[int, int]:
-    """(width, height) from a JPEG's or PNG's header, without decoding a pixel: a megabyte of PNG can hold a
-    16000 x 16000 image, a gigabyte once decoded, so the size is refused before anything is decoded."""
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(raw), formats=("JPEG", "PNG")) as image:
-            return image.size
-    except Image.DecompressionBombError as e:  # Pillow refuses sizes far past ours at open
-        raise ProtocolError(f"image is too large: {e}", code="image_too_large", param="image") from None
-    except (OSError, ValueError, SyntaxError) as e:  # Pillow's "cannot identify image file" and its parsers'
-        raise ProtocolError(f"image could not be decoded as JPEG or PNG: {e}", code="invalid_image",
-                            param="image") from None
-
-
-def decode_image(raw: bytes, max_side: int = 640) -> np.ndarray:
-    """JPEG or PNG bytes -> RGB uint8 [H, W, 3], shrunk so its longer side is at most `max_side`."""
-    width, height = image_size(raw)
-    if width * height > MAX_IMAGE_PIXELS:
-        raise ProtocolError(f"image of {width}x{height} is too large (at most {MAX_IMAGE_PIXELS} pixels)",
-                            code="image_too_large", param="image")
-    try:
-        with av.open(io.BytesIO(raw)) as container:
-            frame = next(container.decode(video=0))
-            width, height = scaled_size(frame.width, frame.height, max_side)
-            return frame.reformat(width=width, height=height, format="rgb24").to_ndarray()
-    except ProtocolError:
-        raise
-    except (av.FFmpegError, StopIteration, ValueError, IndexError) as e:
-        raise ProtocolError(f"image could not be decoded as JPEG or PNG: {e}", code="invalid_image",
-                            param="image") from None
 
 
 def _frame_append(data: dict[str, Any], event_id: str | None, max_side: int) -> Command:

@@ -39,6 +39,7 @@ from runtime.metrics import LoopLagMonitor, rss_mb
 from runtime.session import Session
 from runtime.session_builder import initial_config, open_session
 from runtime.session_state import TransportStats
+from runtime.web.binary_messages import MAX_MESSAGE_BYTES
 from runtime.web.broadcast import Broadcast
 from runtime.web.driver import SessionDriver
 from runtime.web.http import (
@@ -50,7 +51,7 @@ from runtime.web.http import (
     without_body,
 )
 from runtime.web.observability import ServerMetrics
-from runtime.web.protocol import MAX_MESSAGE_BYTES, event_id_of
+from runtime.web.protocol import event_id_of
 from runtime.worker import DeviceWorker
 
 if TYPE_CHECKING:
