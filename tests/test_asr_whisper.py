@@ -12,7 +12,8 @@ from runtime.config import ASRConfig
 from runtime.errors import ConfigError
 from runtime.models.asr import TranscriptUpdate
 from runtime.models.asr.registry import load_asr
-from runtime.models.asr.whisper_buffered import WhisperBuffered, WhisperBufferedStream
+from runtime.models.asr.whisper_buffered import WhisperBuffered
+from runtime.models.asr.whisper_buffered_stream import WhisperBufferedStream
 
 CFG = ASRConfig(step_s=0.5, segment_s=2.0, max_new_tokens=24)
 
