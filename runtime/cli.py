@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING
 
 from runtime import bench, train
 from runtime.cli_parser import build_parser
-from runtime.config import Profile, load_profile, require_device
+from runtime.config import Profile, require_device
 from runtime.errors import UserError
 from runtime.events import Event
 from runtime.feed import ScheduledQuestion, feed
 from runtime.io.printers import JsonLinesPrinter, TextPrinter
 from runtime.io.source import Source
 from runtime.job_trace import JobTrace
+from runtime.profile_files import load_profile
 from runtime.stop_signals import on_stop_signals, remove_stop_signals, terminate_like_ctrl_c
 from runtime.worker import DeviceWorker
 

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from runtime import __version__, bench, train
-from runtime.config import DEFAULT_PROFILE, available_profiles
+from runtime.profile_files import DEFAULT_PROFILE, available_profiles
 
 DEMO_QUESTION = "What did the red ball do?"
 

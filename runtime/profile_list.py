@@ -17,8 +17,9 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
-from runtime.config import DEFAULT_PROFILE, Profile, available_profiles, find_profile, load_profile
+from runtime.config import Profile
 from runtime.errors import ConfigError
+from runtime.profile_files import DEFAULT_PROFILE, available_profiles, find_profile, load_profile
 
 VISION_FAMILIES = ("llava",)  # model names of the vision-language family the engine runs (LLaVA-OneVision)
 COST_MEANS = ("cost: where it says measured, seconds to load the models (warm caches), resident memory once loaded and "

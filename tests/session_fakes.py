@@ -9,10 +9,11 @@ import numpy as np
 import torch
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk
-from runtime.config import load_profile, with_overrides
+from runtime.config import with_overrides
 from runtime.memory.snapshot import Segment
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm import AnswerStep
+from runtime.profile_files import load_profile
 from runtime.session import Session
 
 CHUNK = SAMPLE_RATE // 10  # 100 ms

@@ -12,8 +12,9 @@ from weights_common import packaged_or_skip
 
 from runtime.bench.non_speech import KINDS, SECONDS, non_speech_set
 from runtime.chunks import SAMPLE_RATE
-from runtime.config import ASRConfig, load_profile
+from runtime.config import ASRConfig
 from runtime.models.asr.causal_whisper.final_pass import NO_SPEECH
+from runtime.profile_files import load_profile
 from runtime.train.text_norm import wer
 
 

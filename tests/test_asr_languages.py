@@ -16,12 +16,13 @@ import soundfile
 
 from runtime.channels import BlockingChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk
-from runtime.config import ASRConfig, load_profile
+from runtime.config import ASRConfig
 from runtime.errors import CheckpointNotFound, ConfigError
 from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import Speech, TranscriptUpdate
 from runtime.models.asr.whisper_language import check_english_only
 from runtime.pipeline.audio import AudioProcessor, BufferEnd
+from runtime.profile_files import load_profile
 from runtime.session_config import ConfigFieldError, SessionConfig, parse_update
 from runtime.session_state import ContextChanges, HeardClock
 from runtime.worker import DeviceWorker

@@ -253,12 +253,13 @@ def test_two_pass_rows_end_where_the_offline_ceiling_does(capsys, tmp_path):
     import copy
     from dataclasses import replace
 
-    from runtime.config import ASRConfig, load_profile
+    from runtime.config import ASRConfig
     from runtime.io.sample import demo_script, demo_speech
     from runtime.models.asr.causal_whisper.asr import offline_decoder
     from runtime.models.asr.registry import load_asr
     from runtime.models.asr.whisper_checkpoint import whisper_path
     from runtime.models.loading import resolve_dtype
+    from runtime.profile_files import load_profile
     from runtime.train.text_norm import cer, wer
 
     audio = demo_speech()[: 4 * SAMPLE_RATE]

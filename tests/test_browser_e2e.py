@@ -18,9 +18,9 @@ import soundfile
 from session_fakes import ScriptAnswerer, WordASR, profile_for
 from weights_common import packaged_or_skip
 
-from runtime.config import load_profile
 from runtime.io.sample import demo_speech, render_frame
 from runtime.loaded_models import Models, load_models
+from runtime.profile_files import load_profile
 from runtime.session_builder import open_session
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker, Priority

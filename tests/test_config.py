@@ -2,8 +2,8 @@
 
 import pytest
 
-from runtime.config import available_profiles, load_profile, parse_override
 from runtime.errors import ConfigError
+from runtime.profile_files import available_profiles, load_profile, parse_override
 
 
 def test_shipped_profiles_load():

@@ -12,9 +12,9 @@ from cli_common import run_cli
 
 from runtime.bench.asr_quality import stream_transcript
 from runtime.chunks import SAMPLE_RATE
-from runtime.config import load_profile
 from runtime.io.sample import demo_script, demo_speech
 from runtime.models.asr.registry import load_asr
+from runtime.profile_files import load_profile
 from runtime.train.text_norm import normalize, wer
 
 os.environ["HF_HUB_OFFLINE"] = "1"

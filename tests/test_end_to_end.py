@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from runtime.config import load_profile
 from runtime.feed import ScheduledQuestion, feed
 from runtime.io.file_source import FileSource
 from runtime.loaded_models import Models, load_models
 from runtime.memory.conversation import Conversation
+from runtime.profile_files import load_profile
 from runtime.session_builder import open_session
 from runtime.worker import DeviceWorker
 

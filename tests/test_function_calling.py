@@ -15,10 +15,10 @@ from session_fakes import WordASR
 from test_openai_realtime import Conversation
 from weights_common import packaged_or_skip
 
-from runtime.config import load_profile
 from runtime.errors import ConfigError
 from runtime.loaded_models import Models
 from runtime.models.lm import load_answerer
+from runtime.profile_files import load_profile
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker, Priority
 

@@ -13,10 +13,10 @@ import pytest
 from test_function_calling import WEATHER, say, talking
 from weights_common import ON_QWEN_CODER
 
-from runtime.config import load_profile
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm import load_answerer
 from runtime.models.loading import resolve_checkpoint
+from runtime.profile_files import load_profile
 from runtime.worker import DeviceWorker, Priority
 
 # One xdist worker for the file: its module fixtures load the 0.5B and the 1.5B, which split across two workers

@@ -249,7 +249,8 @@ def test_auto_is_bfloat16_only_where_the_cpu_computes_it(monkeypatch) -> None:
 def test_final_pass_dtype_takes_auto_and_refuses_the_unknown() -> None:
     from dataclasses import replace
 
-    from runtime.config import load_profile, validate
+    from runtime.config import validate
+    from runtime.profile_files import load_profile
 
     profile = load_profile("demo")
     assert profile.asr.final_pass_dtype == "auto"

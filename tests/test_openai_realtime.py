@@ -255,8 +255,8 @@ async def test_a_spoken_question_is_answered_from_what_was_said_with_the_shipped
     """The default profile's real models (Whisper tiny.en two-pass, Qwen2.5-Coder-1.5B-Instruct, Silero VAD) behind
     the SDK: a statement, then a spoken question; turn detection commits each and answers the question from the
     first."""
-    from runtime.config import load_profile
     from runtime.loaded_models import load_models
+    from runtime.profile_files import load_profile
     from runtime.train.synthesizers import Voice, resample, synthesize
 
     profile = load_profile("demo", overrides=["pipeline.metrics_interval_s=0"])

@@ -13,8 +13,8 @@ import pytest
 from cli_common import run_cli
 
 from runtime.cli_parser import build_parser
-from runtime.config import DEFAULT_PROFILE, REPO_CONFIGS, load_profile
 from runtime.errors import ConfigError
+from runtime.profile_files import DEFAULT_PROFILE, REPO_CONFIGS, load_profile
 from runtime.profile_list import sees_video
 
 CONFIGS = sorted(p.stem for p in REPO_CONFIGS.glob("*.toml"))

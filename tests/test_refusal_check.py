@@ -11,11 +11,12 @@ import pytest
 import torch
 from weights_common import ON_QWEN_CODER
 
-from runtime.config import LMConfig, load_profile
+from runtime.config import LMConfig
 from runtime.errors import CheckpointNotFound, PromptTooLong
 from runtime.models.lm.engine_answerer import EngineAnswerer
 from runtime.models.lm.refusal_check import RefusalCheck, says_yes, without
 from runtime.models.loading import resolve_checkpoint
+from runtime.profile_files import load_profile
 
 REFUSAL, YES, NO, OTHER = 5, 7, 8, 3
 

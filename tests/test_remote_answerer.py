@@ -16,7 +16,7 @@ from llama_server import LlamaServer, free_port
 from openai.types.chat import ChatCompletionChunk
 from session_fakes import WordASR
 
-from runtime.config import load_profile, with_overrides
+from runtime.config import with_overrides
 from runtime.function_tools import FunctionTool, ToolUse
 from runtime.loaded_models import Models
 from runtime.models.lm import NoAnswerer
@@ -28,6 +28,7 @@ from runtime.models.lm.remote_answerer import (
     chat_messages,
     transcript_message,
 )
+from runtime.profile_files import load_profile
 from runtime.session_builder import open_session
 
 WEATHER = FunctionTool("get_weather", "Get the current weather in a city",

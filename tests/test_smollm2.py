@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime.bench.answers import DEFAULT_SET, is_right, load_set
-from runtime.config import LMConfig, load_profile
+from runtime.config import LMConfig
 from runtime.errors import CheckpointNotFound
 from runtime.models.lm.engine import LMEngine
 from runtime.models.lm.engine_answerer import EngineAnswerer
@@ -22,6 +22,7 @@ from runtime.models.lm.generate_answerer import transformers_model
 from runtime.models.lm.gguf_checkpoint import gguf_file
 from runtime.models.lm.transformer_build import load_transformer
 from runtime.models.loading import resolve_checkpoint
+from runtime.profile_files import load_profile
 
 REF = "builtin:smollm2-135m-instruct"
 

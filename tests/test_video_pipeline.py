@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
-from runtime.config import ConfigError, load_profile, with_overrides
+from runtime.config import ConfigError, with_overrides
 from runtime.events import VideoNote
 from runtime.loaded_models import load_models
+from runtime.profile_files import load_profile
 from runtime.session_builder import open_session
 from runtime.worker import DeviceWorker
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from runtime.client import RealtimeClient
-from runtime.config import load_profile
 from runtime.loaded_models import load_models
+from runtime.profile_files import load_profile
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
 

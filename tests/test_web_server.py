@@ -19,10 +19,11 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from runtime import cli
 from runtime.client import AsyncRealtimeClient, encode_jpeg, pcm16_bytes
-from runtime.config import load_profile, with_overrides
+from runtime.config import with_overrides
 from runtime.errors import UserError
 from runtime.io.sample import demo_speech, render_frame
 from runtime.loaded_models import load_models
+from runtime.profile_files import load_profile
 from runtime.session import Session
 from runtime.web.binary_messages import MAX_MESSAGE_BYTES, binary_audio, binary_frame
 from runtime.web.server import RealtimeServer

@@ -292,8 +292,8 @@ def same_words(ours, theirs) -> None:
 def profile_graphs(ct2_folder):
     """The whisper-tiny-en profile's ASR on ONNX Runtime graphs (the stream's 8-bit encoder layers, decoder step and
     cross-attention projections; the final pass's greedy search), loaded once for the two tests below."""
-    from runtime.config import load_profile
     from runtime.models.asr.registry import load_asr
+    from runtime.profile_files import load_profile
 
     cfg = replace(load_profile("whisper-tiny-en").asr, final_pass="offline", graph_runtime="onnxruntime")
     return load_asr(cfg, device="cpu", dtype="float32")

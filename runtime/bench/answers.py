@@ -31,12 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from runtime.config import LMConfig, load_profile
+from runtime.config import LMConfig
 from runtime.errors import UserError
 from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm.engine_answerer import EngineAnswerer
 from runtime.models.loading import configure_threads
+from runtime.profile_files import load_profile
 
 Status = Callable[[str], None]
 DEFAULT_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "answer_set.json"

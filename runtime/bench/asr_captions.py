@@ -306,7 +306,7 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
     from dataclasses import replace
 
     from runtime.bench.asr_systems import OFFLINE_TOKENS, faster_whisper, stream_adapter, stream_reads_on
-    from runtime.config import ASRConfig, load_profile
+    from runtime.config import ASRConfig
     from runtime.errors import CheckpointNotFound
     from runtime.models.asr.causal_whisper.asr import CausalWhisperASR
     from runtime.models.asr.causal_whisper.final_pass import OfflinePass
@@ -316,6 +316,7 @@ def captions_part(args: Any, sets: list[Any], ref: str, device: str, dtype: str,
     from runtime.models.loading import resolve_checkpoint
     from runtime.models.turns.silero_vad import SileroVAD
     from runtime.pipeline.turn_taking import TurnModels
+    from runtime.profile_files import load_profile
 
     try:
         turn_models = TurnModels(SileroVAD.load())

@@ -135,12 +135,13 @@ def multilingual_part(args: Any, device: str, dtype: str, status: Callable[[str]
     if shutil.which("espeak-ng") is None:
         return {"reason": "espeak-ng is not installed (apt-get install espeak-ng)"}
     from runtime.bench.asr_systems import faster_whisper
-    from runtime.config import ASRConfig, load_profile
+    from runtime.config import ASRConfig
     from runtime.errors import CheckpointNotFound
     from runtime.models.asr.base import Speech
     from runtime.models.asr.registry import load_asr
     from runtime.models.asr.whisper_buffered import WhisperBuffered
     from runtime.models.loading import resolve_checkpoint
+    from runtime.profile_files import load_profile
 
     try:
         folder = resolve_checkpoint(WHISPER_BASE, role="asr")

@@ -40,8 +40,9 @@ import numpy as np
 
 from runtime.bench.timing import at_most
 from runtime.chunks import SAMPLE_RATE
-from runtime.config import ASRConfig, load_profile
+from runtime.config import ASRConfig
 from runtime.errors import ConfigError
+from runtime.profile_files import load_profile
 from runtime.train.text_norm import cer, wer
 
 T = TypeVar("T")

@@ -27,11 +27,12 @@ from typing import Any
 from runtime.bench.llama_server import LlamaServer, installed
 from runtime.bench.timing import machine
 from runtime.chunks import AudioChunk
-from runtime.config import Profile, load_profile, with_overrides
+from runtime.config import Profile, with_overrides
 from runtime.loaded_models import Models
 from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm import NoAnswerer
 from runtime.models.lm.remote_answerer import RemoteAnswerer
+from runtime.profile_files import load_profile
 from runtime.session_builder import open_session
 from runtime.worker import DeviceWorker
 

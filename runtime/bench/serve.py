@@ -64,10 +64,10 @@ import numpy as np
 from runtime.bench.timing import at_most, machine
 from runtime.chunks import SAMPLE_RATE
 from runtime.client import AsyncRealtimeClient, encode_jpeg
-from runtime.config import load_profile
 from runtime.errors import UserError
 from runtime.events import TranscriptionCompleted, TranscriptionDelta
 from runtime.io.sample import demo_speech, render_frame
+from runtime.profile_files import load_profile
 
 Status = Callable[[str], None]
 PROFILE = "tiny"

@@ -103,8 +103,8 @@ from runtime.bench.serve import PROFILE, _Server
 from runtime.bench.serve_disconnects import CONCURRENCY, IDLE_TIMEOUT_S, disconnects
 from runtime.bench.timing import machine
 from runtime.bench.turn_accounting import Account, Ev, TurnMarks, account, lost, stats_ms, summarize
-from runtime.config import load_profile
 from runtime.errors import UserError
+from runtime.profile_files import load_profile
 
 Status = Callable[[str], None]
 QUICK_NS, FULL_NS = (1, 2), (1, 2, 4)

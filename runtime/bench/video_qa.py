@@ -36,11 +36,12 @@ import numpy as np
 from runtime.bench.answers import is_right, says_not_known
 from runtime.bench.timing import at_least, at_most, machine
 from runtime.chunks import SAMPLE_RATE
-from runtime.config import Profile, load_profile
+from runtime.config import Profile
 from runtime.errors import UserError
 from runtime.events import Event, Metrics, ResponseCreated, ResponseDone, ResponseTextDelta
 from runtime.io.sample import default_cache_dir, write_media_file
 from runtime.io.slides import Slide, slide_frames
+from runtime.profile_files import load_profile
 from runtime.train.text_norm import wer
 from runtime.worker import DeviceWorker
 

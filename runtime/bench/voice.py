@@ -338,8 +338,8 @@ def _machine() -> dict[str, Any]:
 
 def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     from runtime.bench import voice_latency
-    from runtime.config import DEFAULT_PROFILE, load_profile
     from runtime.models.tts import DEFAULT_VOICE, check_voice
+    from runtime.profile_files import DEFAULT_PROFILE, load_profile
 
     quick = bool(getattr(args, "quick", False))
     check_voice(DEFAULT_VOICE)  # one line naming the install command, before anything runs

@@ -406,7 +406,7 @@ def run(args: argparse.Namespace, status: Status, profile: str, server: VoiceSer
     except ImportError:
         raise UserError("voice-to-voice latency drives the official openai SDK: pip install openai (the dev "
                         "extra)") from None
-    from runtime.config import load_profile
+    from runtime.profile_files import load_profile
 
     loaded = load_profile(profile)
     quick = bool(getattr(args, "quick", False))
