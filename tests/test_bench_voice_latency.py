@@ -1,6 +1,7 @@
-"""`runtime bench voice`'s voice-to-voice accounting (runtime/bench/voice_latency.py) on scripted timestamps: the
-stages are the differences of the marks, a stall is a real-time player's buffer running dry, the first clause is
-where the server's own splitter would cut, and a spoken question's end of speech is where its last sample is."""
+"""`runtime bench voice`'s voice-to-voice accounting (runtime/bench/voice_latency.py, voice_questions.py,
+voice_server.py) on scripted timestamps: the stages are the differences of the marks, a stall is a real-time player's
+buffer running dry, the first clause is where the server's own splitter would cut, a spoken question's end of speech
+is where its last sample is, and the server's peak RSS is the largest reading during a phase and after it."""
 
 from __future__ import annotations
 
@@ -11,18 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
-from runtime.bench.voice_latency import (
-    CHUNK,
-    LEAD_S,
-    RATE,
-    Conversation,
-    Question,
-    Turn,
-    _PeakRss,
-    first_clause_done,
-    question,
-    summarize,
-)
+from runtime.bench.voice_latency import Conversation, Turn, first_clause_done, summarize
+from runtime.bench.voice_questions import CHUNK, LEAD_S, RATE, Question, question
+from runtime.bench.voice_server import PeakRss
 
 Q = Question("What day is the meeting?", ("thursday",), [], 1.5)
 
@@ -78,7 +70,7 @@ def test_the_peak_rss_is_the_largest_reading_during_the_block_and_after_it() -> 
             return {"rss_mb": value}
 
     async def phase() -> float:
-        async with _PeakRss(Server(), every_s=0.001) as peak:  # type: ignore[arg-type]
+        async with PeakRss(Server(), every_s=0.001) as peak:  # type: ignore[arg-type]
             await asyncio.sleep(0.05)
         return peak.mb
 

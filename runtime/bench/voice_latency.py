@@ -9,15 +9,14 @@ it is the sum of four parts that belong to different models, so each part is rep
                   --(prefill, decode until the first clause is complete)--> first clause `first_clause`
                   --(synthesis of that clause, encoding, the websocket)--> first audio   `first_audio`
 
-How: the server is `python -m runtime serve --profile P` in its own process (`--profile`, default: the default
-profile, the one `runtime profiles` marks `*`), with the voice. The clients are the official `openai` SDK's realtime
-client (`AsyncOpenAI(websocket_base_url=...).realtime.connect`, typed `recv()`), as users run it. Each session sends
-`session.update` with `output_modalities: ["audio"]` (24 kHz PCM), `max_output_tokens` 32 (an answer of a sentence
-or two: the first sound does not depend on it, the time until the next question does) and server VAD as the API's
-defaults (`silence_duration_ms` 500, `create_response`, `interrupt_response`), then puts the facts (`FACTS`) into the
-conversation as a user text item, then asks spoken questions about them, one a turn (`QUESTIONS`, conversation i
-starting at question i). The questions are espeak-ng speech (`en-us`, 22,050 Hz, resampled to the API's 24 kHz by
-linear interpolation), with `LEAD_S` of digital silence before the speech.
+How: the server is `python -m runtime serve --profile P` in its own process (voice_server.py; `--profile`,
+default: the default profile, the one `runtime profiles` marks `*`), with the voice. The clients are the official
+`openai` SDK's realtime client (`AsyncOpenAI(websocket_base_url=...).realtime.connect`, typed `recv()`), as users run
+it. Each session sends `session.update` with `output_modalities: ["audio"]` (24 kHz PCM), `max_output_tokens` 32 (an
+answer of a sentence or two: the first sound does not depend on it, the time until the next question does) and server
+VAD as the API's defaults (`silence_duration_ms` 500, `create_response`, `interrupt_response`), then puts the facts
+(`FACTS`) into the conversation as a user text item, then asks spoken questions about them, one a turn (`QUESTIONS`,
+conversation i starting at question i; voice_questions.py says how they are spoken).
 
 Real-time pace, as a microphone: chunk k (100 ms) of a turn is sent when its last sample would have been spoken
 (at the turn's start + (k + 1) x 100 ms), never before; a turn's "end of speech" is the wall time its last speech
@@ -48,9 +47,9 @@ in it: a 135M model's answers are often wrong, and a wrong answer is timed like 
 warms the server first. Clients and server share the machine's cores: on 2 cores N = 4 also measures the clients.
 
 Memory: `rss_mb_peak` per N, the server process's largest RSS read from its `/healthz` every 0.5 s during the phase
-(`rss_mb_idle`: after the warm-up, no session open): what a host needs for every model of the profile (the language
-model, the ASR with its final pass, turn detection, the screen reader, the voice) and N conversations. The language
-model's own share, a session of it alone, is `runtime bench llm --model REF`'s `memory` row.
+(voice_server.py's `PeakRss`; `rss_mb_idle`: after the warm-up, no session open): what a host needs for every model
+of the profile (the language model, the ASR with its final pass, turn detection, the screen reader, the voice) and N
+conversations. The language model's own share, a session of it alone, is `runtime bench llm --model REF`'s `memory` row.
 `target_rss_mb_per_extra_conversation` (the growth from the first phase's peak to the last's, per conversation
 added) shows the sessions sharing one copy of the weights: a second copy of the 1.5B would add about 1,100 MB.
 """
@@ -61,32 +60,20 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import io
 import math
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
-import wave
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from runtime.bench.serve import _free_port, _Server
 from runtime.bench.timing import at_most, percentiles_ms
+from runtime.bench.voice_questions import CHUNK_S, FACTS, QUESTIONS, RATE, SILENCE, Question, question
+from runtime.bench.voice_server import PeakRss, VoiceServer
 from runtime.errors import UserError
 
 Status = Callable[[str], None]
-RATE = 24_000
-CHUNK_S = 0.1
-CHUNK = int(RATE * CHUNK_S)
-LEAD_S = 0.4
-QUIET = 1e-3
 TURN_TIMEOUT_S = 30.0
 CONNECT_LEAD_S = 0.5
 DRAIN_TIMEOUT_S = 30.0
@@ -96,18 +83,6 @@ TARGET_P50_S = 1.2
 # what one more conversation may add: its caches and buffers, not a second copy of the weights (the 1.5B's alone are
 # about 1,100 MB in the default's native format)
 TARGET_EXTRA_RSS_MB = 300.0
-FACTS = ("Here are my notes for today. The team meeting moved to Thursday at three. The budget report is in the blue "
-         "folder. The train to Boston leaves from platform four. The red car outside belongs to our neighbor Tom. "
-         "Lunch is at the Italian place on Main Street.")
-# (spoken question, words one of which the answer should hold): each one Whisper tiny.en heard word for word from
-# espeak-ng (several first drafts it did not: "Who is bringing the budget?" became "This bringing the market")
-QUESTIONS = (
-    ("What day is the meeting?", ("thursday",)),
-    ("Where is the budget report?", ("blue", "folder")),
-    ("Where does the train to Boston leave from?", ("four", "4")),
-    ("Who does the red car belong to?", ("tom", "neighbor")),
-    ("Where are we having lunch?", ("italian", "main")),
-)
 SILENCE_MS = 500  # the API's default
 TURN_DETECTION = {"type": "server_vad", "silence_duration_ms": SILENCE_MS, "create_response": True,
                   "interrupt_response": True}
@@ -121,41 +96,6 @@ MARKS = {"speech_stopped": "input_audio_buffer.speech_stopped", "committed": "in
          "first_audio": "response.output_audio.delta"}
 STAGES = (("turn_detection", None, "committed"), ("final_transcript", "committed", "transcript"),
           ("first_clause", "transcript", "first_clause"), ("first_audio", "first_clause", "first_audio"))
-
-
-@dataclass(frozen=True)
-class Question:
-    text: str
-    expect: tuple[str, ...]
-    chunks: list[str]  # base64 PCM16 at 24 kHz, 100 ms each
-    speech_end_s: float  # offset of the last speech sample from the clip's start
-
-
-def espeak(text: str) -> np.ndarray:
-    """`text` spoken by espeak-ng (en-us), float32 mono at 24 kHz."""
-    try:
-        wav = subprocess.run(["espeak-ng", "-v", "en-us", "--stdout", text], check=True, capture_output=True).stdout
-    except FileNotFoundError:
-        raise UserError("runtime bench voice speaks its questions with espeak-ng: apt-get install espeak-ng") from None
-    with wave.open(io.BytesIO(wav)) as w:
-        rate = w.getframerate()
-        samples = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768
-    t = np.arange(round(len(samples) * RATE / rate)) / RATE
-    return np.interp(t, np.arange(len(samples)) / rate, samples).astype(np.float32)
-
-
-def question(text: str, expect: tuple[str, ...]) -> Question:
-    speech = espeak(text)
-    loud = np.flatnonzero(np.abs(speech) > QUIET)
-    speech = speech[: int(loud[-1]) + 1]
-    clip = np.concatenate([np.zeros(int(LEAD_S * RATE), np.float32), speech])
-    clip = np.concatenate([clip, np.zeros(-len(clip) % CHUNK, np.float32)])
-    raw = (np.clip(clip, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()
-    chunks = [base64.b64encode(raw[i : i + 2 * CHUNK]).decode() for i in range(0, len(raw), 2 * CHUNK)]
-    return Question(text, expect, chunks, LEAD_S + len(speech) / RATE)
-
-
-SILENCE = base64.b64encode(bytes(2 * CHUNK)).decode()
 
 
 @dataclass
@@ -301,28 +241,6 @@ def summarize(convs: list[Conversation]) -> dict[str, Any]:
     return out
 
 
-class VoiceServer(_Server):
-    """`python -m runtime serve --profile P` in its own process (the serve bench's `_Server`, another profile), its
-    stderr in a temporary folder that `stop()` removes. Started by `start_server` before the rows that do not time
-    anything (voice.py: intelligibility), so that its load overlaps them."""
-
-    def __init__(self, profile: str, max_sessions: int, overrides: list[str], trace: Path | None = None) -> None:
-        self.port = _free_port()
-        self.tmp = Path(tempfile.mkdtemp(prefix="runtime-bench-voice-"))
-        self.log = self.tmp / "server.stderr"
-        self.cmd = [sys.executable, "-m", "runtime", "serve", "--profile", profile, "--port", str(self.port),
-                    "--max-sessions", str(max_sessions)] + [a for o in overrides for a in ("--set", o)]
-        if trace is not None:
-            self.cmd += ["--trace-jobs", str(trace.resolve())]
-        self.started = time.perf_counter()
-        with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
-
-    def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
 def start_server(profile: str, quick: bool, overrides: list[str] | None = None,
                  trace: Path | None = None) -> VoiceServer:
     """The server for `run`, started now: it loads while the caller does other work; with `trace`, it records its
@@ -357,7 +275,7 @@ async def _bench(server: VoiceServer, phases: tuple[tuple[int, int], ...], statu
             status(f"voice-to-voice: N={n}: {n} conversation(s) of {turns} spoken question(s) at real-time pace "
                    f"(load average {os.getloadavg()[0]:.2f})")
             row: dict[str, Any] = {"n": n, "load_avg_1m": round(os.getloadavg()[0], 2)}
-            async with _PeakRss(server) as peak:
+            async with PeakRss(server) as peak:
                 row.update(summarize(await _phase(base_url, pool, n, turns)))
             row["rss_mb_peak"] = peak.mb
             rows.append(row)
@@ -369,33 +287,6 @@ async def _bench(server: VoiceServer, phases: tuple[tuple[int, int], ...], statu
         return {"rows": rows, "rss_mb_idle": idle_rss}
     finally:
         server.stop()
-
-
-class _PeakRss:
-    """The server's largest RSS (`/healthz`'s `rss_mb`) read every `every_s` while the block runs: what a host must
-    have for that many conversations at once (weights, caches, buffers), the models' copy counted once."""
-
-    def __init__(self, server: VoiceServer, every_s: float = 0.5) -> None:
-        self.server, self.every_s, self.mb = server, every_s, 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    async def _poll(self) -> None:
-        while True:
-            with contextlib.suppress(OSError):
-                self.mb = max(self.mb, float((await asyncio.to_thread(self.server.health, 1.0))["rss_mb"]))
-            await asyncio.sleep(self.every_s)
-
-    async def __aenter__(self) -> _PeakRss:
-        self._task = asyncio.create_task(self._poll())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        with contextlib.suppress(OSError):  # one last reading: a short phase may end between two polls
-            self.mb = max(self.mb, float((await asyncio.to_thread(self.server.health, 1.0))["rss_mb"]))
 
 
 def run(args: argparse.Namespace, status: Status, profile: str, server: VoiceServer | None = None) -> dict[str, Any]:
