@@ -6,8 +6,8 @@ from test_grounding import ask, screen, spoken
 
 from runtime.memory.conversation import Conversation, Item
 from runtime.models.asr.base import TranscriptUpdate as U
-from runtime.pipeline.answers import Question
 from runtime.pipeline.input_buffer import BufferTranscript
+from runtime.pipeline.questions import Question
 
 
 def test_a_buffer_folds_the_asrs_items_into_one_whose_deltas_add_up_to_its_text():

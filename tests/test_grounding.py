@@ -23,7 +23,8 @@ from runtime.memory.grounding import Grounding, is_question, not_known_answer, s
 from runtime.memory.screen_notes import LABEL, ScreenNotes
 from runtime.models.lm.answering import Step
 from runtime.models.lm.prompt import IDLE_QUESTION
-from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.answers import QuestionProcessor
+from runtime.pipeline.questions import Question
 from runtime.pipeline.response_requests import ResponseRequests
 from runtime.session_builder import open_session
 from runtime.session_config import SessionConfig

@@ -12,9 +12,10 @@ from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.memory.conversation import Conversation
 from runtime.models.asr.base import TranscriptUpdate
-from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.answers import QuestionProcessor
 from runtime.pipeline.audio import AudioProcessor
 from runtime.pipeline.local_answers import OnWorker
+from runtime.pipeline.questions import Question
 from runtime.pipeline.video import VideoProcessor
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 from runtime.worker import DeviceWorker

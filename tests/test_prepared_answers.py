@@ -17,8 +17,9 @@ from runtime.models.asr.base import TranscriptUpdate
 from runtime.models.lm.answering import AnswerRequest, Preparing, Step, TextAnswer
 from runtime.models.lm.backend import AnswerStep
 from runtime.models.tts.clauses import split_clauses
-from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.answers import QuestionProcessor
 from runtime.pipeline.local_answers import OnWorker
+from runtime.pipeline.questions import Question
 from runtime.pipeline.screen import NotesWithQuestion
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 from runtime.worker import DeviceWorker, Priority

@@ -12,7 +12,8 @@ import pytest
 from runtime.channels import BlockingChannel
 from runtime.memory.conversation import Conversation, Item
 from runtime.models.lm.answering import AnswerRequest, CallDelta, Step
-from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.answers import QuestionProcessor
+from runtime.pipeline.questions import Question
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 
 

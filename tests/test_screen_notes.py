@@ -10,7 +10,7 @@ from runtime.memory.conversation import Conversation, Item
 from runtime.memory.screen_notes import LOW_WATER, ScreenNotes, note_line, token_counter
 from runtime.memory.screen_selection import pick, relation
 from runtime.models.lm.answering import AnswerRequest
-from runtime.pipeline.answers import Question
+from runtime.pipeline.questions import Question
 from runtime.pipeline.screen import NotesWithQuestion
 
 TOPICS = ["Quarterly update", "Budget", "Hiring", "Roadmap", "Pricing", "Partners", "Volcanoes", "Lava types",

@@ -24,7 +24,7 @@ from runtime.memory.grounding import Grounding, unheard
 from runtime.memory.screen_notes import ScreenNotes
 from runtime.memory.screen_questions import CANNOT_SEE_SCREEN, NOTHING_READ_YET, asks_about_screen
 from runtime.models.ocr.reader import TextLine
-from runtime.pipeline.answers import Question
+from runtime.pipeline.questions import Question
 from runtime.session_builder import open_session
 
 SCREEN_QUESTIONS = [

@@ -24,7 +24,7 @@ from weights_common import packaged_or_skip
 from runtime.io.sample import demo_speech
 from runtime.loaded_models import Models, load_turn_models
 from runtime.models.tts.clauses import split_clauses
-from runtime.pipeline.answers import CONTINUE_QUESTION, OPENING_QUESTION
+from runtime.pipeline.questions import CONTINUE_QUESTION, OPENING_QUESTION
 from runtime.web.server import RealtimeServer
 from runtime.worker import DeviceWorker
 

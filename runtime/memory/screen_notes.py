@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 TokenCount = Callable[[str], int]
 Level = Literal["whole", "cut", "title", "index"]
 LOW_WATER = 0.5  # a consolidation brings the screens down to this share of the budget
-INSTRUCTIONS = "\n\nInstructions: "  # how `Question.prompt` (pipeline/answers.py) appends instructions
+INSTRUCTIONS = "\n\nInstructions: "  # how `Question.prompt` (pipeline/questions.py) appends instructions
 INDEX_ID = "screen_index"
 LABEL = "On screen"
 

@@ -11,10 +11,7 @@ session that cannot see it (`sees_screen` false: no screen reader and no video m
 (`memory/screen_questions.py`), and with `grounding` a question nothing heard or shown mentions yet, or one about
 the screen before any text on it was read, is "not known yet" (`memory/grounding.py`).
 
-A client's `response.create` with no new user message answers from the conversation as it stands (`continues`):
-the model is asked to open the conversation, when nothing was said yet (an agent that greets first), or to go on
-from it. A turn that turn detection ended with nothing heard in it is not answered that way: it is an error, as
-before, so noise never makes the agent talk.
+What a question is, and what the model is asked for it (with `continues`, no new user message): `questions.py`.
 
 A turn's answer may be started before the turn has ended (`prepare`): while the turn rule times the user's pause,
 the audio processor knows the turn's likely final words, and the request the answer will make is built from the
@@ -33,39 +30,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from runtime.channels import BlockingChannel
 from runtime.errors import RequestError
 from runtime.events import ItemAdded, ItemDone, ItemTruncated, ResponseCreated, ResponseDone, error_event, new_id
-from runtime.function_tools import ToolUse
 from runtime.memory.conversation import Conversation, Item
 from runtime.memory.grounding import Grounding, not_known_answer
 from runtime.memory.screen_questions import CANNOT_SEE_SCREEN, NOTHING_READ_YET, asks_about_screen
-from runtime.models.lm.answering import (
-    Answering,
-    AnswerRequest,
-    PastCall,
-    Preparing,
-    RunningAnswer,
-    Step,
-    TextAnswer,
-)
+from runtime.models.lm.answering import Answering, AnswerRequest, Preparing, RunningAnswer, Step, TextAnswer
 from runtime.models.lm.backend import DecodingStats
 from runtime.models.lm.remote_answerer import RemoteError
 from runtime.pipeline import Emit
+from runtime.pipeline.questions import CONTINUE_QUESTION, OPENING_QUESTION, Question, answer_request
 from runtime.pipeline.response_output import ResponseOutput
 from runtime.pipeline.spoken_output import Speaker, SpokenAudio
-from runtime.session_config import OutputAudio
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# what a response.create with no new user message asks the model (`Question.continues`)
-OPENING_QUESTION = "(The conversation is starting: the user has said nothing yet.) Greet the user in one sentence."
-CONTINUE_QUESTION = "(The user has said nothing new.) Go on from the conversation so far in one short sentence."
 
 
 class QuestionPrefill(Protocol):
@@ -80,33 +63,6 @@ class QuestionPrefill(Protocol):
     async def catch_up(self, question: str | None = None) -> None: ...
 
     def end_question(self) -> None: ...
-
-
-@dataclass
-class Question:
-    """One request for a response: `response.create`, a scripted or typed question, or the end of a turn."""
-
-    text: str | None  # None: what the user said or typed since the last answer, read when the answer starts
-    media_time: float  # media seconds at which it was asked
-    hear_until: float  # audio pushed when it was asked: the answer waits for the ASR to reach it
-    client_event_id: str | None = None
-    commits: int = 0  # commits asked for before it: the answer waits for their transcripts to complete
-    instructions: str = ""  # the session's and the request's, given with the question
-    max_tokens: int | None = None
-    in_conversation: bool = True  # False (`conversation: "none"`): the answer is not added to the conversation
-    record_question: bool = False  # a question from a script or the terminal joins the conversation with its answer
-    metadata: dict[str, object] | None = None
-    tools: ToolUse = field(default_factory=ToolUse)  # the functions it may call (the session's or the request's)
-    asks_about_stream: bool = True  # False: the runtime's own prompt (the idle nudge), never checked by `grounding`
-    input_items: tuple[str, ...] = ()  # conversation items whose text `text` holds (`response.input` references)
-    speech: OutputAudio | None = None  # spoken (`output_modalities: ["audio"]`), in this format, voice and speed
-    continues: bool = False  # a client's response.create: with no new user message, answer from the conversation
-    response_id: str = field(default_factory=lambda: new_id("resp"))
-    asked_wall: float = field(default_factory=time.perf_counter)
-    answered: asyncio.Event = field(default_factory=asyncio.Event, compare=False)  # set once its answer ended
-
-    def prompt(self, text: str) -> str:
-        return f"{text}\n\nInstructions: {self.instructions}" if self.instructions else text
 
 
 class QuestionProcessor:
@@ -174,7 +130,7 @@ class QuestionProcessor:
         question = " ".join(it.text for it in conversation.pending_user_items())
         if not question.strip() or conversation.calls_since_user() or asks_about_screen(question):
             return
-        answering.prepare(_request(q, question, [], conversation))
+        answering.prepare(answer_request(q, question, [], conversation))
 
     def drop_prepared(self) -> None:
         """What `prepare` started no longer holds (the user spoke on)."""
@@ -262,7 +218,7 @@ class QuestionProcessor:
             if self.prefiller is not None and given is None:
                 await self.prefiller.catch_up(question)
                 selected = list(self.prefiller.selected)
-            request = _request(q, question, calls, self.conversation)
+            request = answer_request(q, question, calls, self.conversation)
             if given is not None:  # the model is not asked: it would guess
                 answer = TextAnswer(given)
             else:
@@ -403,20 +359,6 @@ def _retrieved(future: asyncio.Future[object]) -> None:
     """A dropped step's outcome is read, so an error it ended with is not reported as never retrieved."""
     if not future.cancelled():
         future.exception()
-
-
-def _request(q: Question, question: str, calls: list[Item], conversation: Conversation) -> AnswerRequest:
-    """What the model is asked for `q`: `question` about `conversation`, continuing `calls`."""
-    return AnswerRequest(conversation.context(), q.prompt(question), q.max_tokens, q.tools,
-                         context_before_calls=conversation.context(without=frozenset(it.item_id for it in calls)),
-                         calls=past_calls(calls))
-
-
-def past_calls(items: list[Item]) -> tuple[PastCall, ...]:
-    """The calls since the user's last message, each with the output the client sent for it."""
-    outputs = {it.call_id: it.stable for it in items if it.type == "function_call_output"}
-    return tuple(PastCall(it.call_id, it.name, it.stable, outputs.get(it.call_id))
-                 for it in items if it.type == "function_call")
 
 
 class NothingToAnswer(ValueError):

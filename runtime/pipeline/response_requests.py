@@ -13,7 +13,8 @@ from runtime.channels import BlockingChannel, ChannelClosed
 from runtime.events import error_event
 from runtime.models.lm.prompt import IDLE_QUESTION
 from runtime.pipeline import Emit
-from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.answers import QuestionProcessor
+from runtime.pipeline.questions import Question
 from runtime.session_config import SessionConfig
 from runtime.session_state import AnswerActivity, HeardClock, SessionSettings
 
