@@ -5,25 +5,21 @@ the newest frames at the configured fps), questions go in with `ask`, and everyt
 out of `events` in order. `finish()` ends the input and drains (final transcript, pending answers);
 `stop()` ends it now. Either way every task is gone and the per-session model state is released after.
 
-A session is assembled whole by `session_builder.open_session` (its parts come in `SessionParts`); this
-module only runs it: lifecycle, input, reporting.
+A session is assembled whole by `session_builder.open_session`; its parts, and what each is, are in
+`session_parts.py`. This module only runs it: lifecycle, input, reporting.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-from runtime.channels import BlockingChannel, LatestChannel
 from runtime.chunks import SAMPLE_RATE, AudioChunk, VideoFrame
 from runtime.config import Profile
 from runtime.errors import ConfigError
 from runtime.events import (
-    Event,
     ItemAdded,
     ItemDeleted,
     ItemDone,
@@ -37,90 +33,18 @@ from runtime.events import (
     new_id,
 )
 from runtime.function_tools import ToolUse
-from runtime.memory.conversation import Conversation, Item, ItemType, Role
-from runtime.memory.video import VideoMemory
+from runtime.memory.conversation import Item, ItemType, Role
 from runtime.metrics import LoopLagMonitor
-from runtime.models.asr.base import ASRStream, Speech
-from runtime.pipeline import Emit
-from runtime.pipeline.answers import Question, QuestionProcessor
-from runtime.pipeline.audio import MIN_COMMIT_S, AudioProcessor, BufferEnd
-from runtime.pipeline.input_buffer import BufferTranscript
-from runtime.pipeline.notes import NoteWriter
-from runtime.pipeline.prefill import ContextPrefiller
-from runtime.pipeline.prefix_warming import PrefixWarmer
-from runtime.pipeline.response_requests import ResponseRequests
-from runtime.pipeline.video import VideoProcessor
+from runtime.pipeline.audio import MIN_COMMIT_S, BufferEnd
+from runtime.pipeline.questions import Question
+from runtime.pipeline.whole_utterance import transcribe_whole
 from runtime.session_config import OutputAudio, SessionConfig
-from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, SessionSettings, TransportStats
+from runtime.session_parts import SessionParts
 from runtime.worker import DeviceWorker, Priority
-
-
-def transcribe_whole(open_asr: Callable[[], ASRStream], samples: np.ndarray, chunk_ms: int,
-                     speech: Speech | None = None) -> tuple[str, str]:
-    """One utterance through an ASR stream of its own, in the session's chunks and the session's language and task
-    (`speech`; None: the profile's), on the worker: (its transcript, the language the ASR heard)."""
-    stream = open_asr()
-    try:
-        if speech is not None:
-            stream.set_speech(speech)
-        buffer, chunk = BufferTranscript("whole", 0.0), SAMPLE_RATE * chunk_ms // 1000
-        for start in range(0, len(samples), chunk):
-            for update in stream.accept(AudioChunk(samples[start : start + chunk], start)):
-                buffer.fold(update)
-        for update in stream.finish():
-            buffer.fold(update)
-        return buffer.text, buffer.language
-    finally:
-        stream.close()
 
 
 class BufferTooSmall(ValueError):
     """A commit of less audio than the API allows; the buffer is kept."""
-
-
-class FrameSampler:
-    """Keeps frames at most `fps` per second of media time; the rest are counted, not queued."""
-
-    def __init__(self, fps: float) -> None:
-        self.period = 1.0 / fps
-        self._next = 0.0
-        self.kept = 0
-        self.skipped = 0
-
-    def keep(self, frame: VideoFrame) -> bool:
-        if frame.time + 1e-9 < self._next:
-            self.skipped += 1
-            return False
-        self._next = max(self._next + self.period, frame.time + self.period / 2)
-        self.kept += 1
-        return True
-
-
-@dataclass(frozen=True)
-class SessionParts:
-    """Everything a session runs, built in dependency order by `session_builder.open_session`."""
-
-    audio_in: BlockingChannel[AudioChunk | BufferEnd]
-    video_in: LatestChannel[VideoFrame]
-    questions: BlockingChannel[Question]
-    events: BlockingChannel[Event]
-    emit: Emit
-    sampler: FrameSampler
-    conversation: Conversation
-    video_memory: VideoMemory | None
-    heard: HeardClock
-    changes: ContextChanges
-    activity: AnswerActivity
-    transport: TransportStats
-    settings: SessionSettings
-    requests: ResponseRequests
-    audio: AudioProcessor
-    video: VideoProcessor
-    answers: QuestionProcessor
-    prefiller: ContextPrefiller | None
-    notes: NoteWriter | None
-    describe: dict[str, object]  # what `session.created` says about the models and settings
-    warmer: PrefixWarmer | None = None  # a remote answerer's prefix-cache warm-ups
 
 
 class Session:

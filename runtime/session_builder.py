@@ -27,19 +27,21 @@ from runtime.memory.screen_notes import ScreenNotes, token_counter
 from runtime.memory.video import VideoMemory
 from runtime.models.lm import NoAnswerer
 from runtime.models.lm.answering import Answering
-from runtime.pipeline.answers import Question, QuestionProcessor
+from runtime.pipeline.answers import QuestionProcessor
 from runtime.pipeline.audio import AudioProcessor, BufferEnd
 from runtime.pipeline.local_answers import OnWorker
 from runtime.pipeline.notes import NoteWriter
 from runtime.pipeline.prefill import ContextPrefiller
 from runtime.pipeline.prefix_warming import PrefixWarmer
+from runtime.pipeline.questions import Question
 from runtime.pipeline.response_requests import ResponseRequests
 from runtime.pipeline.screen import NotesWithQuestion, ScreenReader
 from runtime.pipeline.spoken_output import Speaker
 from runtime.pipeline.turn_taking import TurnTaking
 from runtime.pipeline.video import VideoProcessor
-from runtime.session import FrameSampler, Session, SessionParts
+from runtime.session import Session
 from runtime.session_config import CAPTIONS, SessionConfig, TurnDetection
+from runtime.session_parts import FrameSampler, SessionParts
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock, SessionSettings, TransportStats
 from runtime.worker import DeviceWorker, Priority
 

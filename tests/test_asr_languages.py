@@ -214,7 +214,7 @@ def test_transcribe_language_and_translate_set_the_profile_s_asr():
 
 
 def test_a_spoken_item_sent_whole_is_heard_in_the_session_s_language():
-    from runtime.session import transcribe_whole
+    from runtime.pipeline.whole_utterance import transcribe_whole
 
     stream = _Stream(english_only=False)
     audio = np.zeros(3200, np.float32)

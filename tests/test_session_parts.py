@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from runtime.chunks import VideoFrame
-from runtime.session import FrameSampler
+from runtime.session_parts import FrameSampler
 from runtime.session_state import AnswerActivity, ContextChanges, HeardClock
 
 
