@@ -35,8 +35,9 @@ generated non-speech set (`runtime/bench/non_speech.py`), against at most 0.29 o
 99th percentile of 0.52 on the synthetic held-out speech. An item whose probability is above openai-whisper's
 `no_speech_threshold` (0.6) completes empty. openai-whisper keeps such a segment anyway when its average log
 probability is above -1 (the decoder was sure of its words); that exception is not taken here, because Whisper's
-"you" over non-speech is sure (-0.48 to -0.97 on the same set) and the VAD gate before the pass (pipeline/audio.py)
-is the second opinion. `runtime bench asr-quality` reports the words this loses on speech (`gate_words_lost`).
+"you" over non-speech is sure (-0.48 to -0.97 on the same set) and the VAD gate before the pass
+(pipeline/transcript_gate.py) is the second opinion. `runtime bench asr-quality` reports the words this loses on
+speech (`gate_words_lost`).
 
 Previous text primes the pass, for better and worse: after a statement misheard as "Let me then move to Thursday at
 10." (espeak's "The meeting moved to ..."), the pass with that context wrote "What's next?" for "What day is the
