@@ -60,10 +60,19 @@ def native_bfloat16(device: str = "cpu") -> bool:
     """Whether `device` computes bfloat16 matrix products natively: a CPU with AVX-512 BF16 or AMX (x86) or BF16
     (Arm), a CUDA device that supports it. Elsewhere torch widens every operand to float32 and back: Whisper tiny's
     encoder over 4 s took 1.37 s in bfloat16 against 0.18 s in float32 on an AVX2-only AMD EPYC (Zen 3), where on
-    AVX-512 BF16 bfloat16 halved it."""
+    AVX-512 BF16 bfloat16 halved it. A CPU forced to torch's AVX2 path (`ATEN_CPU_CAPABILITY=avx2`, how the AVX2
+    path is tested on an AVX-512 machine) counts as AVX2-only, as the kernels in cpu_kernels do."""
     if torch.device(device).type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+    flags = _cpu_flags()
+    if "avx2" in flags and not _torch_capability().startswith("AVX512"):
+        return False  # an x86 CPU that torch was told to run as AVX2 (ATEN_CPU_CAPABILITY=avx2): as one would
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _torch_capability() -> str:
+    """torch's CPU path ("AVX512", "AVX2", "DEFAULT", ...): the CPU's best unless `ATEN_CPU_CAPABILITY` forces one."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:
