@@ -2,6 +2,7 @@
 CLI subprocesses share."""
 
 import asyncio
+import faulthandler
 import gc
 import os
 import shutil
@@ -138,6 +139,34 @@ def stuck_realtime_test_says_where(request: pytest.FixtureRequest):
         yield
     finally:
         timer.cancel()
+
+
+# Any test, from its first fixture to its last teardown, that has not ended by then is stuck, whatever it awaits: CI
+# of 2026-12-02 ran out its 90 minutes with the realtime phase done in 3 and the other phase still running, and said
+# nothing of where. Past the limit every thread's stack is printed (by faulthandler's own thread, which needs no GIL)
+# and the process exits: under xdist the controller reports the worker crashed in that test and starts another, so
+# the run goes on and fails. The slowest test takes about 2.5 minutes on 2 cores (docs/testing.md).
+TEST_HARD_LIMIT_S = float(os.environ.get("RUNTIME_TEST_HARD_LIMIT_S", "900"))
+_real_stderr: int | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the real standard error (capture is suspended while plugins configure): a test's own is a capture file,
+    which a process that exits mid-test never shows."""
+    global _real_stderr
+    _real_stderr = os.dup(2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if _real_stderr is None or TEST_HARD_LIMIT_S <= 0:
+        yield
+        return
+    faulthandler.dump_traceback_later(TEST_HARD_LIMIT_S, exit=True, file=_real_stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

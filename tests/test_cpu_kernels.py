@@ -257,6 +257,33 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
         build.load_library()
 
 
+def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(monkeypatch, tmp_path):
+    """torch's build lock is a file removed when its build ends: one left by a killed builder made every later build
+    wait for ever (CI of 2026-12-02 ran out its time). The next build takes the lock as if none had been left."""
+    import os
+
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    from runtime.models.lm.cpu_kernels import build
+
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
+    folder = build.build_dir()
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # what a builder killed mid-build leaves
+    took: list[bool | None] = []
+
+    def load(name: str, sources: list[str], build_directory: str, **kwargs: object) -> None:
+        baton = FileBaton(os.path.join(build_directory, "lock"))  # what cpp_extension.load does first
+        took.append(baton.try_acquire())
+        (folder / f"{name}.so").touch()
+        baton.release()
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    library = build.load_library()
+    assert took == [True] and library.exists() and not (folder / "lock").exists()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_dequantized_alone_are_the_whole_weights(bits: int) -> None:
     """`dequantize_rows` (an embedding lookup in the packed layout) reads each row as `dequantize` and an

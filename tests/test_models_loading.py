@@ -237,7 +237,8 @@ def test_auto_is_bfloat16_only_where_the_cpu_computes_it(monkeypatch) -> None:
                         (zen3 | {"amx_tile", "amx_bf16"}, "bfloat16"), (frozenset({"asimd", "bf16"}), "bfloat16"),
                         (frozenset(), "float32")):
         monkeypatch.setattr(loading, "_cpu_flags", lambda flags=flags: flags)
-        monkeypatch.setattr(loading, "_torch_capability", lambda flags=flags: "AVX512" if flags & {"avx512f", "amx_tile"} else "AVX2")
+        monkeypatch.setattr(loading, "_torch_capability",
+                            lambda flags=flags: "AVX512" if flags & {"avx512f", "amx_tile"} else "AVX2")
         assert loading.resolve_dtype("auto") == want, sorted(flags)
         assert loading.resolve_dtype("bfloat16") == "bfloat16" and loading.resolve_dtype("") == ""
     # the same AVX-512 BF16 CPU with torch forced to its AVX2 path runs as an AVX2-only one would

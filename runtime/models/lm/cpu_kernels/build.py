@@ -56,6 +56,10 @@ def load_library() -> Path:
     # while another is still writing it (it exists from the linker's first write: "file too short").
     with _locked(folder / ".lock"):
         if not library.exists():
+            # torch's own build lock (cpp_extension's `FileBaton`) is a file it removes when the build ends; a builder
+            # killed mid-build (a server stopped during its first start, a terminal closed) leaves it behind, and every
+            # later build would wait on it for ever. Under our lock nobody else is building: any such file is stale.
+            (folder / "lock").unlink(missing_ok=True)
             _build(name, folder)
             return library  # cpp_extension.load has loaded it into this process already
     try:
