@@ -146,7 +146,7 @@ def stuck_realtime_test_says_where(request: pytest.FixtureRequest):
 # nothing of where. Past the limit every thread's stack is printed (by faulthandler's own thread, which needs no GIL)
 # and the process exits: under xdist the controller reports the worker crashed in that test and starts another, so
 # the run goes on and fails. The slowest test takes about 2.5 minutes on 2 cores (docs/testing.md).
-TEST_HARD_LIMIT_S = float(os.environ.get("RUNTIME_TEST_HARD_LIMIT_S", "900"))
+TEST_HARD_LIMIT_S = float(os.environ.get("RUNTIME_TEST_HARD_LIMIT_S", "600"))
 _real_stderr: int | None = None
 
 
