@@ -272,10 +272,9 @@ async def wait_for_watchers(server: RealtimeServer, deadline: Deadline) -> None:
 
 # The RMS of what the page's <audio id="voice"> plays, every 50 ms, through a WebAudio analyser on its stream (with the
 # audio clock, ms, at the reading), and when the page's "speaking" indicator changed (output_audio_buffer.started /
-# stopped / cleared), on one clock. A reading is
-# kept only when the audio clock moved since the last: while the audio thread is starved (a loaded CI machine) the
-# analyser returns its last buffer again, old sound that is not playing (CI, 2026-12-02: the same 0.2178 twice, 200 ms
-# after a Cancel, then silence).
+# stopped / cleared), on one clock. A reading is kept only when the audio clock moved since the last: while the audio
+# thread is starved (a loaded CI machine) the analyser returns its last buffer again, old sound that is not playing
+# (CI, 2026-12-02: the same 0.2178 twice, 200 ms after a Cancel, then silence).
 METER = """async () => {
     const voice = document.getElementById('voice'), speaking = document.getElementById('speaking');
     const context = new AudioContext();
@@ -307,11 +306,11 @@ QUIET, LOUD = 0.005, 0.03  # RMS (full scale 1): silence on the track is exactly
 
 # How much the page's voice has been stretched so far, in ms: the samples its jitter buffer made up while packets
 # were late (concealment) or inserted to slow down, as the browser's own receiver counts them
-# (RTCInboundRtpStreamStats). On a loaded machine the server's sender falls behind and then catches up in a burst:
-# the page conceals the gap, so the rest of the answer plays that much later behind its `.stopped` event than it
-# began behind `.started` (CI, 2026-12-03: 169 ms at the start, heard 1.0 s after `.stopped`). The samples it removes
-# to catch up again are not subtracted: it removes them mostly from the silence after the answer, too late to bring
-# the answer's end forward.
+# (RTCInboundRtpStreamStats). Packets that come late on a loaded machine are concealed and then played, so the rest
+# of the answer plays that much later behind its `.stopped` event than it began behind `.started` (CI, 2026-12-03:
+# 169 ms at the start, heard 1.0 s after `.stopped`; whether this or a starved audio thread, below, was the cause
+# there is not known). The samples it removes to catch up again are not subtracted: it removes them mostly from the
+# silence after the answer, too late to bring the answer's end forward.
 STRETCH = """async () => {
     let ms = 0;
     const stats = await pc.getStats();
