@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install peers demo test lint mutation clean
+.PHONY: install peers peers-avx2 demo test lint mutation clean
 
 install: $(STAMP)
 
@@ -34,6 +34,23 @@ peers: install
 	fi
 	$(PY) -m pip install -q --find-links $(LLAMA_WHEELS) -e '.[llamacpp]'
 	$(PY) -m pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-*.whl  # not an older build
+
+# llama.cpp once more, built for AVX2 alone (no AVX-512, no AVX-VNNI: what an AVX2-only CPU such as a Zen 3 runs),
+# installed beside the environment rather than into it. The forced-AVX2 rows of `runtime bench llm --model ...` (the
+# runtime's AVX2 path on a wider CPU) then race it, as an AVX2-only machine's runtime would race that machine's
+# llama.cpp; without it they race this CPU's own build and say so. Only on a CPU wider than AVX2; not in CI.
+LLAMA_AVX2   := $(HOME)/.cache/runtime/peers/$(subst ==,-,$(LLAMA_CPP))-avx2
+AVX2_ONLY    := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+                -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+                -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+peers-avx2: peers
+	@if [ ! -d $(LLAMA_AVX2)/llama_cpp ]; then \
+	  echo "building $(LLAMA_CPP) for AVX2 alone into $(LLAMA_AVX2) (about 4.5 minutes on 2 cores) ..."; \
+	  rm -rf $(LLAMA_AVX2).wheel $(LLAMA_AVX2).tmp && \
+	  CMAKE_ARGS="$(AVX2_ONLY)" $(PY) -m pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_AVX2).wheel $(LLAMA_CPP) && \
+	  $(PY) -m pip install -q --no-deps --target $(LLAMA_AVX2).tmp $(LLAMA_AVX2).wheel/llama_cpp_python-*.whl && \
+	  mv $(LLAMA_AVX2).tmp $(LLAMA_AVX2) && rm -rf $(LLAMA_AVX2).wheel; \
+	fi
 
 demo: install
 	$(VENV)/bin/runtime demo $(ARGS)

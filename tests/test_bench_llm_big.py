@@ -34,3 +34,21 @@ def test_a_failed_child_meets_no_avx2_target() -> None:
     out = {**_pairs((1.2, 1.1), (1.9, 1.8)), "avx2_forced": {"skipped": "the AVX2 child failed: boom"}}
     t = llm_big._targets(out)
     assert t["decode_vs_llama_cpp_1t_avx2"] == {"ratio": None, "target": ">= 1.0", "met": False}
+
+
+def test_auto_is_judged_against_the_candidate_chosen_on_other_rounds() -> None:
+    spec = {"transcript_qa": {"auto": {"speedup": 1.8}, "ngram": {"speedup": 1.9}, "trigram": {"speedup": 1.7}},
+            "auto_vs_best_held_out": {"transcript_qa": {"ratio": 1.02}}}
+    t = llm_big._targets({**_pairs((1.2, 1.1), (1.9, 1.8)), "speculative": spec})
+    verdict = t["auto_vs_best_candidate_transcript_qa"]
+    assert verdict["ratio_same_rounds"] == round(1.8 / 1.9, 3) and verdict["ratio_held_out"] == 1.02 and verdict["met"]
+    assert t["speculative_transcript_qa"] == {"auto": 1.8, "target": ">= 1.6", "met": True}
+    spec["auto_vs_best_held_out"]["transcript_qa"]["ratio"] = 0.97
+    assert not llm_big._targets({"speculative": spec})["auto_vs_best_candidate_transcript_qa"]["met"]
+
+
+def test_the_avx2_targets_say_which_llama_cpp_the_child_raced() -> None:
+    child = {**_pairs((0.95, 1.05), (1.1, 0.9)), "llama_cpp": {"avx512": False, "built_with": ["AVX", "AVX2"]}}
+    t = llm_big._targets({**_pairs((1.2, 1.1), (1.9, 1.8)), "avx2_forced": child})
+    assert t["prefill_vs_llama_cpp_2t_avx2"]["peer_avx512"] is False
+    assert "peer_avx512" not in t["prefill_vs_llama_cpp_2t"]

@@ -4,6 +4,7 @@ cores, once per kind of CPU): when it is missing the row says so and the bench g
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,6 +17,30 @@ if TYPE_CHECKING:
     from llama_cpp import Llama
 
 INSTALL = "make peers  (builds llama.cpp from source for this CPU: about 5 minutes on 2 cores)"
+# llama.cpp built for AVX2 alone, beside the environment (the Makefile's LLAMA_AVX2): the peer of the runtime's AVX2
+# path forced on a wider CPU, standing in for the llama.cpp an AVX2-only CPU would run
+AVX2_BUILD = Path.home() / ".cache" / "runtime" / "peers" / "llama-cpp-python-0.3.36-avx2"
+AVX2_INSTALL = "make peers-avx2  (builds llama.cpp for AVX2 alone, beside the environment: about 5 minutes on 2 cores)"
+
+
+def avx2_build_env() -> dict[str, str]:
+    """The environment a child process imports llama.cpp's AVX2-only build under ({} when it is not built)."""
+    if not (AVX2_BUILD / "llama_cpp").is_dir():
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(AVX2_BUILD), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def llama_cpp_build() -> dict[str, Any]:
+    """Which llama.cpp this process imports: its version, where from, and the instruction sets ggml says it was
+    built with (its own report, not ours: `llama_print_system_info`)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    isas = sorted(part.split("=")[0].strip() for part in info.replace("CPU :", "").split("|")
+                  if part.strip().endswith("= 1"))
+    where = Path(llama_cpp.__file__).parent.parent
+    return {"version": llama_cpp.__version__, "from": str(where), "built_with": isas,
+            "avx512": any(i.startswith("AVX512") for i in isas)}
 
 
 def llama_cpp_rows(file: Path, prompt: Sequence[int], n: int, threads: Sequence[int],

@@ -30,13 +30,15 @@ if TYPE_CHECKING:
 DRAFTER_ROWS = ("none", "ngram", "recycling", "trigram", "swift", "auto")
 MODEL_ROWS = ("draft-model", "dyspec")  # rows of a second model, with `draft_model`
 # In the full table, on the tasks of the 1.6x target, the rows `auto` is judged by (it against its candidates on a
-# CPU, and all of them against plain decoding) run ROUNDS times, in turns (the second in reverse order, so that
-# a drift of the machine's speed weighs on all alike), and count their fastest: on a shared
-# 2-core machine one pass of a few seconds varies by 10-15 %, as much as the differences between them. The other
-# rows, far slower, and open chat run once, and `--quick` runs every row once (its 12-token answers decide nothing).
+# CPU, and all of them against plain decoding) answer each prompt ROUNDS times, the rows in turns prompt by prompt
+# (one answer each, a second or two apart, the order rotated every prompt and reversed every other round, so that
+# a drift of the machine's speed weighs on all alike), and count each prompt's fastest answer: on a shared 2-core
+# machine one answer varies by 10-15 %, as much as the differences between them. The other rows, far slower, and
+# open chat answer once, and `--quick` runs every row once (its 12-token answers decide nothing).
 REPEATED = ("none", "ngram", "trigram", "auto")
 REPEATED_TASKS = ("transcript_qa", "summarise")
-ROUNDS = 2
+AUTO_CANDIDATES = ("ngram", "trigram")  # what `auto` chooses among on a CPU (`drafter_choice.AutoDrafter`)
+ROUNDS = 4
 MEETING = ("[00:03] Ana: Welcome back. Our first customer in Oslo signed the contract on Monday.\n"
            "[00:11] Ben: The contract is worth 120,000 dollars over two years, paid every quarter.\n"
            "[00:19] Ana: Kofi will lead the rollout, starting with the warehouse team on March 4th.\n"
@@ -55,21 +57,26 @@ TASKS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-def _run(answerer: EngineAnswerer, prompts: list[tuple[str, str]], n: int,
-         ) -> tuple[list[list[int]], float, int, int]:
-    """Each prompt answered to its end or its first `n` tokens (a drafted step may pass n: its tokens count in
-    the time, and outputs compare on the first n)."""
-    outputs, seconds, steps, emitted = [], 0.0, 0, 0
-    for context, question in prompts:
-        state = answerer.start(context, question, stream=answerer.open_stream())
-        t = time.perf_counter()
-        while not state.step().done and len(state.generated) < n:
-            pass
-        seconds += time.perf_counter() - t
-        stats = state.decoder.stats
-        steps, emitted = steps + stats.steps, emitted + stats.emitted
-        outputs.append(list(state.generated)[:n])
-    return outputs, seconds, steps, emitted
+Answer = tuple[list[int], float, int, int]  # the output's first n tokens, seconds, target forwards, tokens
+
+
+def _answer(answerer: EngineAnswerer, context: str, question: str, n: int) -> Answer:
+    """One prompt answered to its end or its first `n` tokens (a drafted step may pass n: its tokens count in the
+    time, and outputs compare on the first n)."""
+    state = answerer.start(context, question, stream=answerer.open_stream())
+    t = time.perf_counter()
+    while not state.step().done and len(state.generated) < n:
+        pass
+    seconds = time.perf_counter() - t
+    stats = state.decoder.stats
+    return list(state.generated)[:n], seconds, stats.steps, stats.emitted
+
+
+def _turns(rows: list[str], round_: int, prompt: int, prompts: int) -> list[str]:
+    """The order the repeated rows answer one prompt in: rotated every prompt, reversed every other round."""
+    k = (round_ * prompts + prompt) % len(rows)
+    order = rows[k:] + rows[:k]
+    return order[::-1] if round_ % 2 else order
 
 
 def spec_tokens(quick: bool) -> int:
@@ -110,19 +117,31 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
     repeated = [d for d in drafters if d in REPEATED]
     for task, all_prompts in TASKS.items():
         prompts = all_prompts[:per_task]  # quick: every task and drafter, on fewer prompts
-        runs: dict[str, list[tuple[list[list[int]], float, int, int]]] = {d: [] for d in drafters}
-        for round_ in range(1 if quick or task not in REPEATED_TASKS else ROUNDS):
-            for drafter in drafters if round_ == 0 else repeated[::-1]:  # reversed: a drift weighs on all alike
-                status(f"speculative: {task} with drafter {drafter}" + (f" (round {round_ + 1})" if round_ else ""))
-                runs[drafter].append(_run(answerers[drafter], prompts, n))
-        plain, base_s = runs["none"][0][0], min(r[1] for r in runs["none"])
+        rounds = 1 if quick or task not in REPEATED_TASKS else ROUNDS
+        runs: dict[str, list[list[Answer]]] = {d: [[] for _ in prompts] for d in drafters}
+        for drafter in drafters if rounds == 1 else [d for d in drafters if d not in REPEATED]:
+            status(f"speculative: {task} with drafter {drafter}")
+            for p, (context, question) in enumerate(prompts):
+                runs[drafter][p].append(_answer(answerers[drafter], context, question, n))
+        for round_ in range(rounds if rounds > 1 else 0):
+            status(f"speculative: {task}, {', '.join(repeated)} in turns (round {round_ + 1} of {rounds})")
+            for p, (context, question) in enumerate(prompts):
+                for drafter in _turns(repeated, round_, p, len(prompts)):
+                    runs[drafter][p].append(_answer(answerers[drafter], context, question, n))
+        plain = [answers[0][0] for answers in runs["none"]]
+        base_s = sum(min(a[1] for a in answers) for answers in runs["none"])
         rows: dict[str, Any] = {d: {"skipped": why} for d, why in skip.items()}
         for drafter in drafters:
-            outs, seconds, steps, emitted = min(runs[drafter], key=lambda r: r[1])
+            fastest = [min(answers, key=lambda a: a[1]) for answers in runs[drafter]]
+            seconds, steps, emitted = (sum(a[i] for a in fastest) for i in (1, 2, 3))
             rows[drafter] = {"tokens_per_step": round(emitted / max(1, steps), 3), "tokens": emitted,
                              "seconds": round(seconds, 3), "speedup": round(base_s / seconds, 3),
-                             "identical": all(r[0] == plain for r in runs[drafter]), "rounds": len(runs[drafter])}
+                             "identical": all(a[0] == plain[p] for p, answers in enumerate(runs[drafter])
+                                              for a in answers),
+                             "rounds": len(runs[drafter][0])}
         table[task] = rows
+        if rounds > 1 and {"auto", *AUTO_CANDIDATES} <= set(repeated):
+            table.setdefault("auto_vs_best_held_out", {})[task] = held_out(runs, rounds)
         plain_answerer = answerers["none"]
         prompt_ids[task] = [list(plain_answerer.start(c, q, stream=plain_answerer.open_stream()).prompt_ids)
                             for c, q in prompts]
@@ -140,6 +159,26 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
                 ours = best["tokens"] / best["seconds"]
                 peer["ours_best_vs_prompt_lookup"] = round(ours / (peer["tokens"] / peer["prompt_lookup_seconds"]), 3)
     return table
+
+
+def held_out(runs: dict[str, list[list[Answer]]], rounds: int) -> dict[str, Any]:
+    """`auto` against its best candidate, that candidate chosen on other rounds than those it is timed on.
+
+    Why: the best of two rows, each timed with noise, is faster than either row truly is (the winner's curse), so
+    `auto` reads below "its best candidate" even where it matches it. Here the even rounds choose the candidate and
+    the odd ones time it against `auto`, then the other way round; the ratio is the two halves' mean."""
+    halves = (range(0, rounds, 2), range(1, rounds, 2))
+
+    def seconds(drafter: str, chosen: range) -> float:
+        return sum(min(answers[r][1] for r in chosen) for answers in runs[drafter])
+
+    ratios, picks = [], []
+    for choose, time_on in (halves, halves[::-1]):
+        best = min(AUTO_CANDIDATES, key=lambda d: seconds(d, choose))
+        picks.append(best)
+        ratios.append(seconds(best, time_on) / seconds("auto", time_on))
+    return {"ratio": round(sum(ratios) / len(ratios), 3), "halves": [round(r, 3) for r in ratios],
+            "candidates_chosen": picks}
 
 
 def llama_cpp_speculative(file: Path, prompts: dict[str, list[list[int]]], n: int, eos: frozenset[int],
