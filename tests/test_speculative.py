@@ -463,3 +463,31 @@ def test_a_shared_forward_is_priced_by_all_its_rows():
     assert ctl.verify_cost == {10: 0.140} and ctl.nodes == {4: 4}
     ctl.record_cost(4, 4, 0.070, 0.0)
     assert ctl.verify_cost == {10: 0.140, 5: 0.070}
+
+
+def test_a_size_measured_in_a_slow_moment_is_not_priced_by_it_for_ever():
+    """Verification times on a CPU lie near a line in the rows scored (here 30 ms plus 5 ms a row). One four-row
+    tree met a slow moment (90 ms) and was not drafted again: priced by its own measurement it would stay at 90 ms
+    and keep the depth from it; fitted to every size's measurements since, it is priced near the line."""
+    from runtime.models.lm.speculative import DraftController
+
+    ctl = DraftController(8)
+    ctl.record_cost(3, 3, 0.090, 0.0)  # 4 rows, in a slow moment
+    for _ in range(30):
+        for k in (0, 1, 2, 5):
+            ctl.record_cost(k, k, 0.030 + 0.005 * k, 0.0)
+    assert ctl.verify_cost[4] == 0.090  # the per-size table never saw four rows again
+    assert abs(ctl.step_cost(3) - 0.045) < 0.002
+    assert ctl.step_cost(1) < ctl.step_cost(2) < ctl.step_cost(3) < ctl.step_cost(5)
+
+
+def test_the_cost_line_waits_for_two_sizes_and_never_slopes_down():
+    from runtime.models.lm.speculative import CostLine
+
+    line = CostLine()
+    assert line.price(3) is None
+    for _ in range(5):
+        line.add(4, 0.050)
+    assert line.price(3) is None  # one size: no slope yet (the per-size prices and their optimism decide)
+    line.add(1, 0.060)  # a plain step slower than the trees (a noisy moment)
+    assert line.price(1) == line.price(8)  # flat, not cheaper with more rows

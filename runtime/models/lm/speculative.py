@@ -60,6 +60,41 @@ class SpecStats:
 
 
 @dataclass
+class CostLine:
+    """A verification's time against its rows, a line fitted by least squares to the recent measurements of every
+    size (each earlier one weighing `decay` as much as the next).
+
+    Why: priced per size (an average of that size's own measurements), a size measured once in a slow moment of a
+    shared machine kept that price until it was measured again, and a price that steers the depth away from it is
+    not measured again: on the 1.5B the tables of four answerers one minute apart held 41 to 56 ms for four rows, and
+    two rows dearer than four. Every measurement moves the whole line, so no size keeps a stale price; the
+    verification's cost on a CPU is near a line in its rows (about 5 ms a row above a 31-35 ms step at 2 threads)."""
+
+    decay: float = 0.95
+    weight: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self.weight, self.x, self.y = d * self.weight + 1.0, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+
+    def price(self, rows: int) -> float | None:
+        """The fitted time of `rows` rows; None until sizes far enough apart were measured to fit a slope."""
+        if self.weight <= 0.0:
+            return None
+        mean_x, mean_y = self.x / self.weight, self.y / self.weight
+        spread = self.xx / self.weight - mean_x * mean_x
+        if spread < 0.1:  # (nearly) one size measured: no slope to fit
+            return None
+        slope = max(0.0, (self.xy / self.weight - mean_x * mean_y) / spread)
+        return max(1e-6, mean_y + slope * (rows - mean_x))
+
+
+@dataclass
 class StepCosts:
     """What steps cost, measured: a tree's scoring by its size, a drafter's proposal and the nodes it offers by the
     depth asked. They belong to the machine, the model and the drafter, not to one answer or one conversation, so an
@@ -67,7 +102,8 @@ class StepCosts:
     measured drafted its first step at full depth, a nine-node tree that cost the 1.5B 140 ms at one thread against
     60 ms for a plain step (on an AVX2-only path, 100-135 ms against 33-43 ms at two threads)."""
 
-    verify: dict[int, float] = field(default_factory=dict)  # tree nodes -> EMA seconds
+    verify: dict[int, float] = field(default_factory=dict)  # rows scored -> EMA seconds (before `line` has a slope)
+    line: CostLine = field(default_factory=CostLine)  # seconds against rows scored, every size's measurements
     draft: dict[int, float] = field(default_factory=dict)  # requested depth -> EMA seconds
     nodes: dict[int, float] = field(default_factory=dict)  # requested depth -> EMA of draft nodes proposed
 
@@ -80,11 +116,12 @@ class DraftController:
     for depths with evidence, the slower `stale_decay` for the others) with one pseudo-count pulling a_d toward
     a_{d-1}: unexplored depths borrow the shallower estimate, and stale ones drift back, so a depth judged bad
     is re-probed now and then. Cost of a step: `cost_model(nodes)` when given (nodes = tree size incl. the root),
-    else the measured score time for that many nodes plus the measured propose time for that depth, each
-    piecewise-linear over the sizes measured and optimistic outside them, so that other sizes get tried: flat
-    above, proportional to the size below (a first answer that began with a deep draft model's tree would
-    otherwise price a plain step at that tree's cost and never try one). When k = 0 wins, depth 1 is probed
-    every `probe_every` steps so that a drafter that starts matching is noticed.
+    else the score time for that many nodes plus the measured propose time for that depth. The score time is the
+    line fitted to every size's recent measurements (`CostLine`) once two sizes were measured; before that, and
+    for the propose time, it is piecewise-linear over the sizes measured and optimistic outside them, so that
+    other sizes get tried: flat above, proportional to the size below (a first answer that began with a deep draft
+    model's tree would otherwise price a plain step at that tree's cost and never try one). When k = 0 wins, depth
+    1 is probed every `probe_every` steps so that a drafter that starts matching is noticed.
     """
 
     def __init__(
@@ -126,7 +163,9 @@ class DraftController:
         nodes = 1 + round(self.nodes.get(k, float(k)))
         if self.cost_model is not None:
             return self.cost_model(nodes)
-        return self._interp(self.verify_cost, nodes, 1.0) + (self._interp(self.draft_cost, k, 0.0) if k else 0.0)
+        fitted = self.costs.line.price(nodes)
+        verify = fitted if fitted is not None else self._interp(self.verify_cost, nodes, 1.0)
+        return verify + (self._interp(self.draft_cost, k, 0.0) if k else 0.0)
 
     @staticmethod
     def _interp(table: dict[int, float], x: int, empty: float) -> float:
@@ -162,6 +201,7 @@ class DraftController:
         rows = nodes + 1 if rows is None else rows
         for table, key, value in ((self.verify_cost, rows, verify_s), (self.draft_cost, k, draft_s)):
             table[key] = value if key not in table else 0.7 * table[key] + 0.3 * value
+        self.costs.line.add(rows, verify_s)
 
     def record_acceptance(self, accepted: int, offered_next: bool) -> None:
         """One drafted step: `accepted` drafts taken, and whether the last accepted node had children (a rejection
