@@ -325,9 +325,11 @@ def run(args: argparse.Namespace, status: Status) -> dict[str, Any]:
     out["speculative"] = spec_table(ref, best, quick=quick, status=status, loaded=engine, draft_model=draft,
                                     tokens=plan.spec_tokens, prompts_per_task=plan.spec_prompts,
                                     compile_mode="on" if plan.compile else "off",  # verifications compiled too
-                                    llama_file=file if peer else None,
+                                    llama_file=file if peer and plan is not QUICK else None,
                                     skip=QUICK_SPEC_SKIP if plan is QUICK else None)
     out["speculative"]["threads"] = plan.spec_threads
+    if peer and plan is QUICK:  # about 30 s of the 3 minutes, on 12-token answers that decide nothing
+        out["speculative"]["llama_cpp"] = {"skipped": "--quick leaves llama.cpp's prompt lookup to the full run"}
     torch.set_num_threads(1)
     out["targets"] = _targets(out)
     out["machine"] = machine("cpu", "bfloat16 activations; weights per row", 1)
