@@ -379,9 +379,16 @@ class PrefixDrafter:
         pass
 
 
-def run_counting(right: int, steps: int = 60) -> tuple[SpeculativeDecoder, list[int]]:
+class FreePrefixDrafter(PrefixDrafter):
+    """`PrefixDrafter` as a table lookup: asked for the deepest tree, cut by the decoder (`Drafter.free`)."""
+
+    free = True
+
+
+def run_counting(right: int, steps: int = 60, free: bool = False) -> tuple[SpeculativeDecoder, list[int]]:
     target = CountingTarget([0])
-    dec = SpeculativeDecoder(target, PrefixDrafter(right), max_draft_tokens=8, cost_model=lambda nodes: 1 + 0.1 * nodes)
+    drafter = FreePrefixDrafter(right) if free else PrefixDrafter(right)
+    dec = SpeculativeDecoder(target, drafter, max_draft_tokens=8, cost_model=lambda nodes: 1 + 0.1 * nodes)
     dec.start(torch.nn.functional.one_hot(torch.tensor(1), 16).float(), [0])
     ks = []
     for _ in range(steps):
@@ -392,21 +399,24 @@ def run_counting(right: int, steps: int = 60) -> tuple[SpeculativeDecoder, list[
     return dec, ks
 
 
-def test_draft_depth_grows_with_full_acceptance():
-    dec, ks = run_counting(right=100)
+@pytest.mark.parametrize("free", [False, True])
+def test_draft_depth_grows_with_full_acceptance(free: bool):
+    dec, ks = run_counting(right=100, free=free)
     assert ks[-20:] == [8] * 20
     assert dec.stats.accepted_per_step > 7
 
 
-def test_draft_depth_shrinks_without_acceptance():
-    dec, ks = run_counting(right=0)
+@pytest.mark.parametrize("free", [False, True])
+def test_draft_depth_shrinks_without_acceptance(free: bool):
+    dec, ks = run_counting(right=0, free=free)
     assert ks[0] >= 1  # the prior (0.5 per depth) makes drafting worth a try
     assert max(ks[-30:]) <= 1 and ks[-30:].count(0) >= 20  # mostly off, probing depth 1 now and then
     assert dec.stats.depth_acceptance[0] < 0.1
 
 
-def test_draft_depth_settles_where_acceptance_ends():
-    _, ks = run_counting(right=3)
+@pytest.mark.parametrize("free", [False, True])
+def test_draft_depth_settles_where_acceptance_ends(free: bool):
+    _, ks = run_counting(right=3, free=free)
     tail = ks[-30:]
     assert set(tail) <= {3, 4} and tail.count(3) >= 26  # depth 4 is re-probed now and then, rarely
 
@@ -437,9 +447,56 @@ def test_a_streams_next_answer_starts_from_the_costs_its_last_one_measured():
     first = DraftController(8, costs=costs)
     for k, nodes, seconds in ((0, 0, 0.060), (8, 8, 0.140), (2, 2, 0.068)):
         first.record_cost(k, nodes, seconds, 0.0)
-    nxt = DraftController(8, costs=costs)  # a new answer: its acceptances start from the prior again
-    assert nxt.alphas() == DraftController(8).alphas()
+    nxt = DraftController(8, costs=costs)
+    assert nxt.alphas() == DraftController(8).alphas()  # nothing was drafted: the prior's acceptances still
     assert 1 <= nxt.choose(8) < 8
+
+
+def test_acceptance_is_counted_apart_after_a_full_acceptance_and_after_a_rejection():
+    """Acceptance comes in runs: a copy followed to its end is likely to go on fitting, one rejected is likely to
+    be followed by more rejections. Three fully accepted six-token chains, then five rejections, ten times over:
+    after a rejection the first level is accepted about one time in five (a plain step pays, at these prices),
+    after a full acceptance two in three (a deep chain pays)."""
+    from runtime.models.lm.speculative import DraftController
+
+    ctl = DraftController(8, cost_model=lambda rows: 1 + 0.3 * rows)
+    for _ in range(10):
+        for _ in range(3):
+            ctl.record_acceptance(6, False)
+        for _ in range(5):
+            ctl.record_acceptance(0, True)
+    assert ctl.state == 0 and ctl.alphas()[0] < 0.3
+    assert ctl.choose_cut(list(range(9))) == 0
+    ctl.record_acceptance(6, False)
+    assert ctl.state == 1 and ctl.alphas()[0] > 0.6
+    assert ctl.choose_cut(list(range(9))) >= 5
+
+
+def test_a_proposed_tree_is_cut_where_its_real_size_pays():
+    """A copy drafter offers nothing at most steps and a full chain at the rest. Priced before proposing, depth 8
+    looks cheap (about no node offered on average) and the rare chain is scored whole at the prior's acceptance,
+    eight rows for about two tokens; cut after proposing, at its real size, the chain is scored to a shallow depth."""
+    from runtime.models.lm.speculative import DraftController
+
+    ctl = DraftController(8)
+    for _ in range(10):
+        for k, nodes in ((8, 0), (8, 0), (8, 0), (2, 2), (4, 4)):
+            ctl.record_cost(k, nodes, 0.030 + 0.005 * (nodes + 1), 0.0)
+    assert ctl.choose(8) == 8  # the average proposal at depth 8 is under one node
+    assert 1 <= ctl.choose_cut(list(range(9))) <= 3  # eight nodes offered: scored to a depth that pays
+    assert ctl.choose_cut([0]) == 0  # nothing offered: a plain step
+
+
+def test_top_k_ids_are_torch_topk_s():
+    from runtime.models.lm.sampling import top_k_ids
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab, rows, k in ((151_936, 4, 4), (49_152, 1, 2), (50_001, 3, 4), (300, 2, 4)):
+        logits = torch.randn(rows, vocab, generator=gen)
+        logits[0, vocab - 1] = 9.0  # in the last, partial block where there is one
+        got = top_k_ids(logits, k)
+        assert got.shape == (rows, k) and torch.equal(got, logits.topk(k, dim=-1).indices)
+    assert torch.equal(top_k_ids(logits[0], 3), logits[0].topk(3).indices[None])
 
 
 def test_fixed_depth_without_adaptation():

@@ -89,6 +89,7 @@ class AutoDrafter:
             if wide_trees:
                 candidates["recycling"] = TokenRecyclingDrafter(vocab_size)
         self.candidates = candidates
+        self.free = all(getattr(c, "free", False) for c in candidates.values())  # see `Drafter.free`
         self.decay = decay
         self.reset_estimates()
 

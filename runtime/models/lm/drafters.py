@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from runtime.models.lm.sampling import Sampler, draw, greedy_token
+from runtime.models.lm.sampling import Sampler, draw, greedy_token, top_k_ids
 from runtime.models.lm.target import Target
 
 DRAFTERS = ("none", "ngram", "recycling", "trigram", "draft-model", "dyspec", "swift", "auto")
@@ -44,6 +44,12 @@ def chain(tokens: Sequence[int]) -> list[int]:
 
 
 class Drafter(Protocol):
+    # Whether the decoder asks for the deepest tree a step may score and cuts it to the depth that pays at its real
+    # size (`DraftController.choose_cut`): right for a table lookup, whose proposal costs nothing and offers nothing
+    # at one step and a long chain at the next. A drafter that runs a model per level, or whose tree's size the depth
+    # alone decides, is asked for a depth chosen beforehand (`DraftController.choose`). Absent counts as False.
+    free: bool
+
     def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
         """A draft tree below `pending`, at most `budget` levels deep. `context` holds every token before
         `pending` that the drafter may look things up in (prompt/transcript + answer so far); it only grows
@@ -63,6 +69,8 @@ class NgramDrafter:
     index (n-gram -> most recent position whose continuation is known) grows incrementally as the context
     grows; a context that is not an extension of the last one (checked by length and last token) rebuilds it.
     """
+    free = True
+
 
     def __init__(self, n_max: int = 3, max_copy: int = 10, n_min: int = 1) -> None:
         if not 1 <= n_min <= n_max:
@@ -133,6 +141,8 @@ class TokenRecyclingDrafter:
     static BFS tree. Rows never seen are pruned from the tree (no point verifying zeros). Size: vocab * k * 4
     bytes, e.g. 1.6 MB for 50k ids, 4.9 MB for Qwen2.5's 151,936. It stays warm across answers: do not reset
     between questions of one model."""
+    free = False  # its static tree's size follows from the depth asked: priced before proposing as well as after
+
 
     def __init__(self, vocab_size: int, k: int = 8, branching: Sequence[int] = (8, 6, 4, 3, 2, 2)) -> None:
         if max(branching) > k:
@@ -154,7 +164,7 @@ class TokenRecyclingDrafter:
         self.seen.zero_()
 
     def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
-        top = logits[..., : self.vocab_size].topk(self.k, dim=-1).indices.to(torch.int32).cpu()
+        top = top_k_ids(logits[..., : self.vocab_size], self.k).to(torch.int32).cpu()
         ids = torch.as_tensor(list(tokens), dtype=torch.long)
         keep = ids < self.vocab_size
         self.adjacency[ids[keep]] = top[keep]
@@ -183,6 +193,8 @@ class TrigramDrafter:
     itself (every scored node's top-k, keyed by the node and its parent, as Token Recycling does with one token).
     Drafts follow the table greedily from (last context token, pending) for up to `budget` tokens, with the
     first level branching into the top `width` candidates. Deterministic (q is None): lossless for sampling too."""
+    free = True
+
 
     def __init__(self, k: int = 4, width: int = 2, max_entries: int = 1 << 17) -> None:
         self.k, self.width, self.max_entries = k, width, max_entries
@@ -212,7 +224,7 @@ class TrigramDrafter:
     def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
         """A root's key needs the token before it, known only for a tree this drafter proposed below (the
         decoder also reports trees it scored without asking: an answer's first token, depth-0 steps)."""
-        top = logits.topk(self.k, dim=-1).indices.tolist()
+        top = top_k_ids(logits, self.k).tolist()
         root, self._root = self._root, None
         for i, (tok, par) in enumerate(zip(tokens, parents, strict=True)):
             if par >= 0:
@@ -260,6 +272,8 @@ class DraftModelDrafter:
     top_p, which maximises acceptance) and reports q; at temperature 0 it drafts greedily and reports None.
     Cost: budget forwards of the draft model per step, the last ones on chains of up to budget tokens.
     """
+    free = False
+
 
     def __init__(
         self,

@@ -33,6 +33,30 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+def top_k_ids(logits: torch.Tensor, k: int, block: int = 128) -> torch.Tensor:
+    """Each row's k most likely ids, most likely first [..., vocab] -> [rows, k] (int64), for drafters learning what
+    the target would say (ties in any order: a drafter's guess need not match `argmax_rows`'s choice).
+
+    Why not `torch.topk` alone: over Qwen2.5's 151,936 logits it took 0.45 ms for the 4 rows of a verified tree at 2
+    threads (0.94 for 9), 1-2 % of the step, paid again by every drafter that learns. The row's maximum per block
+    of 128 is a cheap vectorised pass; the k best ids lie in the k blocks with the highest maxima (a block outside
+    them has k blocks above it, each holding a larger value), so topk runs on k * 128 candidates: 0.11 ms."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    vocab = rows.shape[-1]
+    whole = vocab // block * block
+    if rows.device.type != "cpu" or whole < 4 * k * block:
+        return rows.topk(k, dim=-1).indices
+    blocks = rows[:, :whole].view(rows.shape[0], whole // block, block)
+    best = blocks.amax(-1).topk(k, dim=-1).indices  # [rows, k]
+    at = torch.arange(rows.shape[0])[:, None]
+    values = blocks[at, best].reshape(rows.shape[0], k * block)
+    ids = (best[:, :, None] * block + torch.arange(block)).reshape(rows.shape[0], k * block)
+    if whole < vocab:  # the last, partial block: always a candidate
+        values = torch.cat([values, rows[:, whole:]], dim=-1)
+        ids = torch.cat([ids, torch.arange(whole, vocab).expand(rows.shape[0], -1)], dim=-1)
+    return ids.gather(1, values.topk(k, dim=-1).indices)
+
+
 def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """float32 probabilities [..., vocab] on the CPU: softmax of logits / temperature, then only the smallest
     most-likely head whose mass reaches top_p (always at least the most likely token). Not renormalised."""

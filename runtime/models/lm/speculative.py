@@ -115,7 +115,9 @@ class DraftController:
     depth d-1 accepted and the tree offered a node there), from exponentially decayed counts (`decay` per step
     for depths with evidence, the slower `stale_decay` for the others) with one pseudo-count pulling a_d toward
     a_{d-1}: unexplored depths borrow the shallower estimate, and stale ones drift back, so a depth judged bad
-    is re-probed now and then. Cost of a step: `cost_model(nodes)` when given (nodes = tree size incl. the root),
+    is re-probed now and then. The counts are kept twice, after a step whose whole draft was accepted and after any
+    other, since acceptance comes in runs. A free drafter's tree (`Drafter.free`) is cut after it is proposed
+    (`choose_cut`, priced at its real size); another's depth is chosen before (`choose`). Cost of a step: `cost_model(nodes)` when given (nodes = tree size incl. the root),
     else the score time for that many nodes plus the measured propose time for that depth. The score time is the
     line fitted to every size's recent measurements (`CostLine`) once two sizes were measured; before that, and
     for the propose time, it is piecewise-linear over the sizes measured and optimistic outside them, so that
@@ -139,16 +141,22 @@ class DraftController:
         self.max_depth = max_depth
         self.cost_model = cost_model
         self.decay, self.stale_decay, self.prior, self.probe_every = decay, stale_decay, prior, probe_every
-        self.acc = [0.0] * (max_depth + 1)
-        self.tries = [0.0] * (max_depth + 1)
+        # acceptance counts per depth, apart after a step that took its whole draft (state 1) and after any other
+        # (state 0): acceptance comes in runs (a quote is copied to its end, then nothing fits), so the step after
+        # a full acceptance is likely inside the run and the step after a rejection outside it
+        self.acc = [[0.0] * (max_depth + 1) for _ in range(2)]
+        self.tries = [[0.0] * (max_depth + 1) for _ in range(2)]
+        self.state = 0
         self.costs = costs if costs is not None else StepCosts()
         self.verify_cost, self.draft_cost, self.nodes = self.costs.verify, self.costs.draft, self.costs.nodes
         self._since_probe = 0
 
     def alphas(self) -> list[float]:
+        """P(accept at depth d | accepted to d - 1 and offered d), d = 1.., in the present state."""
+        acc, tries = self.acc[self.state], self.tries[self.state]
         out, prev = [], self.prior
         for d in range(1, self.max_depth + 1):
-            prev = (self.acc[d] + prev) / (self.tries[d] + 1.0)
+            prev = (acc[d] + prev) / (tries[d] + 1.0)
             out.append(prev)
         return out
 
@@ -160,12 +168,16 @@ class DraftController:
         return total
 
     def step_cost(self, k: int) -> float:
-        nodes = 1 + round(self.nodes.get(k, float(k)))
+        """A step drafted to depth k: its expected tree's scoring and the drafter's proposing."""
+        return self.score_cost(1 + round(self.nodes.get(k, float(k)))) + (
+            self._interp(self.draft_cost, k, 0.0) if k and self.cost_model is None else 0.0)
+
+    def score_cost(self, rows: int) -> float:
+        """A forward of `rows` rows: `cost_model` when given, else the fitted line, else the sizes' own prices."""
         if self.cost_model is not None:
-            return self.cost_model(nodes)
-        fitted = self.costs.line.price(nodes)
-        verify = fitted if fitted is not None else self._interp(self.verify_cost, nodes, 1.0)
-        return verify + (self._interp(self.draft_cost, k, 0.0) if k else 0.0)
+            return self.cost_model(rows)
+        fitted = self.costs.line.price(rows)
+        return fitted if fitted is not None else self._interp(self.verify_cost, rows, 1.0)
 
     @staticmethod
     def _interp(table: dict[int, float], x: int, empty: float) -> float:
@@ -183,10 +195,25 @@ class DraftController:
         return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
 
     def choose(self, limit: int) -> int:
+        """The depth to ask the drafter for, before it proposes (a drafter that runs a model per level)."""
         limit = min(limit, self.max_depth)
         if limit <= 0:
             return 0
-        best = max(range(limit + 1), key=lambda k: self.expected_tokens(k) / max(self.step_cost(k), 1e-12))
+        return self._best(limit, self.step_cost)
+
+    def choose_cut(self, nodes_within: Sequence[int]) -> int:
+        """The depth to cut a tree already proposed to: `nodes_within[k]` of its nodes lie within depth k (k = 0 to
+        its depth). Why: the depth chosen before a proposal prices the tree a drafter offered on average, and a
+        copy drafter offers nothing at most steps and a full chain at the others, so a fresh answer paid 8 rows for
+        a chain priced as one or two (on the 1.5B, 62-75 ms against a 30 ms step, at its first drafted step). A
+        proposal that cost nothing is better cut knowing its real size: only its scoring is priced."""
+        deepest = min(len(nodes_within) - 1, self.max_depth)
+        if deepest <= 0:
+            return 0
+        return self._best(deepest, lambda k: self.score_cost(1 + nodes_within[k]))
+
+    def _best(self, limit: int, cost: Callable[[int], float]) -> int:
+        best = max(range(limit + 1), key=lambda k: self.expected_tokens(k) / max(cost(k), 1e-12))
         self._since_probe = 0 if best > 0 else self._since_probe + 1
         if best == 0 and self._since_probe >= self.probe_every:
             self._since_probe = 0
@@ -207,13 +234,15 @@ class DraftController:
         """One drafted step: `accepted` drafts taken, and whether the last accepted node had children (a rejection
         at depth accepted+1) or the tree simply ended there (no evidence about that depth)."""
         seen = min(accepted + (1 if offered_next else 0), self.max_depth)
+        acc, tries = self.acc[self.state], self.tries[self.state]
         for d in range(1, self.max_depth + 1):
             keep = self.decay if d <= seen else self.stale_decay
-            self.acc[d] *= keep
-            self.tries[d] *= keep
+            acc[d] *= keep
+            tries[d] *= keep
             if d <= seen:
-                self.tries[d] += 1.0
-                self.acc[d] += 1.0 if d <= accepted else 0.0
+                tries[d] += 1.0
+                acc[d] += 1.0 if d <= accepted else 0.0
+        self.state = 1 if accepted and not offered_next else 0
 
 
 @dataclass
@@ -292,13 +321,26 @@ class SpeculativeDecoder:
             self.drafter.observe([self.context[-1]], [-1], first_logits[None])
         return self.pending
 
-    def _depth(self, max_tokens: int | None, max_depth: int | None = None) -> int:
+    def _limit(self, max_tokens: int | None, max_depth: int | None = None) -> int:
+        """The deepest draft this step may score."""
         limit = self.max_draft_tokens if max_depth is None else min(self.max_draft_tokens, max_depth)
         if max_tokens is not None:
             limit = min(limit, max_tokens - 1)
-        if limit <= 0:
-            return 0
-        return self.controller.choose(limit) if self.adapt else limit
+        return max(0, limit)
+
+    def _cut(self, tokens: list[int], parents: list[int], qs: list[torch.Tensor | None],
+             ) -> tuple[int, list[int], list[int], list[torch.Tensor | None]]:
+        """The tree cut to the depth `DraftController.choose_cut` picks for it (node 0, the root, always kept)."""
+        depth = [0]
+        for par in parents[1:]:
+            depth.append(depth[par] + 1)
+        nodes_within = [sum(1 for d in depth[1:] if d <= k) for k in range(max(depth) + 1)]
+        k = self.controller.choose_cut(nodes_within)
+        if nodes_within[k] == len(tokens) - 1:
+            return k, tokens, parents, qs
+        keep = [i for i, d in enumerate(depth) if d <= k]  # parents come first, so every kept node's parent is kept
+        new = {old: i for i, old in enumerate(keep)}
+        return k, [tokens[i] for i in keep], [-1] + [new[parents[i]] for i in keep[1:]], [qs[i] for i in keep]
 
     def _draft(self, k: int) -> tuple[list[int], list[int], list[torch.Tensor | None]]:
         """The tree to score: node 0 = pending (parent -1), draft node i -> node i+1 with parent p+1. Nodes deeper
@@ -386,9 +428,13 @@ class SpeculativeDecoder:
         if constraint is not None and constraint.finished:  # only the end may follow: no forward to learn it
             self.pending, self.done = constraint.stop, True
             return [constraint.stop]
-        k = self._depth(max_tokens, max_depth)
+        limit = self._limit(max_tokens, max_depth)
+        cut = self.adapt and getattr(self.drafter, "free", False)  # propose at the limit, then cut (`choose_cut`)
+        k = limit if cut or not self.adapt or limit <= 0 else self.controller.choose(limit)
         t0 = time.perf_counter()
         tokens, parents, qs = self._draft(k)
+        if cut and k > 0:
+            k, tokens, parents, qs = self._cut(tokens, parents, qs)
         return Tree(k, tokens, parents, qs, time.perf_counter() - t0)
 
     @torch.inference_mode()
