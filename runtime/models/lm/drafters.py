@@ -71,7 +71,6 @@ class NgramDrafter:
     """
     free = True
 
-
     def __init__(self, n_max: int = 3, max_copy: int = 10, n_min: int = 1) -> None:
         if not 1 <= n_min <= n_max:
             raise ValueError("need 1 <= n_min <= n_max")
@@ -143,7 +142,6 @@ class TokenRecyclingDrafter:
     between questions of one model."""
     free = False  # its static tree's size follows from the depth asked: priced before proposing as well as after
 
-
     def __init__(self, vocab_size: int, k: int = 8, branching: Sequence[int] = (8, 6, 4, 3, 2, 2)) -> None:
         if max(branching) > k:
             raise ValueError("branching per node cannot exceed k candidates")
@@ -194,7 +192,6 @@ class TrigramDrafter:
     Drafts follow the table greedily from (last context token, pending) for up to `budget` tokens, with the
     first level branching into the top `width` candidates. Deterministic (q is None): lossless for sampling too."""
     free = True
-
 
     def __init__(self, k: int = 4, width: int = 2, max_entries: int = 1 << 17) -> None:
         self.k, self.width, self.max_entries = k, width, max_entries
@@ -273,7 +270,6 @@ class DraftModelDrafter:
     Cost: budget forwards of the draft model per step, the last ones on chains of up to budget tokens.
     """
     free = False
-
 
     def __init__(
         self,

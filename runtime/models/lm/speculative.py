@@ -117,13 +117,14 @@ class DraftController:
     a_{d-1}: unexplored depths borrow the shallower estimate, and stale ones drift back, so a depth judged bad
     is re-probed now and then. The counts are kept twice, after a step whose whole draft was accepted and after any
     other, since acceptance comes in runs. A free drafter's tree (`Drafter.free`) is cut after it is proposed
-    (`choose_cut`, priced at its real size); another's depth is chosen before (`choose`). Cost of a step: `cost_model(nodes)` when given (nodes = tree size incl. the root),
-    else the score time for that many nodes plus the measured propose time for that depth. The score time is the
-    line fitted to every size's recent measurements (`CostLine`) once two sizes were measured; before that, and
-    for the propose time, it is piecewise-linear over the sizes measured and optimistic outside them, so that
-    other sizes get tried: flat above, proportional to the size below (a first answer that began with a deep draft
-    model's tree would otherwise price a plain step at that tree's cost and never try one). When k = 0 wins, depth
-    1 is probed every `probe_every` steps so that a drafter that starts matching is noticed.
+    (`choose_cut`, priced at its real size); another's depth is chosen before (`choose`). Cost of a step:
+    `cost_model(nodes)` when given (nodes = tree size incl. the root), else the score time for that many nodes
+    plus the measured propose time for that depth. The score time is the line fitted to every size's recent
+    measurements (`CostLine`) once two sizes were measured; before that, and for the propose time, it is
+    piecewise-linear over the sizes measured and optimistic outside them, so that other sizes get tried: flat
+    above, proportional to the size below (a first answer that began with a deep draft model's tree would otherwise
+    price a plain step at that tree's cost and never try one). When k = 0 wins, depth 1 is probed every
+    `probe_every` steps so that a drafter that starts matching is noticed.
     """
 
     def __init__(
