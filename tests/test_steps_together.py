@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import pytest
@@ -14,6 +15,7 @@ from lm_common import PROMPTS, N
 
 from runtime.config import LMConfig
 from runtime.models.lm import cpu_kernels, load_answerer
+from runtime.models.lm.drafters import Draft
 from runtime.models.lm.engine_answerer import EngineAnswer, EngineAnswerer
 from runtime.models.lm.engine_session import score_together
 from runtime.worker import DeviceWorker, Priority
@@ -167,19 +169,35 @@ def test_run_together_awaits_on_the_loop() -> None:
     assert asyncio.run(main()) == [1, 2, 3, 4]
 
 
+def asked_depths(answer: EngineAnswer) -> list[int]:
+    """The depths `answer`'s drafter is asked for from now on (a spy around its `propose`)."""
+    drafter, asked = answer.decoder.drafter, []
+    assert drafter is not None
+    propose = drafter.propose
+
+    def spy(context: Sequence[int], pending: int, budget: int) -> Draft:
+        asked.append(budget)
+        return propose(context, pending, budget)
+
+    drafter.propose = spy  # type: ignore[method-assign]
+    return asked
+
+
 def test_trees_that_share_a_forward_share_its_size() -> None:
-    """Two answers stepped together draft at most half the depth each: the forward stays about one deep tree's rows."""
+    """Two answers stepped together draft at most half the depth each: the forward stays about one deep tree's rows.
+    (The copy is a free drafter: asked for the deepest tree a step may score, then cut where it pays.)"""
     answerer = make("ngram")
     prompt = ("one two three four five six seven eight nine ten " * 6, "Count on.")
     first, second = answerer.start(*prompt), answerer.start(*prompt)
     answerer.step_together([first, second])  # the chosen first tokens
-    depths = []
+    together_asked = [asked_depths(first), asked_depths(second)]
     for _ in range(4):
         answerer.step_together([first, second])
-        depths += [first.decoder.stats.k, second.decoder.stats.k]
-    assert max(depths) <= answerer.cfg.max_draft_tokens // 2 and max(depths) >= 1
-    # alone, the copy drafts deeper (an answerer of its own: the costs this one measured price the depth too)
-    alone = make("ngram").start(*prompt)
+        assert max(first.decoder.stats.k, second.decoder.stats.k) <= answerer.cfg.max_draft_tokens // 2
+    depths = together_asked[0] + together_asked[1]
+    assert depths and max(depths) == answerer.cfg.max_draft_tokens // 2
+    alone = make("ngram").start(*prompt)  # alone, it is asked for the whole depth
+    asked = asked_depths(alone)
     alone.step()
     alone.step()
-    assert alone.decoder.stats.k > answerer.cfg.max_draft_tokens // 2
+    assert asked and max(asked) == answerer.cfg.max_draft_tokens
