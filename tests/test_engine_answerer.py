@@ -121,8 +121,12 @@ def test_a_new_streams_first_answer_is_priced_with_what_earlier_streams_measured
     context, question = PROMPTS[0]
     run_answer(answerer.start(context, question, stream=first))
     assert answerer.costs.verify  # the first answer's steps were timed
-    # as the 1.5B measured them at one thread: a nine-node tree 2.3 times a plain step
+    # as the 1.5B measured them at one thread: a nine-node tree 2.3 times a plain step (the per-size prices, and the
+    # line fitted to every size's times, which prices once the first answer measured two sizes)
     answerer.costs.verify.update({1: 0.060, 3: 0.068, 9: 0.140})
+    for _ in range(20):
+        for rows, seconds in ((1, 0.060), (3, 0.068), (9, 0.140)):
+            answerer.costs.line.add(rows, seconds)
     answerer.costs.nodes.update({2: 2.0, 8: 8.0})
     state = answerer.start(context, question, stream=second)
     assert 1 <= state.decoder.controller.choose(8) < 8
