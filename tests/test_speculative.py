@@ -425,7 +425,7 @@ def test_a_plain_step_is_tried_after_a_costly_tree():
     """A first step that drafted deep with a draft model (16 nodes verified in 116 ms, 209 ms of drafting, 3 of 8
     accepted) must not price a plain step at that tree's cost: smaller sizes are priced optimistically until
     measured, and a plain step measured at 37 ms then stays the choice."""
-    from runtime.models.lm.speculative import DraftController
+    from runtime.models.lm.draft_depth import DraftController
 
     ctl = DraftController(8)
     ctl.record_cost(8, 16, 0.116, 0.209)
@@ -440,7 +440,7 @@ def test_a_streams_next_answer_starts_from_the_costs_its_last_one_measured():
     """An answer's first drafted step is priced with what the stream's earlier answers measured (`StepCosts`): a
     nine-node tree measured at 2.3 times a plain step is not the first step's choice; with nothing measured the
     prior's 0.5 acceptance a level makes every depth look free, and the first step drafts at full depth."""
-    from runtime.models.lm.speculative import DraftController, StepCosts
+    from runtime.models.lm.draft_depth import DraftController, StepCosts
 
     assert DraftController(8).choose(8) == 8
     costs = StepCosts()
@@ -457,7 +457,7 @@ def test_acceptance_is_counted_apart_after_a_full_acceptance_and_after_a_rejecti
     be followed by more rejections. Three fully accepted six-token chains, then five rejections, ten times over:
     after a rejection the first level is accepted about one time in five (a plain step pays, at these prices),
     after a full acceptance two in three (a deep chain pays)."""
-    from runtime.models.lm.speculative import DraftController
+    from runtime.models.lm.draft_depth import DraftController
 
     ctl = DraftController(8, cost_model=lambda rows: 1 + 0.3 * rows)
     for _ in range(10):
@@ -476,7 +476,7 @@ def test_a_proposed_tree_is_cut_where_its_real_size_pays():
     """A copy drafter offers nothing at most steps and a full chain at the rest. Priced before proposing, depth 8
     looks cheap (about no node offered on average) and the rare chain is scored whole at the prior's acceptance,
     eight rows for about two tokens; cut after proposing, at its real size, the chain is scored to a shallow depth."""
-    from runtime.models.lm.speculative import DraftController
+    from runtime.models.lm.draft_depth import DraftController
 
     ctl = DraftController(8)
     for _ in range(10):
@@ -513,7 +513,7 @@ def test_a_shared_forward_is_priced_by_all_its_rows():
     """A tree scored in one forward with other answers' trees (`rows` given) records the forward's time under the
     forward's size, not under the tree's own: two five-node trees that took 0.140 s together do not make a
     five-node tree look like it costs 0.140 s alone."""
-    from runtime.models.lm.speculative import DraftController
+    from runtime.models.lm.draft_depth import DraftController
 
     ctl = DraftController(8)
     ctl.record_cost(4, 4, 0.140, 0.0, rows=10)
@@ -526,7 +526,7 @@ def test_a_size_measured_in_a_slow_moment_is_not_priced_by_it_for_ever():
     """Verification times on a CPU lie near a line in the rows scored (here 30 ms plus 5 ms a row). One four-row
     tree met a slow moment (90 ms) and was not drafted again: priced by its own measurement it would stay at 90 ms
     and keep the depth from it; fitted to every size's measurements since, it is priced near the line."""
-    from runtime.models.lm.speculative import DraftController
+    from runtime.models.lm.draft_depth import DraftController
 
     ctl = DraftController(8)
     ctl.record_cost(3, 3, 0.090, 0.0)  # 4 rows, in a slow moment
@@ -539,7 +539,7 @@ def test_a_size_measured_in_a_slow_moment_is_not_priced_by_it_for_ever():
 
 
 def test_the_cost_line_waits_for_two_sizes_and_never_slopes_down():
-    from runtime.models.lm.speculative import CostLine
+    from runtime.models.lm.draft_depth import CostLine
 
     line = CostLine()
     assert line.price(3) is None

@@ -20,6 +20,7 @@ import torch
 
 from runtime.config import LMConfig
 from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, JsonSchema, LMStream, token_limit
+from runtime.models.lm.draft_depth import StepCosts
 from runtime.models.lm.drafter_choice import make_drafter
 from runtime.models.lm.drafters import MODEL_DRAFTERS, Drafter
 from runtime.models.lm.engine import LMEngine
@@ -30,7 +31,7 @@ from runtime.models.lm.pieces import Piece
 from runtime.models.lm.prompt import Tools
 from runtime.models.lm.refusal_check import RefusalCheck
 from runtime.models.lm.sampling import Sampler, StopRule, argmax_rows
-from runtime.models.lm.speculative import SpeculativeDecoder, StepCosts, Tree
+from runtime.models.lm.speculative import SpeculativeDecoder, Tree
 from runtime.models.lm.tool_calls import (
     ToolCallConstraint,
     ToolFormat,
@@ -153,7 +154,7 @@ class EngineAnswerer:
         # read at load (on the worker): the pipeline asks for it on the event loop, and rendering takes ~0.1 s
         self._tool_format = tool_format(self.tokenizer)
         # what steps cost on this machine with this model and drafter, measured by every answer of every stream, so
-        # that a new conversation's first answer does not start unpriced (speculative.StepCosts)
+        # that a new conversation's first answer does not start unpriced (draft_depth.StepCosts)
         self.costs = StepCosts()
         self._call_starts: torch.Tensor | None = None  # the tokens that start a call (`tool_calls.call_starts`)
         # an answer that would open with `lm.not_known_reply` asks the model whether the context answers it first
