@@ -55,6 +55,45 @@ def test_ngram_without_a_match_proposes_nothing_and_rebuilds_on_a_new_context():
     assert d.propose([7, 7, 7], 7, 2).tokens == [7, 7]
 
 
+def test_ngram_copies_from_the_longest_match_not_the_question_that_shares_its_last_words():
+    """The answer quotes the transcript, and the question, the most recent text, shares its last words: "Kofi will
+    lead the rollout," is followed by "starting" in the transcript and by "and" in the question. Matched on three
+    tokens the copy runs on into the question; on the longest match, into the transcript line."""
+    kofi, will, lead, the, rollout, comma, starting, with_, who, and_, when = range(10, 21)
+    transcript = [kofi, will, lead, the, rollout, comma, starting, with_, the]
+    question = [who, will, lead, the, rollout, comma, and_, when]
+    answer = [1, kofi, will, lead, the, rollout]
+    ctx = [*transcript, 2, *question, 3, *answer]
+    assert NgramDrafter(n_max=3).propose(ctx, comma, budget=3).tokens == [and_, when, 3]
+    draft = NgramDrafter().propose(ctx, comma, budget=3)
+    assert draft.tokens == [starting, with_, the]
+    assert draft.kind == 2  # a match of several tokens: a kind of its own for the depth controller
+    assert NgramDrafter().propose([*ctx, comma, starting, 4], who, budget=2).kind == 1  # matched on one token
+
+
+def test_ngram_stops_at_the_end_of_the_line_it_copies():
+    """What follows a transcript line is the next line's time stamp and speaker, which no answer quotes: the copy
+    ends with the token that ends the line (`line_ends`), however deep it may go."""
+    nl = 99
+    ctx = [5, 6, 7, 8, nl, 40, 41, 5, 6, 7, 8, nl, 42, 43]
+    assert NgramDrafter(line_ends={nl}).propose([*ctx, 1], 6, budget=8).tokens == [7, 8, nl]
+    assert NgramDrafter().propose([*ctx, 1], 6, budget=8).tokens == [7, 8, nl, 42, 43, 1, 6]  # the pending too
+    assert NgramDrafter(line_ends={nl}).propose([*ctx, 1], 8, budget=8).tokens == [nl]
+    assert NgramDrafter(line_ends={nl}).propose([*ctx, 1, 8], nl, budget=8).tokens == [42, 43, 1, 8, nl]
+
+
+def test_line_end_ids_are_the_tokens_whose_text_holds_a_newline():
+    """Read from the token strings (fast), they are the ids whose decoded text holds a newline (slow: each decoded)."""
+    from transformers import AutoTokenizer
+
+    from runtime.models.lm.tokenizer import line_end_ids
+    from runtime.models.loading import resolve_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint("tiny:qwen2", role="test"))
+    decoded = {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
+    assert decoded and line_end_ids(tokenizer) == decoded
+
+
 # -- token recycling ----------------------------------------------------------------------------------------------
 
 
@@ -292,16 +331,18 @@ def test_greedy_acceptance_of_a_scored_tree():
 class Scripted:
     """A candidate that knows the answer (`ANSWER`) and drafts it right, or wrong from a given step on."""
 
-    def __init__(self, right: bool, quiet_after: int | None = None) -> None:
-        self.right, self.quiet_after, self.asked = right, quiet_after, 0
+    def __init__(self, right: bool, quiet_after: int | None = None, right_for: int = 200) -> None:
+        """`right_for`: the levels of a right draft that are right (the deeper ones are not)."""
+        self.right, self.quiet_after, self.right_for, self.asked = right, quiet_after, right_for, 0
 
     def propose(self, context, pending, budget):
         self.asked += 1
         if self.quiet_after is not None and self.asked > self.quiet_after:
             return Draft([], [])
         at = len(context) + 1
-        guess = ANSWER[at : at + budget] if self.right else [99] * budget
-        return Draft(list(guess), list(range(-1, len(guess) - 1)))
+        guess = ANSWER[at : at + min(budget, self.right_for)] if self.right else []
+        guess = [*guess, *[99] * (budget - len(guess))]
+        return Draft(guess, list(range(-1, len(guess) - 1)))
 
     def observe(self, tokens, parents, logits):
         pass
@@ -337,6 +378,31 @@ def test_auto_uses_the_next_best_when_the_best_has_nothing_and_forgets_other_con
     auto.propose([7, 7], 7, 3)  # another answer: the waiting proposals cannot be scored against it
     assert auto.gain == gain and not any(auto._waiting[name] and auto._waiting[name][0].start < 3
                                          for name in auto.candidates)
+
+
+class Kinds:
+    """A copy whose drafts of kind 2 are right and of kind 1 wrong, alternating step by step."""
+
+    def propose(self, context, pending, budget):
+        at = len(context) + 1
+        kind = 1 + at % 2
+        guess = ANSWER[at : at + budget] if kind == 2 else [99] * budget
+        return Draft(list(guess), list(range(-1, len(guess) - 1)), kind=kind)
+
+    def observe(self, tokens, parents, logits):
+        pass
+
+
+def test_auto_judges_each_kind_of_a_candidates_drafts_apart():
+    """The copy's one-token matches are right far less often than its longer ones (`Draft.kind`): `auto` learns each
+    kind's worth apart, and takes the table's guess (one token right) where the copy offers only the weaker kind."""
+    auto = AutoDrafter(200, candidates={"copy": Kinds(), "table": Scripted(right=True, right_for=1)})
+    picks = []
+    for i in range(1, 60):
+        draft = auto.propose(ANSWER[:i], ANSWER[i], 3)
+        picks.append((draft.kind, draft.tokens == ANSWER[i + 1 : i + 4]))
+    assert set(picks[-20:]) == {(2, True), (0, False)}  # the copy's kind 2; the table's (one right) for kind 1
+    assert auto.kind_gain["copy", 1] < 0.5 < 2.5 < auto.kind_gain["copy", 2]
 
 
 def test_a_proposal_is_scored_by_the_levels_the_decoded_tokens_follow():

@@ -472,6 +472,34 @@ def test_acceptance_is_counted_apart_after_a_full_acceptance_and_after_a_rejecti
     assert ctl.choose_cut(list(range(9))) >= 5
 
 
+def test_acceptance_is_counted_apart_per_kind_of_draft_and_shared_by_an_answerers_answers():
+    """A copy matched on one token is right about one time in four, one matched on several most of the time
+    (`Draft.kind`): counted together, the one-token copies would hold the others to shallow trees; apart, each kind is
+    priced by its own rate. The counts are the answerer's (`Acceptance`): the next answer starts from them."""
+    from runtime.models.lm.draft_depth import Acceptance, DraftController
+
+    shared = Acceptance()
+    ctl = DraftController(8, cost_model=lambda rows: 1 + 0.5 * rows, acceptance=shared)
+    offered = list(range(9))
+    for _ in range(10):
+        for kind, accepted in ((1, 0), (1, 0), (1, 0), (2, 6), (1, 1), (2, 5)):
+            ctl.choose_cut(offered, kind)
+            ctl.record_acceptance(accepted, True)
+            ctl.state = 0  # the kinds alone, in the state after a rejection
+    assert ctl.choose_cut(offered, 1) == 0
+    assert ctl.choose_cut(offered, 2) >= 4
+    together = DraftController(8, cost_model=lambda rows: 1 + 0.5 * rows)
+    for _ in range(10):
+        for accepted in (0, 0, 0, 6, 1, 5):
+            together.choose_cut(offered)
+            together.record_acceptance(accepted, True)
+            together.state = 0
+    assert together.choose_cut(offered) <= 2  # one count for both: the long copies are cut short
+    nxt = DraftController(8, cost_model=lambda rows: 1 + 0.5 * rows, acceptance=shared)
+    assert nxt.choose_cut(offered, 1) == 0 and nxt.choose_cut(offered, 2) >= 4
+    assert DraftController(8, cost_model=lambda rows: 1 + 0.5 * rows).choose_cut(offered, 2) >= 1  # the prior
+
+
 def test_a_proposed_tree_is_cut_where_its_real_size_pays():
     """A copy drafter offers nothing at most steps and a full chain at the rest. Priced before proposing, depth 8
     looks cheap (about no node offered on average) and the rare chain is scored whole at the prior's acceptance,

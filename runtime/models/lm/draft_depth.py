@@ -61,6 +61,29 @@ class StepCosts:
     nodes: dict[int, float] = field(default_factory=dict)  # requested depth -> EMA of draft nodes proposed
 
 
+@dataclass
+class Acceptance:
+    """How often drafts were accepted, per depth: exponentially decayed counts of tries and acceptances, kept apart
+    per state (1 after a step that took its whole draft, 0 after any other) and kind of draft (`Draft.kind`).
+
+    Why shared by an answerer's answers (`EngineAnswerer.acceptance`), as its costs are: an answer to a question
+    about a transcript is 10-30 tokens, too few to learn from scratch how often a kind of draft is right, and a
+    kind's rate belongs to the model, the drafter and the task more than to one answer (modeled over the 1.5B's
+    answers to the bench's prompts and the answer set's questions, shared counts gained on every task but open chat;
+    docs/llm.md)."""
+
+    acc: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    tries: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    def counts(self, state: int, kind: int, depths: int) -> tuple[list[float], list[float]]:
+        """(acceptances, tries) per depth 0..depths of drafts of `kind` in `state`, made empty the first time."""
+        acc, tries = self.acc.setdefault((state, kind), []), self.tries.setdefault((state, kind), [])
+        while len(acc) <= depths:  # a controller of a deeper limit than the last: the deeper depths are new
+            acc.append(0.0)
+            tries.append(0.0)
+        return acc, tries
+
+
 class DraftController:
     """Chooses the draft depth k that maximizes expected tokens per second of a step.
 
@@ -90,29 +113,35 @@ class DraftController:
         prior: float = 0.5,
         probe_every: int = 8,
         costs: StepCosts | None = None,
+        acceptance: Acceptance | None = None,
     ) -> None:
-        """`costs`: measured costs to start from and add to (shared with earlier answers of the stream)."""
+        """`costs` and `acceptance`: measured costs and acceptance counts to start from and add to (an answerer's,
+        shared with its earlier answers)."""
         self.max_depth = max_depth
         self.cost_model = cost_model
         self.decay, self.stale_decay, self.prior, self.probe_every = decay, stale_decay, prior, probe_every
         # acceptance counts per depth, apart after a step that took its whole draft (state 1) and after any other
         # (state 0): acceptance comes in runs (a quote is copied to its end, then nothing fits), so the step after
-        # a full acceptance is likely inside the run and the step after a rejection outside it
-        self.acc = [[0.0] * (max_depth + 1) for _ in range(2)]
-        self.tries = [[0.0] * (max_depth + 1) for _ in range(2)]
+        # a full acceptance is likely inside the run and the step after a rejection outside it; and apart per kind
+        # of draft (`Draft.kind`: a copy matched on one token against one matched on several)
+        self.acceptance = acceptance if acceptance is not None else Acceptance()
         self.state = 0
+        self.kind = 0  # the kind of draft being priced and counted (`choose_cut`'s)
         self.costs = costs if costs is not None else StepCosts()
         self.verify_cost, self.draft_cost, self.nodes = self.costs.verify, self.costs.draft, self.costs.nodes
         self._since_probe = 0
 
     def alphas(self) -> list[float]:
         """P(accept at depth d | accepted to d - 1 and offered d), d = 1.., in the present state."""
-        acc, tries = self.acc[self.state], self.tries[self.state]
+        acc, tries = self._counts()
         out, prev = [], self.prior
         for d in range(1, self.max_depth + 1):
             prev = (acc[d] + prev) / (tries[d] + 1.0)
             out.append(prev)
         return out
+
+    def _counts(self) -> tuple[list[float], list[float]]:
+        return self.acceptance.counts(self.state, self.kind, self.max_depth)
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
@@ -151,16 +180,19 @@ class DraftController:
     def choose(self, limit: int) -> int:
         """The depth to ask the drafter for, before it proposes (a drafter that runs a model per level)."""
         limit = min(limit, self.max_depth)
+        self.kind = 0
         if limit <= 0:
             return 0
         return self._best(limit, self.step_cost)
 
-    def choose_cut(self, nodes_within: Sequence[int]) -> int:
+    def choose_cut(self, nodes_within: Sequence[int], kind: int = 0) -> int:
         """The depth to cut a tree already proposed to: `nodes_within[k]` of its nodes lie within depth k (k = 0 to
         its depth). Why: the depth chosen before a proposal prices the tree a drafter offered on average, and a
         copy drafter offers nothing at most steps and a full chain at the others, so a fresh answer paid 8 rows for
         a chain priced as one or two (on the 1.5B, 62-75 ms against a 30 ms step, at its first drafted step). A
-        proposal that cost nothing is better cut knowing its real size: only its scoring is priced."""
+        proposal that cost nothing is better cut knowing its real size: only its scoring is priced. `kind`: the
+        draft's (`Draft.kind`), whose own acceptance prices it and counts its outcome."""
+        self.kind = kind
         deepest = min(len(nodes_within) - 1, self.max_depth)
         if deepest <= 0:
             return 0
@@ -188,7 +220,7 @@ class DraftController:
         """One drafted step: `accepted` drafts taken, and whether the last accepted node had children (a rejection
         at depth accepted+1) or the tree simply ended there (no evidence about that depth)."""
         seen = min(accepted + (1 if offered_next else 0), self.max_depth)
-        acc, tries = self.acc[self.state], self.tries[self.state]
+        acc, tries = self._counts()
         for d in range(1, self.max_depth + 1):
             keep = self.decay if d <= seen else self.stale_decay
             acc[d] *= keep

@@ -14,7 +14,7 @@ gave 1.82x on transcript answering (docs/llm.md).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +95,11 @@ class AutoDrafter:
 
     def reset_estimates(self) -> None:
         # optimistic start for the copy (free, and long when it matches), modest for the others
-        self.gain = {name: 2.0 if i == 0 else 0.5 for i, name in enumerate(self.candidates)}
+        self.start_gain = {name: 2.0 if i == 0 else 0.5 for i, name in enumerate(self.candidates)}
+        self.gain = dict(self.start_gain)  # per candidate, over every kind of its drafts
+        # per candidate and kind of draft (`Draft.kind`: the copy's one-token matches are right far less often than
+        # its longer ones, and are then worth less than the tri-gram table's guess)
+        self.kind_gain: dict[tuple[str, int], float] = {}
         self.scored = dict.fromkeys(self.candidates, 0)
         self.chosen = dict.fromkeys(self.candidates, 0)
         self._waiting: dict[str, deque[_Proposal]] = {name: deque() for name in self.candidates}
@@ -121,6 +125,9 @@ class AutoDrafter:
                     break  # later proposals start later still: none of them is decided either
                 waiting.popleft()
                 self.gain[name] = self.decay * self.gain[name] + (1 - self.decay) * accepted
+                key = (name, prop.draft.kind)
+                self.kind_gain[key] = (self.decay * self.kind_gain.get(key, self.start_gain[name])
+                                       + (1 - self.decay) * accepted)
                 self.scored[name] += 1
 
     def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
@@ -135,8 +142,9 @@ class AutoDrafter:
             waiting.append(_Proposal(start, key, draft))
             if len(waiting) > OUTSTANDING:
                 waiting.popleft()
-            if best is None or self.gain[name] > best[0]:
-                best = (self.gain[name], name, draft)
+            gain = self.kind_gain.get((name, draft.kind), self.start_gain[name])
+            if best is None or gain > best[0]:
+                best = (gain, name, draft)
         if best is None:
             return EMPTY
         self.chosen[best[1]] += 1
@@ -160,21 +168,23 @@ def make_drafter(
     draft_fed: Sequence[int] = (),
     generator: torch.Generator | None = None,
     wide_trees: bool = True,
+    line_ends: Collection[int] = frozenset(),
 ) -> Drafter | None:
     """The drafter `cfg.drafter` names (None for "none"). draft-model needs `draft_target`: a session of
     `cfg.draft_model` holding `draft_fed` (the same prompt as the main target). `wide_trees`: whether the
-    target verifies a wide tree about as fast as one token (a GPU), which decides `auto`'s fallback."""
+    target verifies a wide tree about as fast as one token (a GPU), which decides `auto`'s fallback. `line_ends`: the
+    tokens that end a line, where the copy stops (`NgramDrafter`; `tokenizer.line_end_ids`)."""
     kind = cfg.drafter
     if kind == "none":
         return None
     if kind == "ngram":
-        return NgramDrafter()
+        return NgramDrafter(line_ends=line_ends)
     if kind == "recycling":
         return TokenRecyclingDrafter(vocab_size)
     if kind == "trigram":
         return TrigramDrafter()
     if kind == "auto":
-        return AutoDrafter(vocab_size, wide_trees=wide_trees)
+        return AutoDrafter(vocab_size, NgramDrafter(line_ends=line_ends), wide_trees=wide_trees)
     if kind in ("draft-model", "dyspec", "swift"):
         if draft_target is None:
             raise ConfigError(f"lm.drafter = {kind} needs a draft session: lm.draft_model (a smaller model, same "

@@ -20,7 +20,7 @@ import torch
 
 from runtime.config import LMConfig
 from runtime.models.lm.backend import AnswerStep, AnswerText, DecodingStats, JsonSchema, LMStream, token_limit
-from runtime.models.lm.draft_depth import StepCosts
+from runtime.models.lm.draft_depth import Acceptance, StepCosts
 from runtime.models.lm.drafter_choice import make_drafter
 from runtime.models.lm.drafters import MODEL_DRAFTERS, Drafter
 from runtime.models.lm.engine import LMEngine
@@ -32,6 +32,7 @@ from runtime.models.lm.prompt import Tools
 from runtime.models.lm.refusal_check import RefusalCheck
 from runtime.models.lm.sampling import Sampler, StopRule, argmax_rows
 from runtime.models.lm.speculative import SpeculativeDecoder, Tree
+from runtime.models.lm.tokenizer import line_end_ids
 from runtime.models.lm.tool_calls import (
     ToolCallConstraint,
     ToolFormat,
@@ -50,8 +51,10 @@ class StreamLM:
     session: EngineSession
     drafter: Drafter | None
     draft_session: EngineSession | None = None
-    # its answers' measured step costs (the depth's price): the answerer's, which every stream of it shares
+    # its answers' measured step costs (the depth's price) and drafts' acceptance: the answerer's, which every stream
+    # of it shares
     costs: StepCosts = field(default_factory=StepCosts)
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     def set_context(self, text: str, suffix: Sequence[Piece] | None = None) -> None:
         """The transcript and (when given) the video-memory suffix; the draft model, whose embeddings are not
@@ -156,6 +159,9 @@ class EngineAnswerer:
         # what steps cost on this machine with this model and drafter, measured by every answer of every stream, so
         # that a new conversation's first answer does not start unpriced (draft_depth.StepCosts)
         self.costs = StepCosts()
+        self.acceptance = Acceptance()  # how often each kind of draft was accepted (draft_depth.Acceptance)
+        # where a copy drafter stops: at the end of the line it copies (drafters.NgramDrafter)
+        self.line_ends = line_end_ids(self.tokenizer) if self.cfg.drafter in ("ngram", "auto") else frozenset()
         self._call_starts: torch.Tensor | None = None  # the tokens that start a call (`tool_calls.call_starts`)
         # an answer that would open with `lm.not_known_reply` asks the model whether the context answers it first
         self.refusal_check = (RefusalCheck.build(self.tokenizer, self.cfg.not_known_reply, self.cfg.not_known_check)
@@ -208,8 +214,9 @@ class EngineAnswerer:
         draft_session = self.draft_engine.open_session() if self.draft_engine is not None else None
         drafter = None if self.cfg.drafter in MODEL_DRAFTERS else make_drafter(
             self.cfg, vocab_size=self.engine.model.args.vocab_size,
-            wide_trees=self.engine.model.device.type != "cpu")
-        return StreamLM(self.engine.open_session(), drafter, draft_session, costs=self.costs)
+            wide_trees=self.engine.model.device.type != "cpu", line_ends=self.line_ends)
+        return StreamLM(self.engine.open_session(), drafter, draft_session, costs=self.costs,
+                        acceptance=self.acceptance)
 
     def _pool(self, stream: StreamLM) -> None:
         if len(self._idle) < self.max_idle_streams:
@@ -268,7 +275,8 @@ class EngineAnswerer:
                                    draft_fed=lm.draft_session.answer_ids(), generator=generator)
         decoder = SpeculativeDecoder(lm.session, drafter, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                      max_draft_tokens=self.cfg.max_draft_tokens, generator=generator,
-                                     stop_ids=self.eos_ids, constraint=constraint, costs=lm.costs)
+                                     stop_ids=self.eos_ids, constraint=constraint, costs=lm.costs,
+                                     acceptance=lm.acceptance)
         first_logits = lm.session.next_logits()
         if self.refusal_check is not None and constraint is None and schema is None:
             first_logits = self.refusal_check.first_logits(lm.session, question, after)

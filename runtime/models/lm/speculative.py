@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from runtime.models.lm.draft_depth import DraftController, StepCosts
+from runtime.models.lm.draft_depth import Acceptance, DraftController, StepCosts
 from runtime.models.lm.drafters import Drafter
 from runtime.models.lm.json_constraint import JsonConstraint
 from runtime.models.lm.sampling import Sampler, argmax_rows, draw, greedy_token
@@ -96,6 +96,7 @@ class SpeculativeDecoder:
         cost_model: Callable[[int], float] | None = None,
         constraint: JsonConstraint | None = None,
         costs: StepCosts | None = None,
+        acceptance: Acceptance | None = None,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.temperature, self.top_p = temperature, top_p
@@ -104,7 +105,8 @@ class SpeculativeDecoder:
         self.generator, self.adapt = generator, adapt
         self.stop_ids = frozenset(stop_ids)
         self.constraint = constraint
-        self.controller = DraftController(max(1, self.max_draft_tokens), cost_model, costs=costs)
+        self.controller = DraftController(max(1, self.max_draft_tokens), cost_model, costs=costs,
+                                          acceptance=acceptance)
         self.stats = SpecStats()
         self.context: list[int] = []  # prompt/context ids + emitted tokens, without the pending one
         self.pending: int | None = None
@@ -143,27 +145,28 @@ class SpeculativeDecoder:
             limit = min(limit, max_tokens - 1)
         return max(0, limit)
 
-    def _cut(self, tokens: list[int], parents: list[int], qs: list[torch.Tensor | None],
+    def _cut(self, tokens: list[int], parents: list[int], qs: list[torch.Tensor | None], kind: int,
              ) -> tuple[int, list[int], list[int], list[torch.Tensor | None]]:
         """The tree cut to the depth `DraftController.choose_cut` picks for it (node 0, the root, always kept)."""
         depth = [0]
         for par in parents[1:]:
             depth.append(depth[par] + 1)
         nodes_within = [sum(1 for d in depth[1:] if d <= k) for k in range(max(depth) + 1)]
-        k = self.controller.choose_cut(nodes_within)
+        k = self.controller.choose_cut(nodes_within, kind)
         if nodes_within[k] == len(tokens) - 1:
             return k, tokens, parents, qs
         keep = [i for i, d in enumerate(depth) if d <= k]  # parents come first, so every kept node's parent is kept
         new = {old: i for i, old in enumerate(keep)}
         return k, [tokens[i] for i in keep], [-1] + [new[parents[i]] for i in keep[1:]], [qs[i] for i in keep]
 
-    def _draft(self, k: int) -> tuple[list[int], list[int], list[torch.Tensor | None]]:
+    def _draft(self, k: int) -> tuple[list[int], list[int], list[torch.Tensor | None], int]:
         """The tree to score: node 0 = pending (parent -1), draft node i -> node i+1 with parent p+1. Nodes deeper
-        than k, or under a dropped node, are dropped (drafters should honour the budget; this enforces it)."""
+        than k, or under a dropped node, are dropped (drafters should honour the budget; this enforces it). Also
+        returns the draft's kind (`Draft.kind`)."""
         assert self.pending is not None
         tokens, parents, qs = [self.pending], [-1], [None]
         if k == 0 or self.drafter is None:
-            return tokens, parents, qs
+            return tokens, parents, qs, 0
         draft = self.drafter.propose(self.context, self.pending, k)
         dq = draft.q if draft.q is not None else [None] * len(draft.tokens)
         if not (len(draft.tokens) == len(draft.parents) == len(dq)):
@@ -189,7 +192,7 @@ class SpeculativeDecoder:
                 tokens = [tokens[i] for i in keep]
                 parents = [-1] + [new[parents[i]] for i in keep[1:]]
                 qs = [qs[i] for i in keep]
-        return tokens, parents, qs
+        return tokens, parents, qs, draft.kind
 
     def _accept(self, p: torch.Tensor, tokens: list[int], kids: list[int], qs: list) -> int | None:
         """Recursive rejection sampling over one node's children; returns the accepted child or None (then the
@@ -247,9 +250,9 @@ class SpeculativeDecoder:
         cut = self.adapt and getattr(self.drafter, "free", False)  # propose at the limit, then cut (`choose_cut`)
         k = limit if cut or not self.adapt or limit <= 0 else self.controller.choose(limit)
         t0 = time.perf_counter()
-        tokens, parents, qs = self._draft(k)
+        tokens, parents, qs, kind = self._draft(k)
         if cut and k > 0:
-            k, tokens, parents, qs = self._cut(tokens, parents, qs)
+            k, tokens, parents, qs = self._cut(tokens, parents, qs, kind)
         return Tree(k, tokens, parents, qs, time.perf_counter() - t0)
 
     @torch.inference_mode()
