@@ -34,11 +34,13 @@ MODEL_ROWS = ("draft-model", "dyspec")  # rows of a second model, with `draft_mo
 # (one answer each, a second or two apart, the order rotated every prompt and reversed every other round, so that
 # a drift of the machine's speed weighs on all alike), and count each prompt's fastest answer: on a shared 2-core
 # machine one answer varies by 10-15 %, as much as the differences between them. The other rows, far slower, and
-# open chat answer once, and `--quick` runs every row once (its 12-token answers decide nothing).
+# open chat answer once, and `--quick` runs every row once (its 12-token answers decide nothing). Six rounds: each
+# half of `held_out` then counts the fastest of three answers a prompt (of two, with four rounds, the two halves of
+# one run differed by up to 12 % once the copy and `auto` drafted alike; the six cost about 25 s more than four).
 REPEATED = ("none", "ngram", "trigram", "auto")
 REPEATED_TASKS = ("transcript_qa", "summarise")
 AUTO_CANDIDATES = ("ngram", "trigram")  # what `auto` chooses among on a CPU (`drafter_choice.AutoDrafter`)
-ROUNDS = 4
+ROUNDS = 6
 MEETING = ("[00:03] Ana: Welcome back. Our first customer in Oslo signed the contract on Monday.\n"
            "[00:11] Ben: The contract is worth 120,000 dollars over two years, paid every quarter.\n"
            "[00:19] Ana: Kofi will lead the rollout, starting with the warehouse team on March 4th.\n"
@@ -57,7 +59,8 @@ TASKS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-Answer = tuple[list[int], float, int, int]  # the output's first n tokens, seconds, target forwards, tokens
+# the output's first n tokens, seconds, target forwards, tokens, rows scored (each forward's tree, root included)
+Answer = tuple[list[int], float, int, int, int]
 
 
 def _answer(answerer: EngineAnswerer, context: str, question: str, n: int) -> Answer:
@@ -69,7 +72,7 @@ def _answer(answerer: EngineAnswerer, context: str, question: str, n: int) -> An
         pass
     seconds = time.perf_counter() - t
     stats = state.decoder.stats
-    return list(state.generated)[:n], seconds, stats.steps, stats.emitted
+    return list(state.generated)[:n], seconds, stats.steps, stats.emitted, stats.steps + stats.drafted
 
 
 def _turns(rows: list[str], round_: int, prompt: int, prompts: int) -> list[str]:
@@ -133,8 +136,11 @@ def spec_table(ref: str, weights: str, *, quick: bool, status: Callable[[str], N
         rows: dict[str, Any] = {d: {"skipped": why} for d, why in skip.items()}
         for drafter in drafters:
             fastest = [min(answers, key=lambda a: a[1]) for answers in runs[drafter]]
-            seconds, steps, emitted = (sum(a[i] for a in fastest) for i in (1, 2, 3))
+            seconds, steps, emitted, scored = (sum(a[i] for a in fastest) for i in (1, 2, 3, 4))
+            # rows a forward: on a CPU each further row costs its arithmetic (about a seventh of a 1.5B step at 2
+            # threads), so two drafters of one tokens_per_step may differ in speed by the rows they scored for it
             rows[drafter] = {"tokens_per_step": round(emitted / max(1, steps), 3), "tokens": emitted,
+                             "rows_per_step": round(scored / max(1, steps), 3),
                              "seconds": round(seconds, 3), "speedup": round(base_s / seconds, 3),
                              "identical": all(a[0] == plain[p] for p, answers in enumerate(runs[drafter])
                                               for a in answers),
