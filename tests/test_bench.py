@@ -188,7 +188,8 @@ def test_spec_table_repeats_the_rows_auto_is_judged_by_and_keeps_their_fastest()
             assert row["identical"], (task, drafter)
             want = ROUNDS if task in REPEATED_TASKS and drafter in REPEATED else 1
             assert row["rounds"] == want, (task, drafter)
-        assert rows["none"]["speedup"] == 1.0
+            assert row["rows_per_step"] >= row["tokens_per_step"] >= 1, (task, drafter)  # a token is a row's
+        assert rows["none"]["speedup"] == 1.0 and rows["none"]["rows_per_step"] == 1.0
     assert any(f"(round {ROUNDS} of {ROUNDS})" in s for s in statuses)
     held = table["auto_vs_best_held_out"]
     assert set(held) == set(REPEATED_TASKS)
