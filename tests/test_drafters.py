@@ -405,22 +405,6 @@ def test_auto_judges_each_kind_of_a_candidates_drafts_apart():
     assert auto.kind_gain["copy", 1] < 0.5 < 2.5 < auto.kind_gain["copy", 2]
 
 
-def test_autos_judgement_is_shared_by_an_answerers_streams():
-    """A new stream's `auto` starts from what the answerer's earlier streams learnt of each kind (`kind_gain`): its
-    first step takes the table's guess over a one-token copy; without it, the optimistic start takes the copy's."""
-    shared: dict[tuple[str, int], float] = {}
-    first = AutoDrafter(200, candidates={"copy": Kinds(), "table": Scripted(right=True, right_for=1)},
-                        kind_gain=shared)
-    for i in range(1, 60):
-        first.propose(ANSWER[:i], ANSWER[i], 3)
-    assert shared["copy", 1] < 0.5
-    i = 1  # the copy offers its weaker kind here (`Kinds`: at = 2)
-    fresh = {"copy": Kinds(), "table": Scripted(right=True, right_for=1)}
-    assert AutoDrafter(200, candidates=fresh, kind_gain=shared).propose(ANSWER[:i], ANSWER[i], 3).kind == 0
-    fresh = {"copy": Kinds(), "table": Scripted(right=True, right_for=1)}
-    assert AutoDrafter(200, candidates=fresh).propose(ANSWER[:i], ANSWER[i], 3).kind == 1
-
-
 def test_a_proposal_is_scored_by_the_levels_the_decoded_tokens_follow():
     tree = Draft([5, 6, 7, 8], [-1, 0, 0, 2])  # 5, then 6 or 7, and 8 below 7
     assert matched_path(tree, [5, 7, 8, 1]) == (3, True)  # down to the leaf

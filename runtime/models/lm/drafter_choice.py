@@ -77,19 +77,13 @@ class AutoDrafter:
     """`auto`: the n-gram copy, the tri-gram table and (where wide trees are cheap to verify: `wide_trees`, a
     GPU) Token Recycling. At each step every candidate proposes; each proposal is later scored by how many of its
     levels the decoded answer followed (`matched_path`), and `auto` returns the proposal of the candidate with the
-    highest expected accepted tokens per proposal (an exponential average, per candidate and kind of draft, over its
-    scored proposals), ties to the earlier candidate. A candidate with nothing to propose is skipped; when none
-    proposes, the step is plain. Every candidate also learns from every verified tree (`observe`)."""
+    highest expected accepted tokens per proposal (an exponential average, per candidate, over its scored
+    proposals), ties to the earlier candidate. A candidate with nothing to propose is skipped; when none proposes,
+    the step is plain. Every candidate also learns from every verified tree (`observe`)."""
 
     def __init__(self, vocab_size: int, ngram: NgramDrafter | None = None, wide_trees: bool = True,
-                 decay: float = 0.9, candidates: dict[str, Drafter] | None = None,
-                 kind_gain: dict[tuple[str, int], float] | None = None) -> None:
-        """`candidates`: the drafters to choose among, in tie-breaking order (default: see the class doc).
-        `kind_gain`: the expected accepted tokens of each candidate's kind of draft, to start from and add to: an
-        answerer's, shared by its streams (`EngineAnswerer.kind_gain`), as the depth controller's acceptance is. Why:
-        a transcript answer is too short to learn from the optimistic start that a one-token copy is worth less than
-        the tri-gram table's guess; the table's own contents stay the stream's."""
-        self._shared_gain = kind_gain
+                 decay: float = 0.9, candidates: dict[str, Drafter] | None = None) -> None:
+        """`candidates`: the drafters to choose among, in tie-breaking order (default: see the class doc)."""
         if candidates is None:
             candidates = {"ngram": ngram or NgramDrafter(), "trigram": TrigramDrafter()}
             if wide_trees:
@@ -105,7 +99,7 @@ class AutoDrafter:
         self.gain = dict(self.start_gain)  # per candidate, over every kind of its drafts
         # per candidate and kind of draft (`Draft.kind`: the copy's one-token matches are right far less often than
         # its longer ones, and are then worth less than the tri-gram table's guess)
-        self.kind_gain: dict[tuple[str, int], float] = self._shared_gain if self._shared_gain is not None else {}
+        self.kind_gain: dict[tuple[str, int], float] = {}
         self.scored = dict.fromkeys(self.candidates, 0)
         self.chosen = dict.fromkeys(self.candidates, 0)
         self._waiting: dict[str, deque[_Proposal]] = {name: deque() for name in self.candidates}
@@ -175,13 +169,11 @@ def make_drafter(
     generator: torch.Generator | None = None,
     wide_trees: bool = True,
     line_ends: Collection[int] = frozenset(),
-    kind_gain: dict[tuple[str, int], float] | None = None,
 ) -> Drafter | None:
     """The drafter `cfg.drafter` names (None for "none"). draft-model needs `draft_target`: a session of
     `cfg.draft_model` holding `draft_fed` (the same prompt as the main target). `wide_trees`: whether the
     target verifies a wide tree about as fast as one token (a GPU), which decides `auto`'s fallback. `line_ends`: the
-    tokens that end a line, where the copy stops (`NgramDrafter`; `tokenizer.line_end_ids`). `kind_gain`: `auto`'s
-    judgement of its candidates' kinds of draft, shared by the streams of one answerer (`AutoDrafter`)."""
+    tokens that end a line, where the copy stops (`NgramDrafter`; `tokenizer.line_end_ids`)."""
     kind = cfg.drafter
     if kind == "none":
         return None
@@ -192,7 +184,7 @@ def make_drafter(
     if kind == "trigram":
         return TrigramDrafter()
     if kind == "auto":
-        return AutoDrafter(vocab_size, NgramDrafter(line_ends=line_ends), wide_trees=wide_trees, kind_gain=kind_gain)
+        return AutoDrafter(vocab_size, NgramDrafter(line_ends=line_ends), wide_trees=wide_trees)
     if kind in ("draft-model", "dyspec", "swift"):
         if draft_target is None:
             raise ConfigError(f"lm.drafter = {kind} needs a draft session: lm.draft_model (a smaller model, same "

@@ -160,7 +160,6 @@ class EngineAnswerer:
         # that a new conversation's first answer does not start unpriced (draft_depth.StepCosts)
         self.costs = StepCosts()
         self.acceptance = Acceptance()  # how often each kind of draft was accepted (draft_depth.Acceptance)
-        self.kind_gain: dict[tuple[str, int], float] = {}  # `auto`'s judgement of its candidates' drafts (AutoDrafter)
         # where a copy drafter stops: at the end of the line it copies (drafters.NgramDrafter)
         self.line_ends = line_end_ids(self.tokenizer) if self.cfg.drafter in ("ngram", "auto") else frozenset()
         self._call_starts: torch.Tensor | None = None  # the tokens that start a call (`tool_calls.call_starts`)
@@ -215,7 +214,7 @@ class EngineAnswerer:
         draft_session = self.draft_engine.open_session() if self.draft_engine is not None else None
         drafter = None if self.cfg.drafter in MODEL_DRAFTERS else make_drafter(
             self.cfg, vocab_size=self.engine.model.args.vocab_size,
-            wide_trees=self.engine.model.device.type != "cpu", line_ends=self.line_ends, kind_gain=self.kind_gain)
+            wide_trees=self.engine.model.device.type != "cpu", line_ends=self.line_ends)
         return StreamLM(self.engine.open_session(), drafter, draft_session, costs=self.costs,
                         acceptance=self.acceptance)
 
