@@ -372,7 +372,13 @@ async def test_page_plays_the_spoken_answer_and_cancel_silences_it(tmp_path):
             await page.press("#question", "Enter")
             await wait_for(page, "window.speakingLog.filter(([, s]) => s === 'speaking').length === 2", deadline,
                            "the second answer's sound did not start", problems)
-            await asyncio.sleep(1.5)
+            # Cancel once the page is heard playing it: the sound trails the event by the jitter buffer's lag, which
+            # beside CI's other tests passed 1.5 s once (CI, 2026-12-03: a Cancel 1.5 s after .started found the
+            # track still silent); the long answer plays about 9 s, so it is still playing then
+            await wait_for(page, "(() => { const s = window.speakingLog.filter(([, x]) => x === 'speaking')[1][0]; "
+                           f"return window.levels.some(([t, rms]) => t >= s && rms > {LOUD}); }})()", deadline,
+                           "the second answer was never heard", problems)
+            await asyncio.sleep(0.3)  # heard for a while, well inside the second before the clear (asserted below)
             await page.click("#cancel")
             await wait_for(page, "window.speakingLog.some(([, s]) => s === 'interrupted')", deadline,
                            "Cancel did not clear the sound", problems)
