@@ -380,6 +380,49 @@ def test_auto_uses_the_next_best_when_the_best_has_nothing_and_forgets_other_con
                                          for name in auto.candidates)
 
 
+class Taught(Scripted):
+    """A Scripted candidate that counts the trees it is taught (`observe`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.taught = 0
+
+    def observe(self, tokens, parents, logits):
+        self.taught += 1
+
+
+def test_auto_asks_only_the_copy_while_it_earns_and_wakes_the_others_when_it_stops():
+    """`wake_below` (a CPU's `auto`): the other candidates cost every step and never win while the copy earns, so
+    they are neither asked nor taught until the copy earns less than a token a step (proposing nothing counts 0)."""
+    copy, table = Scripted(right=True, quiet_after=30), Taught(right=True, right_for=1)
+    auto = AutoDrafter(200, candidates={"copy": copy, "table": table}, wake_below=1.0)
+    logits = torch.zeros(1, 200)
+    for i in range(1, 31):
+        assert auto.propose(ANSWER[:i], ANSWER[i], 3).tokens == ANSWER[i + 1 : i + 4]
+        auto.observe([ANSWER[i]], [-1], logits)
+    assert table.asked == table.taught == 0 and auto.asked == ["copy"] and auto.lead_rate > 2.0
+    woke = next(i for i in range(31, 60) if auto.propose(ANSWER[:i], ANSWER[i], 3).tokens)  # the copy is quiet now
+    assert 31 < woke < 50 and auto.asked == ["copy", "table"]  # after some steps of nothing, not at the first
+    auto.observe([ANSWER[woke]], [-1], logits)
+    assert table.asked == 1 and table.taught == 1 and auto.chosen["table"] == 1
+
+
+def test_auto_with_a_copy_that_never_earns_wakes_the_others_and_takes_the_better():
+    wrong, right = Scripted(right=False), Scripted(right=True)
+    auto = AutoDrafter(200, candidates={"wrong": wrong, "right": right}, wake_below=1.0)
+    picks = ["right" if auto.propose(ANSWER[:i], ANSWER[i], 3).tokens == ANSWER[i + 1 : i + 4] else "wrong"
+             for i in range(1, 40)]
+    assert picks[0] == "wrong" and picks[-10:] == ["right"] * 10 and right.asked < wrong.asked
+
+
+def test_make_drafter_wakes_autos_others_on_demand_on_a_cpu_only():
+    cpu = make_drafter(LMConfig(drafter="auto"), vocab_size=10, wide_trees=False)
+    gpu = make_drafter(LMConfig(drafter="auto"), vocab_size=10, wide_trees=True)
+    assert isinstance(cpu, AutoDrafter) and isinstance(gpu, AutoDrafter)
+    assert cpu.asked == ["ngram"] and cpu.wake_below == 1.0
+    assert gpu.asked == ["ngram", "trigram", "recycling"] and gpu.wake_below is None
+
+
 class Kinds:
     """A copy whose drafts of kind 2 are right and of kind 1 wrong, alternating step by step."""
 

@@ -35,6 +35,9 @@ from runtime.models.lm.dynamic_tree import DynamicTreeDrafter
 from runtime.models.lm.target import Target
 
 OUTSTANDING = 64  # proposals per candidate waiting for the decoded tokens that score them (bounded)
+# on a CPU, the copy alone until it earns less than a token a step (`AutoDrafter`'s `wake_below`): a transcript
+# answer's copy earned 2-3 a step after its first words, open chat's almost none
+WAKE_BELOW = 1.0
 KEY = 4  # tokens before a proposal's first position that must still be there when it is scored
 
 
@@ -79,10 +82,19 @@ class AutoDrafter:
     levels the decoded answer followed (`matched_path`), and `auto` returns the proposal of the candidate with the
     highest expected accepted tokens per proposal (an exponential average, per candidate, over its scored
     proposals), ties to the earlier candidate. A candidate with nothing to propose is skipped; when none proposes,
-    the step is plain. Every candidate also learns from every verified tree (`observe`)."""
+    the step is plain. Every candidate asked also learns from every verified tree (`observe`).
+
+    `wake_below`: when given, the first candidate (the copy) is asked alone until the tokens its proposals earn a
+    step (an exponential average, a step it proposes nothing counting 0) fall below it; then every candidate is
+    asked from that step on. Why, on a CPU: the others cost at every step (the tri-gram table's learning, the top-k
+    of every scored row: 0.44 ms of a 45-65 ms step of the 1.5B at 2 threads) and, while the copy earns, never win:
+    over the bench's transcript and summarising answers `auto` proposed the copy's draft at every step, so it was
+    the copy with 1 % more work a step (docs/llm.md). None: every candidate is asked from the start (a GPU, where
+    Token Recycling's wide trees may beat a copy that earns)."""
 
     def __init__(self, vocab_size: int, ngram: NgramDrafter | None = None, wide_trees: bool = True,
-                 decay: float = 0.9, candidates: dict[str, Drafter] | None = None) -> None:
+                 decay: float = 0.9, candidates: dict[str, Drafter] | None = None,
+                 wake_below: float | None = None) -> None:
         """`candidates`: the drafters to choose among, in tie-breaking order (default: see the class doc)."""
         if candidates is None:
             candidates = {"ngram": ngram or NgramDrafter(), "trigram": TrigramDrafter()}
@@ -90,7 +102,8 @@ class AutoDrafter:
                 candidates["recycling"] = TokenRecyclingDrafter(vocab_size)
         self.candidates = candidates
         self.free = all(getattr(c, "free", False) for c in candidates.values())  # see `Drafter.free`
-        self.decay = decay
+        self.decay, self.wake_below = decay, wake_below
+        self.lead = next(iter(candidates))
         self.reset_estimates()
 
     def reset_estimates(self) -> None:
@@ -103,6 +116,14 @@ class AutoDrafter:
         self.scored = dict.fromkeys(self.candidates, 0)
         self.chosen = dict.fromkeys(self.candidates, 0)
         self._waiting: dict[str, deque[_Proposal]] = {name: deque() for name in self.candidates}
+        # the candidates asked (`wake_below`), and what the first one earns a step
+        self.asked = list(self.candidates) if self.wake_below is None else [self.lead]
+        self.lead_rate = self.start_gain[self.lead]
+
+    def _lead_earned(self, tokens: int) -> None:
+        self.lead_rate = self.decay * self.lead_rate + (1 - self.decay) * tokens
+        if self.wake_below is not None and self.lead_rate < self.wake_below and len(self.asked) < len(self.candidates):
+            self.asked = list(self.candidates)
 
     def _score(self, context: Sequence[int], pending: int) -> None:
         """Score the waiting proposals that the decoded tokens now decide; drop those of another context. Only the
@@ -129,14 +150,18 @@ class AutoDrafter:
                 self.kind_gain[key] = (self.decay * self.kind_gain.get(key, self.start_gain[name])
                                        + (1 - self.decay) * accepted)
                 self.scored[name] += 1
+                if name == self.lead:
+                    self._lead_earned(accepted)
 
     def propose(self, context: Sequence[int], pending: int, budget: int) -> Draft:
         self._score(context, pending)
         start, key = len(context) + 1, (*context[-(KEY - 1):], pending)
         best: tuple[float, str, Draft] | None = None
-        for name, drafter in self.candidates.items():  # every candidate keeps up with the context
-            draft = drafter.propose(context, pending, budget)
+        for name in self.asked:  # every candidate asked keeps up with the context
+            draft = self.candidates[name].propose(context, pending, budget)
             if not draft.tokens:
+                if name == self.lead and budget > 0:
+                    self._lead_earned(0)
                 continue
             waiting = self._waiting[name]
             waiting.append(_Proposal(start, key, draft))
@@ -151,8 +176,8 @@ class AutoDrafter:
         return best[2]
 
     def observe(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> None:
-        for drafter in self.candidates.values():
-            drafter.observe(tokens, parents, logits)
+        for name in self.asked:
+            self.candidates[name].observe(tokens, parents, logits)
 
     def reset(self) -> None:
         for drafter in self.candidates.values():
@@ -184,7 +209,8 @@ def make_drafter(
     if kind == "trigram":
         return TrigramDrafter()
     if kind == "auto":
-        return AutoDrafter(vocab_size, NgramDrafter(line_ends=line_ends), wide_trees=wide_trees)
+        return AutoDrafter(vocab_size, NgramDrafter(line_ends=line_ends), wide_trees=wide_trees,
+                           wake_below=None if wide_trees else WAKE_BELOW)
     if kind in ("draft-model", "dyspec", "swift"):
         if draft_target is None:
             raise ConfigError(f"lm.drafter = {kind} needs a draft session: lm.draft_model (a smaller model, same "
