@@ -3,12 +3,12 @@
 `auto` exists because no drafter wins everywhere (runtime bench llm --model ...: on answers that quote the
 transcript n-gram copies and tri-gram chains accept 2 tokens a step; in open chat nothing accepts much; Token
 Recycling's wide trees pay on a GPU and cost more than they save on 2 CPU cores). So it keeps the candidates
-that suit the device, asks each of them at every step, and proposes with the one whose proposals would have been
-accepted most. "Would have been": each candidate's proposal is scored against the tokens the answer went on to
-decode (the target's own choices), whichever candidate's tree was verified, so every estimate stays current without
-spending verification on the losers. An earlier `auto` scored only the proposal it verified: once the tri-gram
-table's always-available drafts ranked first they shadowed the copy, and `auto` fell to 1.38x where the copy alone
-gave 1.82x on transcript answering (docs/llm.md).
+that suit the device, asks each of them at every step (on a CPU, once the copy stops earning: `wake_below`), and
+proposes with the one whose proposals would have been accepted most. "Would have been": each candidate's proposal is
+scored against the tokens the answer went on to decode (the target's own choices), whichever candidate's tree was
+verified, so every estimate stays current without spending verification on the losers. An earlier `auto` scored
+only the proposal it verified: once the tri-gram table's always-available drafts ranked first they shadowed the copy,
+and `auto` fell to 1.38x where the copy alone gave 1.82x on transcript answering (docs/llm.md).
 """
 
 from __future__ import annotations
