@@ -362,7 +362,14 @@ async def test_page_plays_the_spoken_answer_and_cancel_silences_it(tmp_path):
             stretched_before = await page.evaluate(STRETCH)
             await wait_for(page, "window.speakingLog.some(([, s]) => s === '')", deadline, "the sound did not stop",
                            problems)
-            await asyncio.sleep(2.0)  # the silence after it, past the jitter buffer's lag (below)
+            # the silence after it, past the jitter buffer's lag (below): at least 2 s, and until the page has read
+            # 600 ms of silence after its last sound (beside CI's other tests, 2026-12-03, the sound still played 2 s
+            # after .stopped once, the audio thread starved); a sound that never ends fails here at the deadline
+            await asyncio.sleep(2.0)
+            await wait_for(page, f"(() => {{ const loud = window.levels.filter(([, rms]) => rms >= {QUIET}); "
+                           "const last = window.levels[window.levels.length - 1][0]; "
+                           "return loud.length > 0 && last - loud[loud.length - 1][0] >= 600; })()", deadline,
+                           "the first answer's sound did not end", problems)
             answer = await text_of(page, "#answer")
             first_log, levels = await page.evaluate("[window.speakingLog, window.levels]")
             stretch = await page.evaluate(STRETCH) - stretched_before
