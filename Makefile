@@ -63,7 +63,7 @@ demo: install
 # after the rest instead, with the machine to themselves (beside a worker of equal priority one in three timed out),
 # they added 3 to 4 minutes. Their report is printed after the rest's. Both read one cache of what the tests build
 # (tiny models, joined and packed weights, ONNX graphs, kernels), TEST_CACHE, kept between runs and clones: every
-# entry is keyed by what it was built from, so the first run on a machine builds them (4 to 12 minutes more) and
+# entry is keyed by what it was built from, so the first run on a machine builds them (about a minute more) and
 # later runs read them. CI passes a fresh one. Exit status 5 (ARGS selected no test of a phase) is no failure.
 TEST_WORKERS ?= 2
 TEST_CACHE   ?= $(HOME)/.cache/runtime-test
